@@ -122,7 +122,12 @@ def expected_shape(
     if opcode == "convert":
         return (None, shapes[0].dims)
     if opcode == "bitcast-convert":
-        return None if result.byte_size != shapes[0].byte_size else (None, _bitcast_dims(result, shapes[0]))
+        # Same element width keeps the dims; a wider or narrower type adds or drops the last dim.
+        from pyhlo.dtypes import byte_size
+
+        if byte_size(result.dtype) != byte_size(shapes[0].dtype):
+            return None
+        return (None, shapes[0].dims)
     if opcode == "broadcast":
         return _broadcast(result, shapes[0], attrs, operands)
     if opcode == "reshape":
@@ -176,10 +181,6 @@ def expected_shape(
     if opcode == "constant":
         return None
     return None
-
-
-def _bitcast_dims(result: ArrayShape, operand: ArrayShape) -> tuple[int, ...]:
-    return result.dims if result.dims == operand.dims else operand.dims
 
 
 def _broadcast(result: ArrayShape, x: ArrayShape, attrs: dict, operands: Sequence[Any]):

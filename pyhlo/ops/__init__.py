@@ -1,0 +1,1 @@
+"""The PyHLO op library: small functions over HloValues, one theme per module."""

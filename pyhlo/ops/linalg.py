@@ -1,0 +1,33 @@
+"""Matrix products."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from pyhlo.scribe import HloValue
+
+
+def dot_general(lhs: HloValue, rhs: HloValue, contracting: tuple[Sequence[int], Sequence[int]],
+                batch: tuple[Sequence[int], Sequence[int]] = ((), ()),
+                out_dtype: str | None = None) -> HloValue:
+    """XLA dot: output dims are batch dims, then lhs free dims, then rhs free dims.
+
+    `out_dtype` lets bf16 or f16 operands accumulate into an f32 result.
+    """
+    (lc, rc), (lb, rb) = contracting, batch
+    lhs_free = [d for i, d in enumerate(lhs.dims) if i not in lc and i not in lb]
+    rhs_free = [d for i, d in enumerate(rhs.dims) if i not in rc and i not in rb]
+    dims = [lhs.dims[i] for i in lb] + lhs_free + rhs_free
+    numbers = dict(lhs_contracting_dimensions=list(lc), rhs_contracting_dimensions=list(rc),
+                   lhs_batch_dimensions=list(lb), rhs_batch_dimensions=list(rb))
+    shape = getattr(lhs.scribe, out_dtype or lhs.dtype)[tuple(dims)]
+    return shape.Dot(lhs, rhs, dot_dimension_numbers=numbers)
+
+
+def matmul(x: HloValue, w: HloValue, out_dtype: str | None = None) -> HloValue:
+    """x[..., k] @ w[k, n] -> [..., n]."""
+    return dot_general(x, w, ([len(x.dims) - 1], [0]), out_dtype=out_dtype)
+
+
+def matmul_transposed(x: HloValue, w: HloValue, out_dtype: str | None = None) -> HloValue:
+    """x[..., k] @ w[n, k].T -> [..., n] (weights stored as [out, in], like torch Linear)."""
+    return dot_general(x, w, ([len(x.dims) - 1], [1]), out_dtype=out_dtype)
