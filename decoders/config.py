@@ -1,0 +1,118 @@
+"""Configuration: NeuronConfig (how programs are built) and GenerationConfig (sampling).
+
+Names follow transformers-neuronx so its users' code ports by changing an import.
+Every field is validated at construction; an option that is not built yet raises
+NotSupportedYet instead of being silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class NotSupportedYet(ValueError):
+    """A transformers-neuronx option pyhlo recognises but has not built yet."""
+
+
+AMP_TYPES = {"f32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
+             "f16": "f16", "float16": "f16"}
+
+
+def element_type_of_amp(amp: str) -> str:
+    """'f32' | 'bf16' | 'f16' (or torch names) -> element type name; anything else is an error."""
+    try:
+        return AMP_TYPES[amp]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown amp {amp!r}; use one of 'f32', 'bf16', 'f16'") from None
+
+
+def _not_yet(name: str, value: Any, hint: str = "") -> NotSupportedYet:
+    return NotSupportedYet(f"NeuronConfig.{name}={value!r} is not supported yet{hint}")
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling parameters used on the device (transformers-neuronx's GenerationConfig).
+
+    top_k=0 means no top-k filter; global_top_k bounds the candidates considered on
+    the device (None: the whole vocabulary when needed).
+    """
+
+    max_length: int | None = None
+    do_sample: bool = False
+    top_k: int = 50
+    top_p: float = 1.0
+    top_p_min_tokens: int = 1
+    temperature: float = 1.0
+    dynamic: bool = True
+    per_batch_line: bool = False
+    global_top_k: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"GenerationConfig.max_length must be >= 1, got {self.max_length}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"GenerationConfig.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"GenerationConfig.top_p must be in (0, 1], got {self.top_p}")
+        if not float(self.temperature) > 0.0:
+            raise ValueError(f"GenerationConfig.temperature must be > 0, got {self.temperature}")
+        if self.top_p_min_tokens != 1:
+            raise NotSupportedYet("GenerationConfig.top_p_min_tokens other than 1 is not supported yet")
+        if self.global_top_k is not None and self.global_top_k < 1:
+            raise ValueError(f"GenerationConfig.global_top_k must be >= 1, got {self.global_top_k}")
+
+
+@dataclass
+class NeuronConfig:
+    """How the programs are built. Defaults are what pyhlo builds today."""
+
+    fuse_qkv: bool = True
+    attention_layout: str = "BSH"
+    group_query_attention: str | None = None
+    quant: Any = None
+    on_device_generation: GenerationConfig | None = None
+    padding_side: str = "right"
+    output_all_logits: bool = False
+    continuous_batching: Any = None
+    cast_logits_dtype: str = "f32"
+    compilation_worker_count: int | None = None
+    whole_model_program: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fuse_qkv, bool):
+            raise ValueError(f"NeuronConfig.fuse_qkv must be a bool, got {self.fuse_qkv!r}")
+        if self.attention_layout != "BSH":
+            raise _not_yet("attention_layout", self.attention_layout, "; use 'BSH'")
+        if self.group_query_attention not in (None, "shard-over-heads", "replicated-heads"):
+            raise _not_yet("group_query_attention", self.group_query_attention,
+                           "; use None, 'shard-over-heads' or 'replicated-heads'")
+        if self.quant is not None:
+            raise _not_yet("quant", self.quant, "; weights run in the amp dtype")
+        if self.on_device_generation is not None and not isinstance(self.on_device_generation, GenerationConfig):
+            raise ValueError("NeuronConfig.on_device_generation must be a GenerationConfig or None")
+        if self.padding_side not in ("left", "right"):
+            raise ValueError(f"NeuronConfig.padding_side must be 'left' or 'right', got {self.padding_side!r}")
+        if self.output_all_logits:
+            raise _not_yet("output_all_logits", True)
+        if self.continuous_batching is not None:
+            raise _not_yet("continuous_batching", self.continuous_batching)
+        if self.cast_logits_dtype not in ("f32", "float32"):
+            raise _not_yet("cast_logits_dtype", self.cast_logits_dtype, "; logits are f32")
+        if self.compilation_worker_count is not None and self.compilation_worker_count < 1:
+            raise ValueError("NeuronConfig.compilation_worker_count must be >= 1")
+        if self.extra:
+            raise _not_yet("extra", self.extra)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> NeuronConfig:
+        data = dict(data)
+        if data.get("on_device_generation"):
+            data["on_device_generation"] = GenerationConfig(**data["on_device_generation"])
+        return cls(**data)

@@ -1,0 +1,239 @@
+"""The PyHLO programs of a decoder LLM, built from a family description.
+
+Each program declares its parameters as named specs (`ParamSpec`), so callers
+pass arguments by name and never keep a positional order by hand:
+
+- embed:   token ids -> hidden states
+- block:   one decoder layer (reused by every layer with that layer's weights);
+           writes the new keys/values into the KV cache in place (aliased) and
+           attends over the first `n_attend` cache slots
+
+Batch lines are left-padded: every line writes the same cache slot at each step
+(one in-place update for the whole batch), line i's real tokens start at slot
+`pad[i]`, and its rotary positions count from its first real token.
+- lm_head: final norm + vocabulary projection of one position per batch line
+- greedy / sample: the next token of every batch line, on the device
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from decoders.family import DecoderFamily, ModelDims
+from pyhlo import Scribe, compile_py_func
+from pyhlo.ops import elementwise as ew
+from pyhlo.ops import nn, sampling
+from pyhlo.ops.attention import attention
+from pyhlo.ops.linalg import matmul, matmul_transposed
+from pyhlo.ops.shape_ops import (
+    concatenate,
+    dynamic_slice,
+    dynamic_update_slice,
+    iota,
+    reshape,
+    slice_along,
+    transpose,
+)
+from pyhlo.schema import hlo_pb2
+from pyhlo.scribe import HloValue
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """One HLO module with its named parameters and outputs."""
+
+    name: str
+    module: hlo_pb2.HloModuleProto
+    params: tuple[ParamSpec, ...]
+    outputs: tuple[str, ...]
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+
+def _declare(scribe: Scribe, specs: list[ParamSpec]) -> dict[str, HloValue]:
+    return {
+        spec.name: getattr(scribe, spec.dtype)[spec.dims].Parameter(parameter_number=i, parameter_name=spec.name)
+        for i, spec in enumerate(specs)
+    }
+
+
+def _program(name: str, specs: list[ParamSpec], outputs: list[str], body) -> Program:
+    """Write a module whose entry takes `specs` and returns body(params) as named outputs."""
+
+    def entry(scribe: Scribe):
+        params = _declare(scribe, specs)
+        results = body(params)
+        return [results[o] for o in outputs]
+
+    entry.__name__ = name
+    return Program(name, compile_py_func(entry, name=name), tuple(specs), tuple(outputs))
+
+
+@dataclass(frozen=True)
+class GraphBuilder:
+    family: DecoderFamily
+    dims: ModelDims
+    batch_size: int
+    cache_len: int          # n_positions: every layer's cache holds this many positions
+    dtype: str              # amp element type of weights, activations and caches
+
+    # -- weight specs ------------------------------------------------------
+    def layer_weight_specs(self) -> list[ParamSpec]:
+        d, t = self.dims, self.dtype
+        return [
+            ParamSpec("input_norm", t, (d.hidden_size,)),
+            ParamSpec("qkv_weight", t, (d.hidden_size, d.q_size + 2 * d.kv_size)),
+            ParamSpec("o_weight", t, (d.q_size, d.hidden_size)),
+            ParamSpec("post_norm", t, (d.hidden_size,)),
+            ParamSpec("gate_up_weight", t, (d.hidden_size, 2 * d.intermediate_size)),
+            ParamSpec("down_weight", t, (d.intermediate_size, d.hidden_size)),
+        ]
+
+    def cache_spec(self, name: str) -> ParamSpec:
+        d = self.dims
+        return ParamSpec(name, self.dtype, (self.batch_size, d.n_kv_heads, self.cache_len, d.head_dim))
+
+    # -- programs -------------------------------------------------------------
+    def embed(self, n_tokens: int) -> Program:
+        d, b = self.dims, self.batch_size
+        specs = [ParamSpec("token_ids", "s32", (b, n_tokens)),
+                 ParamSpec("embed_weight", self.dtype, (d.vocab_size, d.hidden_size))]
+
+        def body(p):
+            table, ids = p["embed_weight"], p["token_ids"]
+            numbers = dict(offset_dims=[2], collapsed_slice_dims=[0], start_index_map=[0], index_vector_dim=2)
+            hidden = getattr(table.scribe, self.dtype)[b, n_tokens, d.hidden_size].Gather(
+                table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[1, d.hidden_size]
+            )
+            return {"hidden": hidden}
+
+        return _program(f"embed_n{n_tokens}", specs, ["hidden"], body)
+
+    def block(self, n_tokens: int, n_attend: int) -> Program:
+        """One decoder layer over `n_tokens` new tokens per line, attending to `n_attend` keys."""
+        d, b, t = self.dims, self.batch_size, self.dtype
+        specs = [ParamSpec("hidden", t, (b, n_tokens, d.hidden_size)),
+                 ParamSpec("positions", "s32", (b, n_tokens)),
+                 ParamSpec("slot", "s32", ()),
+                 ParamSpec("pad", "s32", (b,)),
+                 self.cache_spec("cache_k"), self.cache_spec("cache_v"),
+                 *self.layer_weight_specs()]
+
+        def body(p):
+            hidden, positions = p["hidden"], p["positions"]
+            x = nn.rms_norm(hidden, p["input_norm"], d.norm_eps)
+            qkv = matmul(x, p["qkv_weight"])
+            q = reshape(slice_along(qkv, 2, 0, d.q_size), (b, n_tokens, d.n_heads, d.head_dim))
+            k = reshape(slice_along(qkv, 2, d.q_size, d.q_size + d.kv_size),
+                        (b, n_tokens, d.n_kv_heads, d.head_dim))
+            v = reshape(slice_along(qkv, 2, d.q_size + d.kv_size, d.q_size + 2 * d.kv_size),
+                        (b, n_tokens, d.n_kv_heads, d.head_dim))
+            q, k = self._rotate(q, k, positions)
+            q = transpose(q, (0, 2, 1, 3))                      # [b, h, n, d]
+            k = transpose(k, (0, 2, 1, 3))                      # [b, kvh, n, d]
+            v = transpose(v, (0, 2, 1, 3))
+            cache_k = dynamic_update_slice(p["cache_k"], k, [0, 0, p["slot"], 0])
+            cache_v = dynamic_update_slice(p["cache_v"], v, [0, 0, p["slot"], 0])
+            keys = self._visible(cache_k, n_attend)
+            values = self._visible(cache_v, n_attend)
+            mask = self._mask(p["slot"], p["pad"], n_tokens, n_attend)
+            context = attention(q, keys, values, mask, d.attention_scale)   # [b, h, n, d]
+            context = reshape(transpose(context, (0, 2, 1, 3)), (b, n_tokens, d.q_size))
+            hidden = ew.add(hidden, matmul(context, p["o_weight"]))
+            x = nn.rms_norm(hidden, p["post_norm"], d.norm_eps)
+            gate_up = matmul(x, p["gate_up_weight"])
+            gate = slice_along(gate_up, 2, 0, d.intermediate_size)
+            up = slice_along(gate_up, 2, d.intermediate_size, 2 * d.intermediate_size)
+            mlp = matmul(ew.multiply(nn.silu(gate), up), p["down_weight"])
+            hidden = ew.add(hidden, mlp)
+            cache_k.set_alias_to(p["cache_k"], must=True)
+            cache_v.set_alias_to(p["cache_v"], must=True)
+            return {"hidden": hidden, "cache_k": cache_k, "cache_v": cache_v}
+
+        return _program(f"block_n{n_tokens}_s{n_attend}", specs, ["hidden", "cache_k", "cache_v"], body)
+
+    def lm_head(self, n_tokens: int) -> Program:
+        """Logits (f32) of position `last_index[i]` of each line i."""
+        d, b, t = self.dims, self.batch_size, self.dtype
+        specs = [ParamSpec("hidden", t, (b, n_tokens, d.hidden_size)),
+                 ParamSpec("last_index", "s32", (b,)),
+                 ParamSpec("final_norm", t, (d.hidden_size,)),
+                 ParamSpec("lm_head_weight", t, (d.vocab_size, d.hidden_size))]
+
+        def body(p):
+            hidden = p["hidden"]
+            if n_tokens == 1:
+                rows = reshape(hidden, (b, d.hidden_size))
+            else:
+                picked = []
+                for i in range(b):
+                    index = reshape(dynamic_slice(p["last_index"], [i], [1]), ())
+                    picked.append(dynamic_slice(hidden, [i, index, 0], [1, 1, d.hidden_size]))
+                rows = reshape(concatenate(picked, 0), (b, d.hidden_size))
+            x = nn.rms_norm(rows, p["final_norm"], d.norm_eps)
+            return {"logits": matmul_transposed(x, p["lm_head_weight"], out_dtype="f32")}
+
+        return _program(f"lm_head_n{n_tokens}", specs, ["logits"], body)
+
+    def greedy(self) -> Program:
+        b, v = self.batch_size, self.dims.vocab_size
+        specs = [ParamSpec("logits", "f32", (b, v))]
+
+        def body(p):
+            return {"tokens": reshape(sampling.greedy(p["logits"]), (b, 1))}
+
+        return _program("greedy", specs, ["tokens"], body)
+
+    def sampler(self, k_max: int) -> Program:
+        b, v = self.batch_size, self.dims.vocab_size
+        specs = [ParamSpec("logits", "f32", (b, v)), ParamSpec("top_k", "s32", (b,)),
+                 ParamSpec("top_p", "f32", (b,)), ParamSpec("temperature", "f32", (b,)),
+                 ParamSpec("rng_state", "u32", (2, 2))]
+
+        def body(p):
+            tokens, state = sampling.sample(p["logits"], p["top_k"], p["top_p"], p["temperature"],
+                                            p["rng_state"], k_max=k_max)
+            state.set_alias_to(p["rng_state"])
+            return {"tokens": reshape(tokens, (b, 1)), "rng_state": state}
+
+        return _program(f"sample_k{k_max}", specs, ["tokens", "rng_state"], body)
+
+    # -- pieces of the block -------------------------------------------------
+    def _rotate(self, q: HloValue, k: HloValue, positions: HloValue) -> tuple[HloValue, HloValue]:
+        d = self.dims
+        cos, sin = nn.rotary_cos_sin(positions, np.asarray(d.inv_freq, np.float32), self.family.rope_style)
+        b, n = positions.dims
+
+        def spread(table: HloValue, heads: int) -> HloValue:
+            shape = table.scribe.f32[b, n, heads, d.head_dim]
+            return shape.Broadcast(table, dimensions=[0, 1, 3])
+
+        q = nn.apply_rotary(q, spread(cos, d.n_heads), spread(sin, d.n_heads), self.family.rope_style)
+        k = nn.apply_rotary(k, spread(cos, d.n_kv_heads), spread(sin, d.n_kv_heads), self.family.rope_style)
+        return q, k
+
+    def _mask(self, slot: HloValue, pad: HloValue, n_tokens: int, n_attend: int) -> HloValue:
+        """Query j of line i sees key slots pad[i] <= k <= slot + j."""
+        b = self.batch_size
+        scribe = slot.scribe
+        query_slots = ew.add(iota(scribe, "s32", (b, n_tokens), 1), ew.broadcast_scalar(slot, (b, n_tokens)))
+        causal = nn.causal_mask(query_slots, n_attend)
+        key_slots = iota(scribe, "s32", (b, n_tokens, n_attend), 2)
+        first = scribe.s32[b, n_tokens, n_attend].Broadcast(pad, dimensions=[0])
+        real = ew.compare(key_slots, first, "GE")
+        return scribe.pred[b, n_tokens, n_attend].And(causal, real)
+
+    def _visible(self, cache: HloValue, n_attend: int) -> HloValue:
+        if n_attend == self.cache_len:
+            return cache
+        return slice_along(cache, 2, 0, n_attend)

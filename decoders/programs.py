@@ -1,0 +1,124 @@
+"""The compiled programs of one model: built from the graph, compiled through the cache.
+
+Buckets compile in parallel with a progress bar; programs needed only by rare
+inputs (long-prompt chunks, sampler variants) compile on first use.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pathlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from decoders.graph import GraphBuilder, Program
+
+log = logging.getLogger("pyhlo")
+
+
+@dataclass
+class CompiledProgram:
+    program: Program
+    executable: Any
+    seconds: float
+    from_cache: bool
+
+    def arguments(self, values: dict[str, Any]) -> list[Any]:
+        """Arguments in parameter order, from a name -> buffer mapping."""
+        return [values[name] for name in self.program.param_names]
+
+    def run(self, args: list[Any]) -> list[Any]:
+        return self.executable.run(args)
+
+
+def _module_hash(program: Program) -> str:
+    return hashlib.sha256(program.module.SerializeToString()).hexdigest()
+
+
+class ProgramSet:
+    def __init__(self, graph: GraphBuilder, backend: Any = None, workers: int | None = None):
+        self.graph = graph
+        self._backend = backend
+        self.workers = workers or 2
+        self.compiled: dict[tuple[str, tuple], CompiledProgram] = {}
+        self.saved: dict[str, tuple[str, pathlib.Path]] = {}
+        self.cache_hits = 0
+        self.compiler_calls = 0
+        self._cache = None
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            from runtime.backend import get_backend
+
+            self._backend = get_backend()
+        return self._backend
+
+    @property
+    def cache(self):
+        if self._cache is None:
+            from runtime.compile_cache import CompileCache
+
+            self._cache = CompileCache()
+        return self._cache
+
+    def build(self, kind: str, args: tuple) -> Program:
+        return getattr(self.graph, kind)(*args)
+
+    def _compile(self, program: Program) -> CompiledProgram:
+        started = time.perf_counter()
+        module_bytes = program.module.SerializeToString()
+        saved = self.saved.get(program.name)
+        if saved is not None and saved[0] == _module_hash(program):
+            executable = self.backend.deserialize(saved[1].read_bytes(), module_bytes)
+            return CompiledProgram(program, executable, time.perf_counter() - started, True)
+        executable, hit = self.cache.get_or_compile(self.backend, module_bytes)
+        return CompiledProgram(program, executable, time.perf_counter() - started, hit)
+
+    def _record(self, key: tuple[str, tuple], compiled: CompiledProgram) -> None:
+        self.compiled[key] = compiled
+        if compiled.from_cache:
+            self.cache_hits += 1
+        else:
+            self.compiler_calls += 1
+
+    def get(self, kind: str, args: tuple) -> CompiledProgram:
+        key = (kind, tuple(args))
+        if key not in self.compiled:
+            program = self.build(kind, key[1])
+            log.info("compiling %s on first use", program.name)
+            self._record(key, self._compile(program))
+        return self.compiled[key]
+
+    def compile_all(self, keys: list[tuple[str, tuple]]) -> None:
+        from tqdm.auto import tqdm
+
+        todo = [k for k in dict.fromkeys(keys) if k not in self.compiled]
+        programs = {key: self.build(*key) for key in todo}
+        with ThreadPoolExecutor(max_workers=self.workers) as pool, tqdm(
+            total=len(todo), desc="compiling", unit="program", disable=None
+        ) as bar:
+            futures = {key: pool.submit(self._compile, program) for key, program in programs.items()}
+            for key, future in futures.items():
+                self._record(key, future.result())
+                bar.update(1)
+
+    # -- save / load --------------------------------------------------------------
+    def save(self, directory: pathlib.Path) -> None:
+        folder = directory / "programs"
+        folder.mkdir(parents=True, exist_ok=True)
+        manifest = {}
+        for compiled in self.compiled.values():
+            name = compiled.program.name
+            (folder / f"{name}.pb").write_bytes(compiled.program.module.SerializeToString())
+            (folder / f"{name}.exe").write_bytes(compiled.executable.serialize())
+            manifest[name] = _module_hash(compiled.program)
+        (folder / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+    def load(self, directory: pathlib.Path) -> None:
+        folder = directory / "programs"
+        manifest = json.loads((folder / "manifest.json").read_text())
+        self.saved = {name: (digest, folder / f"{name}.exe") for name, digest in manifest.items()}
