@@ -70,9 +70,10 @@ def _require(config: dict, key: str):
 
 def rope_inverse_frequencies(config: dict, head_dim: int) -> np.ndarray:
     """Rotary inverse frequencies, with llama3 scaling when the config asks for it."""
-    theta = float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    # Older configs say rope_theta + rope_scaling; newer ones put both in rope_parameters.
+    scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(scaling.get("rope_theta") or config.get("rope_theta") or 10000.0)
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    scaling = config.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return inv_freq.astype(np.float32)

@@ -30,6 +30,9 @@ def broadcast_scalar(scalar: HloValue, dims: tuple[int, ...]) -> HloValue:
 
 
 def _pair(a: Operand, b: Operand) -> tuple[HloValue, HloValue]:
+    if not isinstance(a, HloValue) and not isinstance(b, HloValue):
+        raise TypeError(f"elementwise op on {a!r} and {b!r}: at least one operand must be an HloValue "
+                        "(make the other a constant of the wanted type)")
     if not isinstance(a, HloValue):
         a, b = _pair(b, a)[::-1]
         return a, b

@@ -3,12 +3,30 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
+from pyhlo.dtypes import FLOAT_TYPES, numpy_dtype
 from pyhlo.ops.elementwise import constant
 from pyhlo.ops.shape_ops import get_tuple_element, iota, reshape
 from pyhlo.scribe import HloValue, Scribe
 
-_LOWEST = {"f16": -65504.0, "bf16": float("-inf"), "f32": float("-inf"), "f64": float("-inf"),
-           "s32": -(2**31), "s64": -(2**63), "u32": 0, "u8": 0, "s8": -128}
+
+def lowest_value(dtype: str):
+    """The identity of max on `dtype`: -inf for floats, the smallest integer otherwise."""
+    if dtype in FLOAT_TYPES:
+        return float("-inf")
+    if dtype == "pred":
+        return False
+    return int(np.iinfo(numpy_dtype(dtype)).min)
+
+
+def highest_value(dtype: str):
+    """The identity of min on `dtype`: inf for floats, the largest integer otherwise."""
+    if dtype in FLOAT_TYPES:
+        return float("inf")
+    if dtype == "pred":
+        return True
+    return int(np.iinfo(numpy_dtype(dtype)).max)
 
 
 def _binary_computation(dtype: str, op: str):
@@ -55,12 +73,11 @@ def reduce_sum(x: HloValue, dims: int | Sequence[int], keep_dims: bool = False) 
 
 
 def reduce_max(x: HloValue, dims: int | Sequence[int], keep_dims: bool = False) -> HloValue:
-    return _reduce(x, dims, "Maximum", _LOWEST.get(x.dtype, float("-inf")), keep_dims)
+    return _reduce(x, dims, "Maximum", lowest_value(x.dtype), keep_dims)
 
 
 def reduce_min(x: HloValue, dims: int | Sequence[int], keep_dims: bool = False) -> HloValue:
-    return _reduce(x, dims, "Minimum", -_LOWEST.get(x.dtype, float("-inf")) if x.dtype in
-                   ("f16", "bf16", "f32", "f64") else 2**31 - 1, keep_dims)
+    return _reduce(x, dims, "Minimum", highest_value(x.dtype), keep_dims)
 
 
 def _argmax_computation(dtype: str):
@@ -94,7 +111,7 @@ def argmax(x: HloValue, dim: int, keep_dims: bool = False) -> HloValue:
     indices = iota(scribe, "s32", x.dims, dim)
     out = tuple(d for i, d in enumerate(x.dims) if i != dim)
     pair = scribe.tuple(getattr(scribe, x.dtype)[out], scribe.s32[out]).Reduce(
-        x, indices, constant(scribe, x.dtype, _LOWEST.get(x.dtype, float("-inf"))),
+        x, indices, constant(scribe, x.dtype, lowest_value(x.dtype)),
         constant(scribe, "s32", 0), dimensions=[dim], to_apply=_COMPUTATIONS[key],
     )
     result = get_tuple_element(pair, 1)

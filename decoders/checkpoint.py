@@ -1,0 +1,318 @@
+"""Open a model checkpoint and stream its tensors one at a time.
+
+Two kinds of checkpoint are understood:
+
+* a Hugging Face model directory: ``config.json`` plus one of ``model.safetensors``,
+  ``model.safetensors.index.json`` (sharded), ``pytorch_model.bin`` or
+  ``pytorch_model.bin.index.json`` (sharded);
+* a ``.gguf`` file, or a directory holding exactly one (see ``decoders.gguf_checkpoint``).
+
+Whatever the format, tensors are named as Hugging Face names them
+(``model.layers.0.self_attn.q_proj.weight``) and come back as numpy arrays::
+
+    with open_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf") as ckpt:
+        hidden = ckpt.config["hidden_size"]
+        for name in ckpt.names():
+            weight = ckpt.get(name)  # float32 unless keep_dtype=True
+
+``names()`` lists the tensors the checkpoint stores. A model with tied embeddings
+(``config["tie_word_embeddings"]``) usually stores no ``lm_head.weight``: the LM head is then
+``model.embed_tokens.weight``, and choosing it is the model code's job, not the loader's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import ml_dtypes
+import numpy as np
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_FILE = "model.safetensors"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+TORCH_FILE = "pytorch_model.bin"
+# In order of preference: safetensors need no unpickling and map straight from disk.
+WEIGHT_FILES = (SAFETENSORS_INDEX, SAFETENSORS_FILE, TORCH_INDEX, TORCH_FILE)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+# Float types numpy does not know natively; np.dtype(...).kind is "V" for them.
+_EXTRA_FLOAT_DTYPES = frozenset(
+    np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be opened or read; the message names the file and the fix."""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the caller asked for is not in the checkpoint.
+
+    It is a ``KeyError`` too, so ``except KeyError`` in mapping-style code still works.
+    """
+
+    # KeyError would print the message quoted, as if it were a key.
+    __str__ = ValueError.__str__
+
+
+def is_float_dtype(dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype in _EXTRA_FLOAT_DTYPES
+
+
+class Checkpoint:
+    """One opened checkpoint. Subclasses provide ``names``, ``shape``, ``_read`` and ``tokenizer``."""
+
+    path: pathlib.Path
+    config: dict
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _read(self, name: str) -> np.ndarray:
+        """The tensor in its stored dtype, owning its memory; ``name`` is known to exist."""
+        raise NotImplementedError
+
+    def _where(self) -> str:
+        """The file(s) a missing tensor was looked for in, for error messages."""
+        return str(self.path)
+
+    def tokenizer(self):
+        raise NotImplementedError
+
+    def chat_template(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def get(self, name: str, keep_dtype: bool = False) -> np.ndarray:
+        """Load one tensor. Float tensors are converted to float32 unless ``keep_dtype``
+        (bfloat16 then comes back as ``ml_dtypes.bfloat16``, bit for bit)."""
+        self._require(name)
+        array = self._read(name)
+        if not keep_dtype and is_float_dtype(array.dtype) and array.dtype != np.float32:
+            array = array.astype(np.float32)
+        return array
+
+    def check_shape(self, name: str, expected_shape) -> None:
+        expected = tuple(int(d) for d in expected_shape)
+        found = self.shape(name)
+        if found != expected:
+            raise CheckpointError(f"{name}: expected shape {expected}, checkpoint has {found}")
+
+    def _require(self, name: str) -> None:
+        if name not in self:
+            raise MissingTensorError(
+                f"tensor {name!r} is not in the checkpoint {self._where()} "
+                f"({len(self.names())} tensors, e.g. {self.names()[:3]})"
+            )
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r})"
+
+
+class _SafetensorsShard:
+    def __init__(self, path: pathlib.Path):
+        from safetensors import safe_open
+
+        # The numpy framework reads bfloat16 as ml_dtypes.bfloat16, exactly.
+        self._file = safe_open(str(path), framework="numpy")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(self._file.get_slice(n).get_shape()) for n in self._file.keys()}
+
+    def read(self, name: str) -> np.ndarray:
+        return self._file.get_tensor(name)
+
+    def close(self) -> None:
+        self._file = None
+
+
+class _TorchShard:
+    def __init__(self, path: pathlib.Path):
+        import torch
+
+        # mmap: tensors stay on disk until read, so memory stays near one tensor, not the shard.
+        try:
+            self._state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"{path}: cannot read this PyTorch weights file ({type(e).__name__}: {e}). "
+                "Only the zip format torch.save has written since PyTorch 1.6 can be memory-mapped; "
+                "re-save it, or convert the checkpoint to safetensors."
+            ) from e
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(t.shape) for n, t in self._state.items()}
+
+    def read(self, name: str) -> np.ndarray:
+        return _torch_to_numpy(self._state[name])
+
+    def close(self) -> None:
+        self._state = None
+
+
+def _torch_to_numpy(tensor) -> np.ndarray:
+    import torch
+
+    tensor = tensor.detach().contiguous()
+    as_ml_dtype = {
+        torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+        torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+        torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+    }
+    if tensor.dtype in as_ml_dtype:
+        bits, dtype = as_ml_dtype[tensor.dtype]
+        return tensor.view(bits).numpy().view(dtype).copy()
+    # copy: the tensor may be a view of the memory-mapped file.
+    return tensor.numpy().copy()
+
+
+class HFCheckpoint(Checkpoint):
+    """A Hugging Face model directory, single-file or sharded, safetensors or PyTorch .bin."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(
+                f"{path}: no config.json in this directory; pass a Hugging Face model directory "
+                "(config.json plus weights) or a .gguf file"
+            )
+        try:
+            self.config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{config_path}: not valid JSON ({e})") from e
+        weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
+        if weights is None:
+            raise CheckpointError(f"{path}: no weights file found; looked for {', '.join(WEIGHT_FILES)}")
+        self.weights_path = weights
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        # One shard open at a time: a torch .bin shard keeps a mapping of the whole file.
+        self._open_file: pathlib.Path | None = None
+        self._open_shard = None
+        self._shard_type = _SafetensorsShard if "safetensors" in weights.name else _TorchShard
+        if weights.name.endswith(".index.json"):
+            self._files = self._read_index(weights)
+        else:
+            self._load_shard(weights)
+            self._files = {name: weights for name in self._shapes}
+
+    def _read_index(self, index_path: pathlib.Path) -> dict[str, pathlib.Path]:
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"{index_path}: not a valid shard index (expected JSON with a 'weight_map' "
+                f"object mapping tensor names to shard files): {e}"
+            ) from e
+        files = {name: self.path / shard for name, shard in weight_map.items()}
+        missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        if missing:
+            raise CheckpointError(
+                f"{index_path} names shard(s) missing from {self.path}: {', '.join(missing)}; "
+                "download or copy the missing shard files next to the index"
+            )
+        return files
+
+    def _load_shard(self, file: pathlib.Path):
+        if file != self._open_file:
+            self.close()
+            self._open_shard = self._shard_type(file)
+            self._open_file = file
+            self._shapes.update(self._open_shard.shapes())
+        return self._open_shard
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        self._require(name)
+        if name not in self._shapes:
+            self._load_shard(self._files[name])
+        return self._shapes[name]
+
+    def _read(self, name: str) -> np.ndarray:
+        return self._load_shard(self._files[name]).read(name)
+
+    def _where(self) -> str:
+        files = sorted({f.name for f in self._files.values()}) or [self.weights_path.name]
+        return f"{self.path} ({', '.join(files)})"
+
+    def tokenizer(self):
+        if not any((self.path / f).is_file() for f in TOKENIZER_FILES):
+            raise CheckpointError(f"{self.path}: no tokenizer files; looked for {', '.join(TOKENIZER_FILES)}")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+
+    def chat_template(self) -> str | None:
+        jinja = self.path / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text()
+        tokenizer_config = self.path / "tokenizer_config.json"
+        if tokenizer_config.is_file():
+            template = json.loads(tokenizer_config.read_text()).get("chat_template")
+            return template if isinstance(template, str) else None
+        return None
+
+    def close(self) -> None:
+        if self._open_shard is not None:
+            self._open_shard.close()
+        self._open_shard = None
+        self._open_file = None
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open an HF model directory, a .gguf file, or a directory holding exactly one .gguf."""
+    path = pathlib.Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(
+            f"{path}: no such file or directory; pass a Hugging Face model directory "
+            "(config.json plus weights) or a .gguf file"
+        )
+    if path.is_file():
+        if path.suffix == ".gguf":
+            from decoders.gguf_checkpoint import GGUFCheckpoint
+
+            return GGUFCheckpoint(path)
+        if path.name in WEIGHT_FILES or path.name == "config.json" or path.suffix in (".safetensors", ".bin"):
+            raise CheckpointError(
+                f"{path}: pass the directory that holds this file and its config.json "
+                f"({path.parent}), not the file itself"
+            )
+        raise CheckpointError(
+            f"{path}: unsupported checkpoint file type {path.suffix or '(no suffix)'!r}; supported are "
+            "a Hugging Face model directory (config.json plus model.safetensors, pytorch_model.bin "
+            "or their sharded .index.json) and a .gguf file"
+        )
+    hf_weights = (path / "config.json").is_file() and any((path / f).is_file() for f in WEIGHT_FILES)
+    ggufs = sorted(path.glob("*.gguf"))
+    if ggufs and not hf_weights:
+        if len(ggufs) > 1:
+            raise CheckpointError(
+                f"{path}: holds several .gguf files ({', '.join(g.name for g in ggufs)}); "
+                "pass the path of the one to load"
+            )
+        from decoders.gguf_checkpoint import GGUFCheckpoint
+
+        return GGUFCheckpoint(ggufs[0])
+    return HFCheckpoint(path)

@@ -1,0 +1,311 @@
+"""Read a llama.cpp GGUF file as a checkpoint with Hugging Face names, config and tokenizer.
+
+A GGUF file differs from a Hugging Face checkpoint in four ways, each undone here:
+
+1. Tensor names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``.
+2. Values: most weights are quantized in blocks (Q4_1, Q8_0 ...); ``get`` dequantizes them
+   to float32 with ``gguf.quants.dequantize``.
+3. Shapes: GGUF lists dimensions fastest-varying first, the reverse of numpy's order.
+4. Rotary layout: llama.cpp's converter reorders the rows of the q and k projections
+   (see ``unpermute_rope_rows``).
+
+The config is rebuilt from the file's metadata with the keys Hugging Face's LlamaConfig uses.
+Architectures are rows of ``ARCHITECTURES``; adding one is mostly adding data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import ml_dtypes
+import numpy as np
+
+from decoders.checkpoint import Checkpoint, CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one ``general.architecture`` maps onto a Hugging Face model."""
+
+    model_type: str
+    hf_architecture: str
+    # GGUF tensor base name (without .weight/.bias) -> HF base name, outside the blocks.
+    global_tensors: dict[str, str]
+    # Per-block GGUF name -> HF name inside "model.layers.N.".
+    block_tensors: dict[str, str]
+    # HF config key -> metadata keys (after "<arch>.") to try in order.
+    config_keys: dict[str, tuple[str, ...]]
+    # HF config keys that must be found in the metadata.
+    required_config: tuple[str, ...]
+    # Fixed by the architecture, not stored in the file.
+    config_defaults: dict
+    # Block tensors whose rows llama.cpp reordered for its rotary kernel -> config key of their head count.
+    rope_permuted: dict[str, str]
+    # Tensors this loader knows but cannot honour yet -> why.
+    unsupported_tensors: dict[str, str]
+
+
+LLAMA = GGUFArchitecture(
+    model_type="llama",
+    hf_architecture="LlamaForCausalLM",
+    global_tensors={
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+    },
+    block_tensors={
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    },
+    config_keys={
+        "hidden_size": ("embedding_length",),
+        "intermediate_size": ("feed_forward_length",),
+        "num_hidden_layers": ("block_count",),
+        "num_attention_heads": ("attention.head_count",),
+        "num_key_value_heads": ("attention.head_count_kv", "attention.head_count"),
+        "head_dim": ("attention.key_length", "rope.dimension_count"),
+        "rms_norm_eps": ("attention.layer_norm_rms_epsilon",),
+        "rope_theta": ("rope.freq_base",),
+        "max_position_embeddings": ("context_length",),
+    },
+    required_config=(
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "rms_norm_eps",
+    ),
+    config_defaults={"hidden_act": "silu", "rope_theta": 10000.0, "max_position_embeddings": 2048},
+    rope_permuted={"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"},
+    unsupported_tensors={
+        "rope_freqs": "per-dimension RoPE frequency factors (Llama 3.1-style rope scaling baked "
+        "into a tensor) are not supported yet",
+    },
+)
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {"llama": LLAMA}
+
+# tokenizer.ggml.<key> -> HF config key
+TOKEN_ID_KEYS = {
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "padding_token_id": "pad_token_id",
+    "unknown_token_id": "unk_token_id",
+}
+
+
+def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of a q or k projection (weight or bias), head by head.
+
+    Hugging Face's rotary embedding pairs row ``i`` of a head with row ``i + head_dim/2``;
+    llama.cpp's kernel pairs adjacent rows ``2i`` and ``2i+1``, so its converter stores, within
+    each head, row ``j * head_dim/2 + i`` of the HF weight at row ``2i + j``. Reading the head
+    as ``[head_dim/2, 2]`` and transposing to ``[2, head_dim/2]`` restores the HF order.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_heads):
+        raise CheckpointError(f"cannot split {rows} rows into {n_heads} rotary heads of even size")
+    half = rows // n_heads // 2
+    by_head = weight.reshape(n_heads, half, 2, *weight.shape[1:])
+    return by_head.swapaxes(1, 2).reshape(weight.shape)
+
+
+# Arrays longer than this (the vocabulary, its merges and scores) are not kept once the file is
+# open: as parsed they take far more memory than the weights of a small model.
+LONG_ARRAY = 1024
+# Quantized tensors are dequantized this many values at a time, to bound the temporaries.
+DEQUANTIZE_CHUNK = 1 << 22
+
+
+def _read_metadata(reader) -> tuple[dict, dict]:
+    """Values of the metadata fields by key, and the lengths of the long arrays left out."""
+    import gguf
+
+    values, long_arrays = {}, {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > LONG_ARRAY:
+            long_arrays[key] = len(field.data)
+        else:
+            values[key] = field.contents()
+    return values, long_arrays
+
+
+def _dequantize(data: np.ndarray, kind, shape: tuple[int, ...]) -> np.ndarray:
+    import gguf
+
+    blocks = data.reshape(-1, data.shape[-1])  # one row of blocks per row of the tensor
+    out = np.empty((blocks.shape[0], shape[-1]), np.float32)
+    step = max(1, DEQUANTIZE_CHUNK // shape[-1])
+    for start in range(0, blocks.shape[0], step):
+        out[start : start + step] = gguf.quants.dequantize(blocks[start : start + step], kind)
+    return out.reshape(shape)
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A .gguf file, read lazily: each ``get`` dequantizes one tensor."""
+
+    def __init__(self, path: str | pathlib.Path):
+        import gguf
+
+        self.path = pathlib.Path(path)
+        try:
+            reader = gguf.GGUFReader(self.path)
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+        self._metadata, self._long_arrays = _read_metadata(reader)
+        arch_name = self._metadata.get("general.architecture")
+        self.arch = ARCHITECTURES.get(arch_name)
+        if self.arch is None:
+            raise CheckpointError(
+                f"{self.path}: GGUF architecture {arch_name!r} is not supported; "
+                f"supported: {', '.join(sorted(ARCHITECTURES))}"
+            )
+        self._arch_name = arch_name
+        # HF name -> (GGUF tensor, config key of its rotary head count or None)
+        self._tensors = {}
+        for tensor in reader.tensors:
+            hf_name, rope_heads = self._hf_name(tensor.name)
+            self._tensors[hf_name] = (tensor, rope_heads)
+        self.config = self._config()
+
+    def _hf_name(self, gguf_name: str) -> tuple[str, str | None]:
+        arch = self.arch
+        base, _, suffix = gguf_name.rpartition(".")
+        parts = base.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+            key, prefix = parts[2], f"model.layers.{parts[1]}."
+            table = arch.block_tensors
+        else:
+            key, prefix = base, ""
+            table = arch.global_tensors
+        if key in arch.unsupported_tensors:
+            raise CheckpointError(f"{self.path}: tensor {gguf_name}: {arch.unsupported_tensors[key]}")
+        if key not in table or suffix not in ("weight", "bias"):
+            raise CheckpointError(
+                f"{self.path}: tensor {gguf_name!r} has no known Hugging Face name for GGUF "
+                f"architecture {self._arch_name!r}; known: "
+                f"{', '.join(sorted(arch.global_tensors))}, blk.N.{{{','.join(sorted(arch.block_tensors))}}}"
+            )
+        rope_heads = arch.rope_permuted.get(key) if table is arch.block_tensors else None
+        return f"{prefix}{table[key]}.{suffix}", rope_heads
+
+    def _config(self) -> dict:
+        arch = self.arch
+        config = {"model_type": arch.model_type, "architectures": [arch.hf_architecture]}
+        config.update(arch.config_defaults)
+        for hf_key, gguf_keys in arch.config_keys.items():
+            for key in gguf_keys:
+                value = self._metadata.get(f"{self._arch_name}.{key}")
+                if value is not None:
+                    config[hf_key] = value
+                    break
+            else:
+                if hf_key in arch.required_config:
+                    keys = " or ".join(f"{self._arch_name}.{k}" for k in gguf_keys)
+                    raise CheckpointError(f"{self.path}: metadata {keys} is missing (needed for {hf_key})")
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
+        config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+        for key in ("rms_norm_eps", "rope_theta"):
+            config[key] = float(config[key])
+
+        config["vocab_size"] = (
+            self._long_arrays.get("tokenizer.ggml.tokens")
+            or len(self._metadata.get("tokenizer.ggml.tokens", ()))
+            or self._metadata.get(f"{self._arch_name}.vocab_size")
+            or self.shape("model.embed_tokens.weight")[0]
+        )
+        config["tie_word_embeddings"] = "lm_head.weight" not in self._tensors
+        config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self._tensors
+        config["mlp_bias"] = "model.layers.0.mlp.gate_proj.bias" in self._tensors
+        for gguf_key, hf_key in TOKEN_ID_KEYS.items():
+            value = self._metadata.get(f"tokenizer.ggml.{gguf_key}")
+            if value is not None:
+                config[hf_key] = int(value)
+
+        config["rope_scaling"] = self._rope_scaling()
+        # transformers 5 keeps theta and scaling together under one key.
+        config["rope_parameters"] = {
+            "rope_type": "default",
+            **(config["rope_scaling"] or {}),
+            "rope_theta": config["rope_theta"],
+        }
+        return config
+
+    def _rope_scaling(self) -> dict | None:
+        prefix = f"{self._arch_name}.rope.scaling."
+        kind = self._metadata.get(prefix + "type")
+        if kind in (None, "none"):
+            return None
+        scaling = {"rope_type": kind}
+        factor = self._metadata.get(prefix + "factor")
+        if factor is not None:
+            scaling["factor"] = float(factor)
+        original = self._metadata.get(prefix + "original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+
+    def _open_tensors(self) -> dict:
+        if self._tensors is None:
+            raise CheckpointError(f"{self.path}: checkpoint is closed; open it again")
+        return self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._open_tensors())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._open_tensors()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        self._require(name)
+        tensor, _ = self._tensors[name]
+        return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+    def quant_type(self, name: str) -> str:
+        """The stored GGML type of a tensor, e.g. ``"Q4_1"``."""
+        self._require(name)
+        return self._tensors[name][0].tensor_type.name
+
+    def _read(self, name: str) -> np.ndarray:
+        import gguf
+
+        shape = self.shape(name)
+        tensor, rope_heads = self._tensors[name]
+        kind = tensor.tensor_type
+        if kind == gguf.GGMLQuantizationType.BF16:
+            array = tensor.data.view(np.uint16).view(ml_dtypes.bfloat16).reshape(shape).copy()
+        elif tensor.data.dtype != np.uint8:
+            # Stored unquantized (F32, F16, F64, I8 ... I64): copy it out of the file mapping.
+            array = np.array(tensor.data).reshape(shape)
+        else:
+            array = _dequantize(tensor.data, kind, shape)
+        if rope_heads is not None:
+            array = unpermute_rope_rows(array, self.config[rope_heads])
+        return array
+
+    def tokenizer(self):
+        if "tokenizer.ggml.tokens" not in self._long_arrays and "tokenizer.ggml.tokens" not in self._metadata:
+            raise CheckpointError(f"{self.path}: this GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+
+    def chat_template(self) -> str | None:
+        return self._metadata.get("tokenizer.chat_template")
+
+    def metadata(self, key: str, default=None):
+        """A GGUF metadata value, e.g. ``metadata("general.name")``; vocabulary-sized arrays
+        are not kept (the tokenizer reads them from the file)."""
+        return self._metadata.get(key, default)
+
+    def close(self) -> None:
+        # Drop the file mapping; arrays already returned own their memory.
+        self._tensors = None

@@ -1,0 +1,344 @@
+"""The backend interface: compile HloModuleProto bytes, move arrays, run executables.
+
+    backend = get_backend()                       # xla on cpu here; env PYHLO_BACKEND / PYHLO_PLATFORM
+    exe = backend.compile(proto.SerializeToString())
+    outputs = exe.run({"x": x, "cache": cache})   # named inputs; aliased caches are donated
+    result = backend.to_host(outputs[0])
+
+No model knowledge lives here; parameter names and aliases come from the module itself.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import hashlib
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from pyhlo import dtypes
+from pyhlo.schema import hlo_pb2
+
+BACKENDS = ("xla", "neuronx-cc")
+PLATFORMS = ("cpu", "cuda", "neuron")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterSpec:
+    name: str
+    dtype: str  # element type name, e.g. "f32"
+    dims: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.dtype}[{','.join(map(str, self.dims))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramInfo:
+    """What the runtime needs to know about a module: its parameters and aliases."""
+
+    name: str
+    parameters: tuple[ParameterSpec, ...]
+    aliases: dict[int, tuple[int, ...]]  # parameter number -> output shape index
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.parameters)
+
+    @classmethod
+    def from_bytes(cls, hlo_bytes: bytes) -> ProgramInfo:
+        module = hlo_pb2.HloModuleProto.FromString(hlo_bytes)
+        shape = module.host_program_shape
+        names = list(shape.parameter_names)
+        if len(names) != len(shape.parameters) or len(set(names)) != len(names):
+            names = [f"p{i}" for i in range(len(shape.parameters))]
+        parameters = []
+        for name, proto in zip(names, shape.parameters):
+            dtype = dtypes.NAME_OF_PRIMITIVE.get(proto.element_type, f"type{proto.element_type}")
+            parameters.append(ParameterSpec(name, dtype, tuple(proto.dimensions)))
+        aliases = {e.parameter_number: tuple(e.output_shape_index) for e in module.input_output_alias.entries}
+        return cls(module.name, tuple(parameters), aliases)
+
+
+def _torch_to_numpy(tensor: Any) -> np.ndarray:
+    import torch
+
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        # Reinterpret the bits: a float round trip would not be exact for NaN payloads.
+        return tensor.view(torch.int16).numpy().view(dtypes.numpy_dtype("bf16"))
+    return tensor.numpy()
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    # Checked by module name so that torch is imported only when a tensor shows up.
+    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+
+
+def as_numpy(value: Any) -> np.ndarray:
+    """A numpy array of a numpy array, torch tensor (bf16 included) or Python number/list."""
+    if _is_torch_tensor(value):
+        return _torch_to_numpy(value)
+    return np.asarray(value)
+
+
+class Executable:
+    """A compiled program on its devices. Run it with inputs by position or by name."""
+
+    def __init__(self, backend: XlaBackend, compiled: Any, info: ProgramInfo, num_replicas: int):
+        from runtime import pjrt
+
+        self._pjrt = pjrt
+        self.backend = backend
+        self.compiled = compiled
+        self.info = info
+        self.num_replicas = num_replicas
+        self.devices = pjrt.executable_devices(compiled)
+        self._numpy_dtypes = [
+            dtypes.numpy_dtype(p.dtype) if p.dtype in dtypes.ELEMENT_TYPES else None for p in info.parameters
+        ]
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        return self.info.parameter_names
+
+    @property
+    def donated_parameters(self) -> tuple[str, ...]:
+        """Names of the parameters aliased to outputs: their input buffers are consumed by run()."""
+        return tuple(self.info.parameters[n].name for n in sorted(self.info.aliases))
+
+    def _ordered(self, inputs: Sequence[Any] | Mapping[str, Any]) -> list[Any]:
+        names = self.info.parameter_names
+        if isinstance(inputs, Mapping):
+            missing = [n for n in names if n not in inputs]
+            unknown = [n for n in inputs if n not in names]
+            if missing or unknown:
+                problems = []
+                if missing:
+                    problems.append(f"missing {', '.join(map(repr, missing))}")
+                if unknown:
+                    problems.append(f"unknown {', '.join(map(repr, unknown))}")
+                raise ValueError(
+                    f"{self.info.name}: {'; '.join(problems)}; expected inputs: {', '.join(names)}"
+                )
+            return [inputs[n] for n in names]
+        inputs = list(inputs)
+        if len(inputs) != len(names):
+            raise ValueError(
+                f"{self.info.name}: got {len(inputs)} inputs, expected {len(names)}: {', '.join(names)}"
+            )
+        return inputs
+
+    def _to_buffers(self, values: list[Any], device: Any) -> list[Any]:
+        buffers = []
+        for spec, np_dtype, value in zip(self.info.parameters, self._numpy_dtypes, values):
+            if not self._pjrt.is_buffer(value):
+                array = as_numpy(value)
+                if not isinstance(value, np.ndarray) and not _is_torch_tensor(value) and np_dtype is not None:
+                    array = array.astype(np_dtype)  # Python numbers and lists take the parameter's type
+                value = self._pjrt.to_device(array, device)
+            # PJRT checks only byte sizes, so f32[8,4] would pass for f32[4,8]: check here.
+            if value.shape != spec.dims or (np_dtype is not None and value.dtype != np_dtype):
+                raise ValueError(
+                    f"{self.info.name}: input {spec.name!r} is {value.dtype}{list(value.shape)}, "
+                    f"expected {spec}"
+                )
+            buffers.append(value)
+        return buffers
+
+    def run(self, inputs: Sequence[Any] | Mapping[str, Any]) -> list[Any]:
+        """Run on one device. Inputs: a list by parameter number or a dict by parameter name;
+        each a numpy array, torch tensor or device buffer. Returns the outputs as device
+        buffers (a tuple result flattened into a list). Buffers of aliased parameters are donated.
+        """
+        if self.num_replicas != 1:
+            raise ValueError(f"{self.info.name} has {self.num_replicas} replicas: use run_replicated()")
+        buffers = self._to_buffers(self._ordered(inputs), self.devices[0])
+        return self._pjrt.execute(self.compiled, buffers)
+
+    def run_replicated(self, per_replica_inputs: Sequence[Sequence[Any] | Mapping[str, Any]]) -> list[list[Any]]:
+        """Run every replica; per_replica_inputs[r] are replica r's inputs (list or dict).
+
+        Returns outputs[r], the list of replica r's output buffers.
+        """
+        if len(per_replica_inputs) != self.num_replicas:
+            raise ValueError(
+                f"{self.info.name}: got inputs for {len(per_replica_inputs)} replicas, "
+                f"expected {self.num_replicas}"
+            )
+        per_device = []
+        for replica, (inputs, device) in enumerate(zip(per_replica_inputs, self.devices)):
+            buffers = self._to_buffers(self._ordered(inputs), device)
+            for spec, buffer in zip(self.info.parameters, buffers):
+                if self._pjrt.buffer_device(buffer) != device:
+                    raise ValueError(
+                        f"{self.info.name}: input {spec.name!r} of replica {replica} is on "
+                        f"{self._pjrt.buffer_device(buffer)}, expected {device} "
+                        f"(use backend.to_device(array, replica={replica}))"
+                    )
+            per_device.append(buffers)
+        # XLA:CPU runs replicas on a shared thread pool; hundreds of replicated launches
+        # in flight can deadlock at a collective's rendezvous, so cpu waits for each launch.
+        wait = self.backend.platform == "cpu"
+        return self._pjrt.execute_sharded(self.compiled, per_device, wait=wait)
+
+    def serialize(self) -> bytes:
+        """The compiled executable as bytes; reload with backend.deserialize()."""
+        return self._pjrt.serialize_executable(self.compiled)
+
+    def hlo_text(self) -> str:
+        """HLO text of the compiled (optimized) module."""
+        return self._pjrt.compiled_hlo_text(self.compiled)
+
+    def __repr__(self) -> str:
+        params = ", ".join(map(str, self.info.parameters))
+        return f"<Executable {self.info.name}({params}) on {self.backend.platform} x{self.num_replicas}>"
+
+
+class Backend(abc.ABC):
+    """Compiles HloModuleProto bytes into something runnable and moves arrays to and from it."""
+
+    name: str
+    platform: str
+
+    @abc.abstractmethod
+    def compile(self, hlo_bytes: bytes, num_replicas: int = 1) -> Any:
+        """Compile serialized HloModuleProto bytes."""
+
+    @abc.abstractmethod
+    def deserialize(self, data: bytes, hlo_bytes: bytes, num_replicas: int = 1) -> Any:
+        """Reload what `compile(hlo_bytes, num_replicas).serialize()` returned."""
+
+    @abc.abstractmethod
+    def to_device(self, array: Any, replica: int = 0) -> Any:
+        """Place a numpy array or torch tensor on the device of `replica`."""
+
+    @abc.abstractmethod
+    def to_host(self, buffer: Any) -> np.ndarray:
+        """Copy a device buffer into a numpy array."""
+
+    @abc.abstractmethod
+    def cache_key_parts(self) -> dict[str, str]:
+        """Everything besides the HLO bytes that decides what compile() produces."""
+
+
+@functools.lru_cache(maxsize=1)
+def _host_cpu_fingerprint() -> str:
+    # An XLA:CPU executable is built for this CPU's instruction set; a cache shared
+    # between different machines must not hand one machine's code to another.
+    import platform
+
+    features = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    features += line
+                    break
+    except OSError:
+        features += platform.processor()
+    return hashlib.sha256(features.encode()).hexdigest()[:16]
+
+
+class XlaBackend(Backend):
+    """XLA through PJRT (jaxlib): platform cpu, cuda, or neuron with AWS's libneuronxla plugin."""
+
+    name = "xla"
+
+    def __init__(self, platform: str | None = None):
+        from runtime import pjrt
+
+        self._pjrt = pjrt
+        self.platform = platform or detect_platform()
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"unknown platform {self.platform!r}; valid platforms: {', '.join(PLATFORMS)}")
+        self.devices = pjrt.devices(self.platform)
+
+    @property
+    def device_count(self) -> int:
+        return len(self.devices)
+
+    def compile(self, hlo_bytes: bytes, num_replicas: int = 1) -> Executable:
+        info = ProgramInfo.from_bytes(hlo_bytes)
+        compiled = self._pjrt.compile(hlo_bytes, self.platform, num_replicas=num_replicas)
+        return Executable(self, compiled, info, num_replicas)
+
+    def deserialize(self, data: bytes, hlo_bytes: bytes, num_replicas: int = 1) -> Executable:
+        info = ProgramInfo.from_bytes(hlo_bytes)
+        compiled = self._pjrt.deserialize_executable(self.platform, data, num_replicas=num_replicas)
+        return Executable(self, compiled, info, num_replicas)
+
+    def _device(self, replica: int) -> Any:
+        if not 0 <= replica < len(self.devices):
+            raise ValueError(f"replica {replica} out of range: {self.platform} has {len(self.devices)} devices")
+        return self.devices[replica]
+
+    def to_device(self, array: Any, replica: int = 0) -> Any:
+        device = self._device(replica)
+        if self._pjrt.is_buffer(array):
+            if self._pjrt.buffer_device(array) == device:
+                return array
+            array = self._pjrt.to_host(array)
+        return self._pjrt.to_device(as_numpy(array), device)
+
+    def to_host(self, buffer: Any) -> np.ndarray:
+        return self._pjrt.to_host(buffer)
+
+    def compiler_version(self) -> str:
+        return self._pjrt.compiler_version(self.platform)
+
+    def cache_key_parts(self) -> dict[str, str]:
+        parts = {
+            "backend": self.name,
+            "platform": self.platform,
+            "compiler_version": self.compiler_version(),
+            "flags": os.environ.get("XLA_FLAGS", ""),
+        }
+        if self.platform == "cpu":
+            parts["host_cpu"] = _host_cpu_fingerprint()
+        return parts
+
+    def hlo_text(self, hlo_bytes: bytes) -> str:
+        """XLA's HLO text of module bytes (before optimization)."""
+        return self._pjrt.hlo_text(hlo_bytes)
+
+    def cost_analysis(self, hlo_bytes: bytes) -> dict[str, float]:
+        """XLA's estimate of flops and bytes accessed for module bytes."""
+        return self._pjrt.cost_analysis(hlo_bytes, self.platform)
+
+    def __repr__(self) -> str:
+        return f"<XlaBackend {self.platform} x{len(self.devices)}>"
+
+
+def detect_platform() -> str:
+    """neuron if AWS's PJRT plugin is present, else cuda if present, else cpu."""
+    from runtime import pjrt
+
+    available = pjrt.available_platforms()
+    for platform in ("neuron", "cuda"):
+        if platform in available:
+            return platform
+    return "cpu"
+
+
+def get_backend(name: str | None = None, platform: str | None = None) -> Backend:
+    """The backend `name` (xla | neuronx-cc) on `platform` (cpu | cuda | neuron).
+
+    Unset arguments come from env PYHLO_BACKEND and PYHLO_PLATFORM, else xla on the
+    best platform present (neuron, then cuda, then cpu).
+    """
+    name = name or os.environ.get("PYHLO_BACKEND") or "xla"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; valid backends: {', '.join(BACKENDS)}")
+    if name == "neuronx-cc":
+        if platform not in (None, "neuron"):
+            raise ValueError(f"the neuronx-cc backend compiles for platform 'neuron', not {platform!r}")
+        from runtime.neuronx_cc import NeuronCCBackend
+
+        return NeuronCCBackend()
+    platform = platform or os.environ.get("PYHLO_PLATFORM") or None
+    if platform is not None and platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; valid platforms: {', '.join(PLATFORMS)}")
+    return XlaBackend(platform)

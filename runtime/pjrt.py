@@ -1,0 +1,233 @@
+"""XLA through PJRT, as shipped in jaxlib: the one module that touches private jaxlib APIs.
+
+Everything here takes or returns plain values (HloModuleProto bytes, numpy arrays,
+device buffers, executables), so the rest of the project never imports jaxlib
+internals. The private names used below were checked against jaxlib 0.10.2.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import jax
+import jaxlib
+import numpy as np
+from jax._src.lib import _jax
+from jax._src.lib import xla_client as xc
+
+PINNED_JAXLIB = "0.10.2"
+PLATFORMS = ("cpu", "cuda", "neuron")
+
+if jaxlib.__version__ != PINNED_JAXLIB:
+    warnings.warn(
+        f"runtime.pjrt was written against jaxlib=={PINNED_JAXLIB} private APIs "
+        f"(jax._src.lib.xla_client and _jax), but jaxlib {jaxlib.__version__} is installed; "
+        f"install jax=={PINNED_JAXLIB} jaxlib=={PINNED_JAXLIB} if compiling or running fails.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+_INSTALL_HINTS = {
+    "cuda": "install jax's CUDA plugin (pip install 'jax[cuda12]'=={v}) on a machine with an NVIDIA GPU",
+    "neuron": "install AWS's PJRT plugin libneuronxla (pip install libneuronxla "
+              "--extra-index-url https://pip.repos.neuron.amazonaws.com) on a Neuron (trn/inf) host",
+    "cpu": "reinstall jaxlib=={v}",
+}
+
+Buffer = Any  # a jax Array holding one device buffer
+LoadedExecutable = Any
+
+
+def _devices(platform: str) -> list:
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; valid platforms: {', '.join(PLATFORMS)}")
+    try:
+        return list(jax.devices(platform))
+    except RuntimeError as err:
+        hint = _INSTALL_HINTS[platform].format(v=PINNED_JAXLIB)
+        raise RuntimeError(f"no {platform!r} PJRT devices ({err}); {hint}") from None
+
+
+def devices(platform: str = "cpu") -> list:
+    """The platform's devices, ordered by id (replica r runs on devices(platform)[r])."""
+    return sorted(_devices(platform), key=lambda d: d.id)
+
+
+def get_client(platform: str = "cpu") -> Any:
+    """The PJRT client of `platform` (cpu, cuda or neuron)."""
+    return _devices(platform)[0].client
+
+
+def available_platforms() -> list[str]:
+    """The platforms among cpu, cuda and neuron that have devices in this process."""
+    found = []
+    for platform in PLATFORMS:
+        try:
+            jax.devices(platform)
+        except RuntimeError:
+            continue
+        found.append(platform)
+    return found
+
+
+def _compile_options(num_replicas: int, device_ids: Sequence[int]) -> Any:
+    options = xc.CompileOptions()
+    if num_replicas > 1:
+        options.num_replicas = num_replicas
+        # One computation (no SPMD partitions): row r is the device of replica r.
+        options.device_assignment = xc.DeviceAssignment.create(
+            np.array([[d] for d in device_ids], dtype=np.int32)
+        )
+    return options
+
+
+def _pick_devices(platform: str, num_replicas: int, device_ids: Sequence[int] | None) -> list:
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    all_devices = devices(platform)
+    by_id = {d.id: d for d in all_devices}
+    if device_ids is None:
+        if num_replicas > len(all_devices):
+            hint = (" (on cpu, set XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                    "before the process starts jax)") if platform == "cpu" else ""
+            raise ValueError(
+                f"{num_replicas} replicas need {num_replicas} {platform} devices, "
+                f"found {len(all_devices)}{hint}"
+            )
+        return all_devices[:num_replicas]
+    device_ids = list(device_ids)
+    if len(device_ids) != num_replicas:
+        raise ValueError(f"device_ids {device_ids} must name one device per replica ({num_replicas})")
+    unknown = [i for i in device_ids if i not in by_id]
+    if unknown:
+        raise ValueError(f"unknown {platform} device ids {unknown}; have {sorted(by_id)}")
+    return [by_id[i] for i in device_ids]
+
+
+def compile(hlo_module_bytes: bytes, platform: str = "cpu", num_replicas: int = 1,
+            device_ids: Sequence[int] | None = None) -> LoadedExecutable:
+    """Compile serialized HloModuleProto bytes into an executable loaded on the devices."""
+    chosen = _pick_devices(platform, num_replicas, device_ids)
+    # HLO -> StableHLO bytecode directly: faster and leaner than printing MLIR text.
+    stablehlo = _jax.mlir.hlo_to_stablehlo(hlo_module_bytes)
+    options = _compile_options(num_replicas, [d.id for d in chosen])
+    return chosen[0].client.compile_and_load(stablehlo, xc.DeviceList(tuple(chosen)), options)
+
+
+def serialize_executable(exe: LoadedExecutable) -> bytes:
+    """The executable as bytes (reload with deserialize_executable on the same platform)."""
+    return exe.client.serialize_executable(exe)
+
+
+def deserialize_executable(platform: str, data: bytes, num_replicas: int = 1,
+                           device_ids: Sequence[int] | None = None) -> LoadedExecutable:
+    """Load an executable written by serialize_executable onto the devices."""
+    chosen = _pick_devices(platform, num_replicas, device_ids)
+    options = _compile_options(num_replicas, [d.id for d in chosen])
+    return chosen[0].client.deserialize_executable(data, xc.DeviceList(tuple(chosen)), options)
+
+
+def executable_devices(exe: LoadedExecutable) -> list:
+    """The devices the executable runs on, replica order."""
+    return list(exe.local_devices())
+
+
+def execute(exe: LoadedExecutable, args: Sequence[Buffer]) -> list[Buffer]:
+    """Run a one-device executable; a tuple result comes back flattened into a list."""
+    return exe.execute(list(args))
+
+
+def _replicated_array(shards: Sequence[Buffer]) -> Buffer:
+    # execute_sharded wants, per parameter, one array holding every replica's
+    # buffer. Only the per-device buffers are read, so the global aval is
+    # nominal (replicas stacked on a new leading axis) and checks are skipped.
+    first = shards[0]
+    mesh = jax.sharding.Mesh(np.array([s.device for s in shards]), ("replica",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
+    aval = jax.core.ShapedArray((len(shards),) + tuple(first.shape), first.dtype)
+    return _jax.ArrayImpl(aval, sharding, list(shards), True, True)
+
+
+def execute_sharded(exe: LoadedExecutable, per_device_args: Sequence[Sequence[Buffer]],
+                    wait: bool = False) -> list[list[Buffer]]:
+    """Run a replicated executable: per_device_args[r] are replica r's arguments.
+
+    Returns outputs[r][i], output i of replica r. With wait=True the call returns
+    only when every replica has finished.
+    """
+    n = len(per_device_args)
+    arity = {len(a) for a in per_device_args}
+    if len(arity) != 1:
+        raise ValueError(f"every replica needs the same number of arguments, got {[len(a) for a in per_device_args]}")
+    (num_args,) = arity
+    grouped = [_replicated_array([per_device_args[r][i] for r in range(n)]) for i in range(num_args)]
+    per_output = exe.execute_sharded(grouped).disassemble_into_single_device_arrays()
+    outputs = [[per_output[i][r] for i in range(len(per_output))] for r in range(n)]
+    if wait:
+        jax.block_until_ready(outputs)
+    return outputs
+
+
+def to_device(array: np.ndarray, device: Any) -> Buffer:
+    """Copy a numpy array to `device` (64-bit types keep their width)."""
+    array = np.asarray(array)
+    if array.dtype.itemsize == 8:
+        # Without x64, device_put silently narrows s64/u64/f64 to 32 bits.
+        with jax.enable_x64(True):
+            return jax.device_put(array, device, may_alias=False)
+    return jax.device_put(array, device, may_alias=False)
+
+
+def to_host(buffer: Buffer) -> np.ndarray:
+    """Copy a device buffer into a new numpy array.
+
+    A copy, not a view: a live numpy view of a buffer stops XLA from donating
+    that buffer to an aliased output (it silently copies instead).
+    """
+    return np.array(buffer, copy=True)
+
+
+def is_buffer(value: Any) -> bool:
+    """True for a device buffer (a jax Array)."""
+    return isinstance(value, jax.Array)
+
+
+def buffer_device(buffer: Buffer) -> Any:
+    """The one device holding `buffer`."""
+    (device,) = buffer.devices()
+    return device
+
+
+def block_until_ready(buffers: Any) -> Any:
+    """Wait until the buffers (any nesting of lists) are computed."""
+    return jax.block_until_ready(buffers)
+
+
+def _hlo_module(proto_bytes: bytes) -> Any:
+    return xc.hlo.HloModule.from_serialized_hlo_module_proto(proto_bytes)
+
+
+def hlo_text(proto_bytes: bytes) -> str:
+    """XLA's HLO text of a serialized HloModuleProto."""
+    return _hlo_module(proto_bytes).to_string()
+
+
+def hlo_dot_graph(proto_bytes: bytes) -> str:
+    """A Graphviz dot graph of the module's entry computation."""
+    return xc.hlo.hlo_module_to_dot_graph(_hlo_module(proto_bytes))
+
+
+def cost_analysis(proto_bytes: bytes, platform: str = "cpu") -> dict[str, float]:
+    """XLA's cost estimate of the unoptimized module: 'flops', 'bytes accessed', ..."""
+    return dict(_jax.hlo_module_cost_analysis(get_client(platform), _hlo_module(proto_bytes)))
+
+
+def compiled_hlo_text(exe: LoadedExecutable) -> str:
+    """HLO text of the module as compiled (after XLA's optimization passes)."""
+    return exe.hlo_modules()[0].to_string()
+
+
+def compiler_version(platform: str = "cpu") -> str:
+    """jaxlib's version and the PJRT platform's version string."""
+    client = get_client(platform)
+    return f"jaxlib {jaxlib.__version__}; {client.platform} {client.platform_version}"

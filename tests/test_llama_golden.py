@@ -1,0 +1,106 @@
+"""LlamaForSampling against HF transformers' LlamaForCausalLM on the same weights.
+
+Tiny random checkpoints in every format; prefill and decode logits within 1e-4
+(relative to the largest logit), greedy tokens identical over many decode steps,
+crossing token buckets (128 -> 256) and context buckets (16, 64, chunked).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoders import LlamaForSampling
+
+N_POSITIONS = 256            # token buckets [128, 256]
+CONTEXT = [16, 64]           # context buckets
+
+
+def hf_greedy(hf, prompt: torch.Tensor, length: int):
+    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_length=length,
+                      min_length=length, do_sample=False, output_logits=True,
+                      return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences, [s.float() for s in out.logits]
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).abs().max() / reference.abs().max())
+
+
+def build(path, batch_size=1, **kwargs):
+    kwargs.setdefault("n_positions", N_POSITIONS)
+    kwargs.setdefault("context_length_estimate", CONTEXT)
+    return LlamaForSampling.from_pretrained(path, batch_size=batch_size, **kwargs).to_neuron()
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa_tied_llama3"])
+def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant):
+    hf, path = tiny_llama(variant, "safetensors")
+    model = build(path)
+    prompt = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
+    length = 150                                   # 110 new tokens: decode crosses 128 -> 256
+    expected, expected_logits = hf_greedy(hf, prompt, length)
+    tokens, logits = model.sample(prompt, sequence_length=length, top_k=1, eos_token_id=[],
+                                  output_scores=True)
+    assert torch.equal(tokens, expected)
+    assert len(logits) == length - prompt.shape[1]
+    for step in range(21):                         # prefill + 20 decode steps
+        assert relative_error(logits[step], expected_logits[step]) < 1e-4, step
+
+
+@pytest.mark.parametrize("fmt", ["sharded_safetensors", "bin", "sharded_bin"])
+def test_every_checkpoint_format_gives_the_same_tokens(tiny_llama, fmt):
+    hf, path = tiny_llama("gqa_tied_llama3", fmt)
+    model = build(path)
+    prompt = torch.randint(0, 320, (1, 10), generator=torch.Generator().manual_seed(2))
+    expected, _ = hf_greedy(hf, prompt, 40)
+    assert torch.equal(model.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[]), expected)
+
+
+def test_batch_of_three_different_prompt_lengths(tiny_llama):
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = build(path, batch_size=3)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 320, (n,), generator=gen) for n in (5, 17, 40)]
+    length = 60
+    tokens, logits = model.sample(prompts, sequence_length=length, top_k=1, eos_token_id=[],
+                                  output_scores=True)
+    new_tokens = length - 40                       # the longest prompt sets the step count
+    for i, prompt in enumerate(prompts):
+        expected, expected_logits = hf_greedy(hf, prompt[None], len(prompt) + new_tokens)
+        assert tokens[i, : len(prompt) + new_tokens].tolist() == expected[0].tolist(), i
+        for step in range(new_tokens):
+            assert relative_error(logits[step][i], expected_logits[step][0]) < 1e-4, (i, step)
+
+
+def test_padded_tensor_with_attention_mask_equals_list_of_prompts(tiny_llama):
+    _, path = tiny_llama("mha", "safetensors")
+    model = build(path, batch_size=2)
+    a, b = [5, 6, 7, 8, 9, 10], [11, 12, 13]
+    as_list = model.sample([a, b], sequence_length=20, top_k=1, eos_token_id=[])
+    left = torch.tensor([a, [0, 0, 0] + b])
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    as_tensor = model.sample(left, sequence_length=20, top_k=1, eos_token_id=[], attention_mask=mask)
+    assert torch.equal(as_list, as_tensor)
+
+
+def test_prompt_longer_than_the_largest_context_bucket_is_chunked(tiny_llama):
+    hf, path = tiny_llama("mha", "safetensors")
+    model = build(path, context_length_estimate=[16])
+    prompt = torch.randint(0, 320, (1, 150), generator=torch.Generator().manual_seed(4))
+    expected, expected_logits = hf_greedy(hf, prompt, 170)
+    tokens, logits = model.sample(prompt, sequence_length=170, top_k=1, eos_token_id=[],
+                                  output_scores=True)
+    assert torch.equal(tokens, expected)
+    assert relative_error(logits[0], expected_logits[0]) < 1e-4
+
+
+def test_generation_stops_at_eos(tiny_llama):
+    hf, path = tiny_llama("mha", "safetensors")
+    model = build(path)
+    prompt = torch.randint(0, 320, (1, 8), generator=torch.Generator().manual_seed(5))
+    free = model.sample(prompt, sequence_length=30, top_k=1, eos_token_id=[])
+    new = free[0, 8:].tolist()
+    eos = new[4]                                   # pretend the 5th new token is EOS
+    end = 8 + new.index(eos) + 1                   # generation ends at its first appearance
+    stopped = model.sample(prompt, sequence_length=30, top_k=1, eos_token_id=eos)
+    assert stopped[0].tolist() == free[0, :end].tolist()
