@@ -296,7 +296,41 @@ class GGUFCheckpoint(Checkpoint):
             raise CheckpointError(f"{self.path}: this GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        # Building a tokenizer from GGUF metadata takes seconds; keep the converted one.
+        cached = self._tokenizer_cache_dir()
+        if cached is not None and (cached / "tokenizer_config.json").exists():
+            try:
+                return AutoTokenizer.from_pretrained(str(cached))
+            except (OSError, ValueError):
+                pass
+        tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        if cached is not None:
+            self._save_tokenizer(tokenizer, cached)
+        return tokenizer
+
+    def _tokenizer_cache_dir(self) -> pathlib.Path | None:
+        import hashlib
+        import os
+
+        root = os.environ.get("PYHLO_TOKENIZER_CACHE", str(pathlib.Path.home() / ".cache" / "pyhlo" / "tokenizers"))
+        if root in ("", "0"):
+            return None
+        stat = self.path.stat()
+        key = hashlib.sha256(f"{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        return pathlib.Path(root) / f"{self.path.stem}-{key}"
+
+    @staticmethod
+    def _save_tokenizer(tokenizer, directory: pathlib.Path) -> None:
+        import shutil
+        import tempfile
+
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            staging = pathlib.Path(tempfile.mkdtemp(dir=directory.parent))
+            tokenizer.save_pretrained(str(staging))
+            staging.replace(directory)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)  # another process won the race, or no space
 
     def chat_template(self) -> str | None:
         return self._metadata.get("tokenizer.chat_template")

@@ -47,6 +47,7 @@ class ProgramSet:
         self.saved: dict[str, tuple[str, pathlib.Path]] = {}
         self.cache_hits = 0
         self.compiler_calls = 0
+        self.loaded_from_save = 0
         self._cache = None
 
     @property
@@ -74,6 +75,7 @@ class ProgramSet:
         saved = self.saved.get(program.name)
         if saved is not None and saved[0] == _module_hash(program):
             executable = self.backend.deserialize(saved[1].read_bytes(), module_bytes)
+            self.loaded_from_save += 1
             return CompiledProgram(program, executable, time.perf_counter() - started, True)
         executable, hit = self.cache.get_or_compile(self.backend, module_bytes)
         return CompiledProgram(program, executable, time.perf_counter() - started, hit)

@@ -46,6 +46,10 @@ _COMPUTATION_ARGS = ("to_apply", "condition", "body", "true_computation", "false
                      "comparator", "branch_computations")
 
 
+def _in_pyhlo(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PYHLO_DIR + os.sep)
+
+
 def opcode_of(method_name: str) -> str:
     """`DynamicUpdateSlice` -> `dynamic-update-slice`; unknown names fail clearly."""
     opcode = _OPCODE_ALIASES.get(method_name) or re.sub(
@@ -268,7 +272,8 @@ class Scribe:
     @staticmethod
     def _set_source(proto) -> None:
         frame = sys._getframe(3)
-        while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PYHLO_DIR:
+        # Skip the scribe and the op library (pyhlo/ and its subpackages): point at the writer.
+        while frame is not None and _in_pyhlo(frame.f_code.co_filename):
             frame = frame.f_back
         if frame is not None:
             proto.metadata.source_file = os.path.basename(frame.f_code.co_filename)

@@ -322,7 +322,8 @@ def _reduce_window(shapes: list[ArrayShape], attrs: dict, operands):
         raise _fail("reduce-window", operands, f"window needs {x.rank} dimensions")
     out = []
     for size, w in zip(x.dims, window):
-        padded = size + w.get("padding_low", 0) + w.get("padding_high", 0)
+        dilated = (size - 1) * (w.get("base_dilation", 1) or 1) + 1 if size else 0
+        padded = dilated + w.get("padding_low", 0) + w.get("padding_high", 0)
         extent = (w.get("size", 1) - 1) * (w.get("window_dilation", 1) or 1) + 1
         stride = w.get("stride", 1) or 1
         out.append(max(0, (padded - extent) // stride + 1))

@@ -14,7 +14,7 @@ from pyhlo.ops import nn
 from pyhlo.ops.attention import attention
 
 BF16 = numpy_dtype("bf16")
-SETTINGS = settings(max_examples=20, deadline=None)
+SETTINGS = settings(max_examples=12, deadline=None)
 F32_LOWEST = np.finfo(np.float32).min
 
 

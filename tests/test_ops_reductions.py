@@ -175,3 +175,18 @@ def test_bf16_matmul_accumulates_into_f32(m, k, n, seed):
     assert wide.dtype == np.float32 and narrow.dtype == BF16
     np.testing.assert_allclose(wide, exact, rtol=1e-5, atol=1e-5)  # bf16 products are exact in f32
     np.testing.assert_allclose(narrow.astype(np.float32), exact, rtol=1e-2, atol=2e-2)
+
+
+def test_reduce_window_with_base_dilation():
+    """The scribe's shape rule counts the holes that base dilation puts between elements."""
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+
+    def program(scribe):
+        a = _param(scribe, "f32", (3,))
+        window = dict(dimensions=[dict(size=2, stride=1, base_dilation=2, window_dilation=1)])
+        # [1, 2, 3] dilated is [1, 0, 2, 0, 3]: four windows of two.
+        return scribe.f32[4].ReduceWindow(a, scribe.f32.Constant(constant_value=0.0), window=window,
+                                          to_apply=reductions.scalar_computation("f32", "Add"))
+
+    (out,) = run_fn(program, x)
+    np.testing.assert_array_equal(out, [1.0, 2.0, 2.0, 3.0])

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 from pyhlo import compile_py_func
 from pyhlo.ops import sampling
 
-SETTINGS = settings(max_examples=15, deadline=None)
+SETTINGS = settings(max_examples=10, deadline=None)
 
 
 def hf_filtered_probs(logits: np.ndarray, top_k: int, top_p: float, temperature: float) -> np.ndarray:

@@ -219,6 +219,16 @@ def test_source_metadata_points_at_the_writer():
     assert reduce.metadata.source_line > 0
 
 
+def test_source_metadata_of_library_ops_points_at_their_caller():
+    from pyhlo.ops.nn import softmax
+
+    def program(scribe):
+        return softmax(scribe.f32[2, 3].Parameter(parameter_number=0))
+
+    for instruction in compile_py_func(program).computations[-1].instructions:
+        assert (instruction.metadata.source_file, instruction.metadata.op_name) == ("test_scribe.py", "program")
+
+
 def test_source_metadata_can_be_left_out():
     module = compile_py_func(_reduce_program, record_source=False)
     assert not any(i.HasField("metadata") for c in module.computations for i in c.instructions)

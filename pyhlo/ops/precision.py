@@ -15,7 +15,7 @@ _AMP_NAMES = {
 
 def compute_dtype(amp: str) -> str:
     """The element type name for an `amp` setting: 'bf16' and 'bfloat16' both give 'bf16'."""
-    name = _AMP_NAMES.get(str(amp).lower()) if isinstance(amp, str) else None
+    name = _AMP_NAMES.get(amp.lower()) if isinstance(amp, str) else None
     if name is None:
         raise ValueError(f"unknown amp dtype {amp!r}; valid names: {', '.join(sorted(_AMP_NAMES))}")
     return name

@@ -19,6 +19,7 @@ from pyhlo.ops.elementwise import (
     convert,
     divide,
     exp,
+    full_like,
     minimum,
     multiply,
     select,
@@ -26,7 +27,7 @@ from pyhlo.ops.elementwise import (
 )
 from pyhlo.ops.nn import expand
 from pyhlo.ops.reductions import argmax, cumsum, reduce_max, reduce_sum
-from pyhlo.ops.shape_ops import broadcast, get_tuple_element, iota, slice_along
+from pyhlo.ops.shape_ops import get_tuple_element, iota, slice_along
 from pyhlo.scribe import HloValue
 
 RNG_ALGORITHM = "RNG_THREE_FRY"
@@ -45,14 +46,9 @@ def uniform_from_bits(bits: HloValue) -> HloValue:
     an exact multiple of 2^-23, so 1.0 can never come out.
     """
     shape = bits.shape
-    mantissa = shape.ShiftRightLogical(bits, _full(bits, 9))
-    one_to_two = bitcast_convert(shape.Or(mantissa, _full(bits, 0x3F800000)), "f32")
+    mantissa = shape.ShiftRightLogical(bits, full_like(bits, 9))
+    one_to_two = bitcast_convert(shape.Or(mantissa, full_like(bits, 0x3F800000)), "f32")
     return subtract(one_to_two, 1.0)
-
-
-def _full(x: HloValue, value: int) -> HloValue:
-    scalar = constant(x.scribe, x.dtype, value)
-    return broadcast(scalar, x.dims, []) if x.dims else scalar
 
 
 def rng_uniform(state: HloValue, dims: Sequence[int]) -> tuple[HloValue, HloValue]:

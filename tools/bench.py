@@ -1,0 +1,9 @@
+"""placeholder"""
+
+
+def add_arguments(parser):
+    pass
+
+
+def run(args):
+    return 0

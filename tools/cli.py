@@ -1,0 +1,46 @@
+"""`pyhlo`: command-line programs over the library (generate, inspect, bench)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    "generate": ("tools.generate", "generate text with a model (default: SmolLM2-135M-Instruct)"),
+    "inspect": ("tools.inspect_hlo", "show what was built: HLO text, op counts, shapes, cost, graphs"),
+    "bench": ("tools.bench", "measure speed and memory against HF transformers (and llama.cpp)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pyhlo",
+        description="pyhlo: decoder LLMs written as XLA HLO programs, compiled per bucket and run "
+                    "on the device by a thin runtime.",
+        epilog="Run `pyhlo COMMAND --help` for each command's options.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what is compiled and loaded")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, summary) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = commands.add_parser(name, help=summary, description=module.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    try:
+        return int(args.run(args) or 0)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"pyhlo {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

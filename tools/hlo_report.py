@@ -1,0 +1,504 @@
+"""What an HLO module or a model's programs contain: the functions behind `pyhlo inspect`.
+
+    module_bytes = read_module("program.pb")  # or module_from_python("f.py", "fn").SerializeToString()
+    report = module_report(module_bytes)      # opcodes, parameters, outputs, aliases, cost
+    print(format_module(report, ["opcodes", "params", "cost"]))
+
+    reports = program_reports(model)          # one per program of model.eager_programs()
+    print(format_model(model, reports))
+
+    pb, txt, dot = dump_module("out", report)     # out/NAME.pb, .txt, .dot
+    render_dot(dot, "svg", graphviz_dot())        # out/NAME.svg (needs Graphviz)
+
+HLO text, Graphviz graphs and cost estimates come from XLA through the runtime;
+nothing here compiles a module.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib.util
+import math
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+from typing import Any, Callable, Sequence
+
+from google.protobuf.message import DecodeError
+
+from pyhlo import dtypes
+from pyhlo.schema import hlo_pb2
+
+SECTIONS = ("text", "opcodes", "params", "cost")
+SECTION_TITLES = {
+    "text": "HLO text",
+    "opcodes": "instructions by opcode",
+    "params": "parameters and outputs",
+    "cost": "cost analysis (XLA's estimate for the unoptimized module)",
+}
+# Above this many instructions the HLO text is left out unless asked for.
+TEXT_LIMIT = 300
+RENDER_FORMATS = ("svg", "png")
+DOT_MISSING = ("Graphviz 'dot' not found: install graphviz (apt-get install graphviz) to render; "
+               "the .dot files are written")
+_ALIAS_KINDS = {hlo_pb2.MAY_ALIAS: "may", hlo_pb2.MUST_ALIAS: "must"}
+
+
+# -- units ---------------------------------------------------------------------------
+def _scaled(n: float, base: int, prefixes: Sequence[str]) -> tuple[float, str]:
+    i = 0
+    while abs(n) >= base and i < len(prefixes) - 1:
+        n /= base
+        i += 1
+    return n, prefixes[i]
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units)."""
+    value, unit = _scaled(n, 1024, ("B", "KiB", "MiB", "GiB", "TiB"))
+    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def human_count(n: float, unit: str = "") -> str:
+    """56625408 -> '56.6 M' (decimal units), with `unit` appended: human_count(n, 'FLOP') -> '56.6 MFLOP'."""
+    value, prefix = _scaled(n, 1000, ("", "K", "M", "G", "T", "P"))
+    number = f"{value:.0f}" if not prefix else f"{value:.1f}"
+    return f"{number} {prefix}{unit}".rstrip()
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
+    """Aligned text columns; columns whose index is in `right` are right-aligned."""
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+# -- shapes --------------------------------------------------------------------------
+def shape_text(shape: hlo_pb2.ShapeProto) -> str:
+    """XLA's spelling without layout: f32[4,8], (f32[2], s32[]), token[]."""
+    if shape.element_type == hlo_pb2.TUPLE:
+        return "(" + ", ".join(shape_text(s) for s in shape.tuple_shapes) + ")"
+    name = dtypes.NAME_OF_PRIMITIVE.get(shape.element_type)
+    if name is None:  # token, opaque, or a type our schema subset does not name
+        known = shape.element_type in hlo_pb2.PrimitiveType.values()
+        name = hlo_pb2.PrimitiveType.Name(shape.element_type).lower() if known else f"type{shape.element_type}"
+    return f"{name}[{','.join(map(str, shape.dimensions))}]"
+
+
+def shape_bytes(shape: hlo_pb2.ShapeProto) -> int:
+    """Bytes of an array shape, or of every array of a tuple (tokens count zero)."""
+    if shape.element_type == hlo_pb2.TUPLE:
+        return sum(shape_bytes(s) for s in shape.tuple_shapes)
+    name = dtypes.NAME_OF_PRIMITIVE.get(shape.element_type)
+    if name is None:
+        return 0
+    return math.prod(shape.dimensions) * dtypes.byte_size(name)
+
+
+def index_text(index: Sequence[int]) -> str:
+    """A shape index as XLA writes it: {} for the whole result, {1} for tuple element 1."""
+    return "{" + ",".join(map(str, index)) + "}"
+
+
+def _leaves(shape: hlo_pb2.ShapeProto, index: tuple[int, ...] = ()):
+    if shape.element_type == hlo_pb2.TUPLE:
+        for i, element in enumerate(shape.tuple_shapes):
+            yield from _leaves(element, index + (i,))
+    else:
+        yield index, shape
+
+
+# -- targets -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Target:
+    kind: str                   # "module" (.pb) | "python" (file.py:function) | "model"
+    path: pathlib.Path | None   # None for the default model
+    function: str = ""
+
+
+def parse_target(target: str) -> Target:
+    """MODULE.pb, path/to/file.py:function, a model directory or .gguf file, or 'default'."""
+    if target == "default":
+        return Target("model", None)
+    filename, colon, function = target.rpartition(":")
+    if colon and filename.endswith(".py"):
+        if not pathlib.Path(filename).is_file():
+            raise FileNotFoundError(f"{filename}: no such file")
+        if not function:
+            raise ValueError(f"{target}: name the function to build, as {filename}:function")
+        return Target("python", pathlib.Path(filename), function)
+    path = pathlib.Path(target)
+    if target.endswith(".py"):
+        raise ValueError(f"{target}: name the function that writes the module, as {target}:function")
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{target}: no such file or directory; a target is MODULE.pb, path/to/file.py:function, "
+            "a model directory or .gguf file, or 'default'"
+        )
+    if path.is_file() and path.suffix == ".pb":
+        return Target("module", path)
+    if path.is_dir() or path.suffix == ".gguf":
+        return Target("model", path)
+    raise ValueError(f"{target}: not a .pb module, a file.py:function, a model directory or a .gguf file")
+
+
+# -- one module ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    number: int
+    name: str
+    shape: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    index: tuple[int, ...]
+    shape: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Alias:
+    """Output `output_index` reuses the memory of parameter `parameter` (updated in place)."""
+
+    output_index: tuple[int, ...]
+    parameter: int
+    parameter_index: tuple[int, ...]
+    kind: str  # "must" | "may"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleReport:
+    name: str
+    module_bytes: bytes = dataclasses.field(repr=False)
+    computations: int
+    instructions: int
+    opcodes: list[tuple[str, int]]  # most frequent first
+    parameters: list[Parameter]
+    outputs: list[Output]
+    aliases: list[Alias]
+    cost: dict[str, float]
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(p.bytes for p in self.parameters)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(o.bytes for o in self.outputs)
+
+    @property
+    def flops(self) -> float:
+        return self.cost.get("flops", 0.0)
+
+    @property
+    def bytes_accessed(self) -> float:
+        return self.cost.get("bytes accessed", 0.0)
+
+
+def parse_module(module_bytes: bytes, source: str = "module") -> hlo_pb2.HloModuleProto:
+    """The HloModuleProto in `module_bytes`, or ValueError saying what `source` is not."""
+    try:
+        module = hlo_pb2.HloModuleProto.FromString(module_bytes)
+    except DecodeError as error:
+        raise ValueError(f"{source} is not a serialized HloModuleProto ({error})") from None
+    if not module.computations:
+        raise ValueError(f"{source} is not a serialized HloModuleProto (it has no computations)")
+    return module
+
+
+def read_module(path: str | pathlib.Path) -> bytes:
+    """The bytes of a serialized HloModuleProto file, checked to parse."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    data = path.read_bytes()
+    parse_module(data, str(path))
+    return data
+
+
+def module_from_python(path: str | pathlib.Path, function_name: str) -> hlo_pb2.HloModuleProto:
+    """Import the file at `path` and write `compile_py_func(function)` (the function takes the scribe)."""
+    from pyhlo import compile_py_func
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    module_name = "_pyhlo_inspect_" + re.sub(r"\W", "_", path.stem)
+    import_spec = importlib.util.spec_from_file_location(module_name, path)
+    python_module = importlib.util.module_from_spec(import_spec)
+    # The file may import its neighbours.
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        import_spec.loader.exec_module(python_module)
+    finally:
+        sys.path.pop(0)
+    function = getattr(python_module, function_name, None)
+    if not callable(function):
+        defined = sorted(n for n, v in vars(python_module).items()
+                         if callable(v) and getattr(v, "__module__", None) == module_name)
+        raise ValueError(f"{path} has no function {function_name!r}; functions defined there: "
+                         f"{', '.join(defined) or '(none)'}")
+    return compile_py_func(function)
+
+
+def module_report(module_bytes: bytes, name: str | None = None,
+                  cost: Callable[[bytes], dict[str, float]] | None = None) -> ModuleReport:
+    """Counts, shapes, aliases and XLA's cost estimate of a serialized module (nothing is compiled)."""
+    module = parse_module(module_bytes)
+    opcodes = collections.Counter(i.opcode for c in module.computations for i in c.instructions)
+    program_shape = module.host_program_shape
+    names = list(program_shape.parameter_names)
+    if len(names) != len(program_shape.parameters):
+        names = [f"p{i}" for i in range(len(program_shape.parameters))]
+    parameters = [Parameter(i, n, shape_text(s), shape_bytes(s))
+                  for i, (n, s) in enumerate(zip(names, program_shape.parameters))]
+    outputs = [Output(index, shape_text(s), shape_bytes(s)) for index, s in _leaves(program_shape.result)]
+    aliases = [Alias(tuple(e.output_shape_index), e.parameter_number, tuple(e.parameter_shape_index),
+                     _ALIAS_KINDS.get(e.kind, "may"))
+               for e in module.input_output_alias.entries]
+    return ModuleReport(
+        name=name or module.name or "module",
+        module_bytes=module_bytes,
+        computations=len(module.computations),
+        instructions=sum(opcodes.values()),
+        opcodes=sorted(opcodes.items(), key=lambda item: (-item[1], item[0])),
+        parameters=parameters,
+        outputs=outputs,
+        aliases=aliases,
+        cost=(cost or cost_analysis)(module_bytes),
+    )
+
+
+def analysis_backend(backend: Any = None) -> Any:
+    """A backend that can estimate costs: `backend` (default get_backend()) if it can, else XLA on cpu."""
+    from runtime.backend import XlaBackend, get_backend
+
+    backend = backend if backend is not None else get_backend()
+    return backend if hasattr(backend, "cost_analysis") else XlaBackend("cpu")
+
+
+def cost_analysis(module_bytes: bytes) -> dict[str, float]:
+    """XLA's flops / transcendentals / bytes-accessed estimate of the unoptimized module."""
+    return analysis_backend().cost_analysis(module_bytes)
+
+
+def hlo_text(module_bytes: bytes) -> str:
+    from runtime import pjrt
+
+    return pjrt.hlo_text(module_bytes)
+
+
+def default_sections(report: ModuleReport) -> list[str]:
+    """Every section, less the HLO text of a module with more than TEXT_LIMIT instructions."""
+    if report.instructions > TEXT_LIMIT:
+        return [s for s in SECTIONS if s != "text"]
+    return list(SECTIONS)
+
+
+def _header(title: str) -> str:
+    return f"=== {title} ==="
+
+
+def _format_opcodes(report: ModuleReport) -> str:
+    total = report.instructions
+    rows = [(op, n, f"{100 * n / total:.1f}%") for op, n in report.opcodes]
+    rows.append(("total", total, "100.0%"))
+    return format_table(["opcode", "count", "share"], rows, right=(1, 2))
+
+
+def _format_params(report: ModuleReport) -> str:
+    by_parameter = {a.parameter: a for a in report.aliases}
+    by_output = {a.output_index: a for a in report.aliases}
+    names = {p.number: p.name for p in report.parameters}
+    params = [(p.number, p.name, p.shape, human_bytes(p.bytes),
+               f"output {index_text(by_parameter[p.number].output_index)}" if p.number in by_parameter else "")
+              for p in report.parameters]
+    params.append(("", "total", "", human_bytes(report.parameter_bytes), ""))
+    outputs = []
+    for o in report.outputs:
+        alias = by_output.get(o.index)
+        source = f"parameter {alias.parameter} ({names.get(alias.parameter, '?')})" if alias else ""
+        outputs.append((index_text(o.index), o.shape, human_bytes(o.bytes), source))
+    outputs.append(("total", "", human_bytes(report.output_bytes), ""))
+    lines = [f"{len(report.parameters)} parameters:",
+             format_table(["#", "name", "shape", "bytes", "aliased to"], params, right=(0, 3)),
+             "", f"{len(report.outputs)} outputs:",
+             format_table(["output", "shape", "bytes", "aliased from"], outputs, right=(2,))]
+    lines.append("")
+    if report.aliases:
+        lines.append("input_output_alias (the output reuses the parameter's memory: updated in place):")
+        for a in report.aliases:
+            param = f"parameter {a.parameter} ({names.get(a.parameter, '?')})"
+            if a.parameter_index:
+                param += f" {index_text(a.parameter_index)}"
+            lines.append(f"  output {index_text(a.output_index)} <- {param}, {a.kind} alias")
+    else:
+        lines.append("input_output_alias: none (no output reuses a parameter's memory)")
+    return "\n".join(lines)
+
+
+def _format_cost(report: ModuleReport) -> str:
+    cost = report.cost
+    flops, transcendentals, accessed = cost.get("flops", 0.0), cost.get("transcendentals", 0.0), \
+        cost.get("bytes accessed", 0.0)
+    rows = [("flops", human_count(flops, "FLOP"), f"{flops:,.0f}"),
+            ("transcendentals", human_count(transcendentals), f"{transcendentals:,.0f}"),
+            ("bytes accessed", human_bytes(accessed), f"{accessed:,.0f} B")]
+    if accessed:
+        rows.append(("flops per byte", f"{flops / accessed:.2f}", ""))
+    return format_table(["measure", "value", "exact"], rows, right=(1, 2))
+
+
+def format_module(report: ModuleReport, sections: Sequence[str] | None = None) -> str:
+    """The chosen sections (default: default_sections(report)) under clear headers."""
+    chosen = list(sections) if sections else default_sections(report)
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"unknown section {unknown[0]!r}; sections: {', '.join(SECTIONS)}")
+    parts = [_header(f"module {report.name}: {report.instructions} instructions in "
+                     f"{report.computations} computation{'s' if report.computations != 1 else ''}, "
+                     f"{len(report.parameters)} parameters ({human_bytes(report.parameter_bytes)}), "
+                     f"{len(report.outputs)} outputs ({human_bytes(report.output_bytes)})")]
+    for section in SECTIONS:
+        if section not in chosen:
+            continue
+        parts.append("")
+        parts.append(_header(SECTION_TITLES[section]))
+        if section == "text":
+            parts.append(hlo_text(report.module_bytes).rstrip())
+        elif section == "opcodes":
+            parts.append(_format_opcodes(report))
+        elif section == "params":
+            parts.append(_format_params(report))
+        else:
+            parts.append(_format_cost(report))
+    if "text" not in chosen and sections is None:
+        parts += ["", f"(HLO text not shown: {report.instructions} instructions > {TEXT_LIMIT}; "
+                      "add --section text to print it, or --dump DIR to write NAME.txt)"]
+    return "\n".join(parts)
+
+
+# -- a model's programs --------------------------------------------------------------
+def program_reports(model: Any, backend: Any = None) -> list[ModuleReport]:
+    """A report of every program `model.eager_programs()` lists (built, not compiled)."""
+    analysis = analysis_backend(backend if backend is not None else model.programs.backend)
+    reports = []
+    for kind, args in model.eager_programs():
+        program = model.programs.build(kind, args)
+        reports.append(module_report(program.module.SerializeToString(), program.name,
+                                     cost=analysis.cost_analysis))
+    return reports
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTotals:
+    n_layers: int
+    layer_weight_bytes: int
+    shared_weight_bytes: int
+    kv_cache_bytes: int
+    kv_cache_formula: str
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.layer_weight_bytes * self.n_layers + self.shared_weight_bytes
+
+
+def model_totals(model: Any) -> ModelTotals:
+    """Device memory of the weights (layers + shared) and of the KV caches of every layer."""
+    graph, dims = model.graph, model.dims
+    size = dtypes.byte_size(model.dtype)
+    layer = sum(math.prod(spec.dims) * dtypes.byte_size(spec.dtype) for spec in graph.layer_weight_specs())
+    # Embedding, final norm, and the LM head unless it is the embedding itself.
+    shared = (dims.vocab_size * dims.hidden_size + dims.hidden_size) * size
+    if not dims.tie_word_embeddings:
+        shared += dims.vocab_size * dims.hidden_size * size
+    cache = graph.cache_spec("cache").dims  # (batch, kv_heads, n_positions, head_dim)
+    kv = 2 * dims.n_layers * math.prod(cache) * size
+    formula = (f"2 x {dims.n_layers} layers x batch {cache[0]} x {cache[1]} kv heads x "
+               f"{cache[2]} positions x head_dim {cache[3]} x {size} B")
+    return ModelTotals(dims.n_layers, layer, shared, kv, formula)
+
+
+def format_model(model: Any, reports: Sequence[ModuleReport]) -> str:
+    """The model's dimensions, a table of its programs and its memory totals."""
+    d = model.dims
+    parts = [
+        _header(f"model {model.checkpoint_path} ({model.family.name})"),
+        f"layers {d.n_layers}, hidden {d.hidden_size}, heads {d.n_heads} (kv {d.n_kv_heads}) x head_dim "
+        f"{d.head_dim}, intermediate {d.intermediate_size}, vocab {d.vocab_size}",
+        f"amp {model.amp}, batch {model.batch_size}, n_positions {model.n_positions}; token buckets "
+        f"{', '.join(map(str, model.token_buckets))}; context buckets "
+        f"{', '.join(map(str, model.context_buckets))}",
+        "",
+        _header(f"programs ({len(reports)}, as model.eager_programs() lists them)"),
+    ]
+    rows = [(r.name, r.instructions, len(r.parameters), human_count(r.flops, "FLOP"),
+             human_bytes(r.bytes_accessed), human_bytes(r.parameter_bytes), human_bytes(r.output_bytes))
+            for r in reports]
+    parts.append(format_table(["program", "instructions", "params", "flops", "bytes accessed",
+                               "param bytes", "output bytes"], rows, right=(1, 2, 3, 4, 5, 6)))
+    parts.append("flops, bytes accessed: XLA's estimate for the unoptimized module.\n"
+                 "param bytes: device memory of the inputs (weights and caches included); "
+                 "aliased outputs reuse their input's memory.")
+    totals = model_totals(model)
+    parts += [
+        "",
+        _header("model totals (device memory)"),
+        format_table(["", "bytes", "how"], [
+            ("weights", human_bytes(totals.weight_bytes),
+             f"{totals.n_layers} layers x {human_bytes(totals.layer_weight_bytes)} + shared "
+             f"{human_bytes(totals.shared_weight_bytes)} (embedding, final norm"
+             f"{', tied LM head' if d.tie_word_embeddings else ', LM head'})"),
+            ("KV cache", human_bytes(totals.kv_cache_bytes), totals.kv_cache_formula),
+            ("total", human_bytes(totals.weight_bytes + totals.kv_cache_bytes), "weights + KV cache"),
+        ], right=(1,)),
+        "",
+        "Show one program like a module with --program NAME; write them all with --dump DIR.",
+    ]
+    return "\n".join(parts)
+
+
+# -- files ---------------------------------------------------------------------------
+def file_stem(name: str) -> str:
+    """A module name made safe as a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "module"
+
+
+def graphviz_dot() -> str | None:
+    """The path of Graphviz's `dot` command, or None when it is not on PATH."""
+    return shutil.which("dot")
+
+
+def render_dot(dot_file: pathlib.Path, fmt: str, dot: str) -> pathlib.Path:
+    """Render `dot_file` to the same name with suffix `fmt` (svg | png) with Graphviz's `dot` command."""
+    if fmt not in RENDER_FORMATS:
+        raise ValueError(f"unknown render format {fmt!r}; formats: {', '.join(RENDER_FORMATS)}")
+    out = dot_file.with_name(f"{dot_file.stem}.{fmt}")
+    done = subprocess.run([dot, f"-T{fmt}", str(dot_file), "-o", str(out)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"dot -T{fmt} {dot_file} failed: {done.stderr.strip()}")
+    return out
+
+
+def dump_module(directory: str | pathlib.Path, report: ModuleReport) -> list[pathlib.Path]:
+    """Write NAME.pb, NAME.txt (HLO text) and NAME.dot (Graphviz); returns the paths, .dot last."""
+    from runtime import pjrt
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = directory / file_stem(report.name)
+    pb, txt, dot = (stem.with_name(f"{stem.name}{suffix}") for suffix in (".pb", ".txt", ".dot"))
+    pb.write_bytes(report.module_bytes)
+    txt.write_text(pjrt.hlo_text(report.module_bytes))
+    dot.write_text(pjrt.hlo_dot_graph(report.module_bytes))
+    return [pb, txt, dot]
