@@ -1,9 +1,580 @@
-"""placeholder"""
+"""Measure pyhlo against HF transformers and llama.cpp on the same weights.
+
+Each engine runs in a process of its own (so memory peaks do not mix) and the engines
+take turns: a warm-up generation each, then --repeats rounds in which every engine
+generates once. Every generation is greedy with EOS ignored, so each line really gets
+--new-tokens tokens. Reported per engine, precision and batch size:
+
+  TTFT          time to first token: prefill of the prompt plus the first token
+  decode tok/s  (new tokens - 1) / (total - TTFT), added up over the batch lines
+  roofline      weight bytes / measured memory bandwidth = the least time a decode step
+                can take; the share of it each engine reaches
+  to_neuron     from_pretrained + to_neuron() wall time, cold (empty compile cache in a
+                temporary directory) and warm (a second process, same cache)
+  peak RSS      the process's high-water mark over loading and generating
+  buckets       pyhlo ms per decode step while the length sits in each token bucket
+
+The memory read bandwidth is measured in the same run (threads reducing parts of a large
+array). llama.cpp (llama-cpp-python) is used when it can be imported; it reads F32/BF16
+GGUF files written from our dequantized weights and cached next to the model.
+
+Results: a markdown table on stdout, and DIR/bench.json, DIR/bench.md, DIR/bench.png
+(worker logs in DIR/logs/).
+
+examples:
+  pyhlo bench                                  # everything, SmolLM2-135M-Instruct
+  pyhlo bench --quick                          # a smoke run with tiny settings
+  pyhlo bench --engines pyhlo,hf --amp bf16 --batch 1 --repeats 5 --no-compile-times
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import math
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from tools import bench_peers, bench_report
+
+ENGINES = ("pyhlo", "hf", "llamacpp")
+AMPS = ("f32", "bf16")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULTS = dict(amp="f32,bf16", batch="1,4", prompt_tokens=128, new_tokens=128, repeats=3, n_positions=1024,
+                bandwidth_mb=512)
+QUICK = dict(amp="f32", batch="1", prompt_tokens=16, new_tokens=8, repeats=1, n_positions=256, bandwidth_mb=64)
+BUCKET_PROMPT_TOKENS = 16
+# Leading greedy tokens two engines must share in f32 before we call the weights the same.
+AGREEMENT_TOKENS = 16
+PROMPT_TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil "
+    "and a cloth for the great lens. From the gallery he could see the fishing boats returning "
+    "to the harbour, their lamps swinging with the swell, and beyond them the dark line of the "
+    "cliffs where the old signal station had stood before the storm of the winter of 1893. "
+    "He kept a logbook in a careful hand: the direction of the wind, the height of the waves, "
+    "the names of the ships that passed, and the hour at which the light was lit and put out. "
+    "In spring the gulls nested on the rocks below, and the children from the village came to "
+    "count the eggs and argue about which birds would fly first. In autumn the gales returned, "
+    "and the keeper wrote less and watched more, listening to the glass rattle in its frame. "
+    "Years later, when the light was automated and the keeper had moved to a cottage inland, "
+    "people asked him whether he missed the sea. He said that he still woke at dusk."
+)
 
 
-def add_arguments(parser):
+# -- options -----------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--engines", help="comma-separated, from pyhlo,hf,llamacpp (default: all available)")
+    parser.add_argument("--amp", help=f"comma-separated precisions, from f32,bf16 (default {DEFAULTS['amp']})")
+    parser.add_argument("--batch", help=f"comma-separated batch sizes (default {DEFAULTS['batch']})")
+    parser.add_argument("--prompt-tokens", type=int, help=f"prompt length (default {DEFAULTS['prompt_tokens']})")
+    parser.add_argument("--new-tokens", type=int, help=f"tokens generated per line (default {DEFAULTS['new_tokens']})")
+    parser.add_argument("--repeats", type=int, help=f"measured rounds after the warm-up (default {DEFAULTS['repeats']})")
+    parser.add_argument("--n-positions", type=int,
+                        help=f"longest sequence pyhlo compiles for (default {DEFAULTS['n_positions']})")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="threads for the peers and the bandwidth probe (default: all cores)")
+    parser.add_argument("--out", default="bench_results", help="output directory (default bench_results/)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: f32, batch 1, 16-token prompt, 8 new tokens, n_positions 256, "
+                             "1 repeat (options given explicitly still win)")
+    parser.add_argument("--no-compile-times", action="store_true",
+                        help="skip the cold compile into an empty cache; use the usual compile cache")
+    parser.add_argument("--no-buckets", action="store_true", help="skip the per-bucket decode latency run")
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def resolve_settings(args: argparse.Namespace) -> dict:
+    """The run's settings: explicit options, else --quick's, else the defaults; validated."""
+    base = QUICK if args.quick else DEFAULTS
+    pick = lambda name: getattr(args, name) if getattr(args, name, None) is not None else base[name]  # noqa: E731
+    settings = {name: pick(name) for name in ("amp", "batch", "prompt_tokens", "new_tokens", "repeats",
+                                              "n_positions")}
+    settings["bandwidth_mb"] = base["bandwidth_mb"]
+    settings["amps"] = _csv(settings.pop("amp"))
+    for amp in settings["amps"]:
+        if amp not in AMPS:
+            raise ValueError(f"--amp {amp!r} is not one of {', '.join(AMPS)}")
+    try:
+        settings["batches"] = [int(b) for b in _csv(settings.pop("batch"))]
+    except ValueError as e:
+        raise ValueError(f"--batch must be comma-separated integers ({e})") from None
+    if not settings["amps"] or not settings["batches"] or min(settings["batches"]) < 1:
+        raise ValueError("--amp and --batch need at least one value; batch sizes are >= 1")
+    if settings["new_tokens"] < 2:
+        raise ValueError("--new-tokens must be at least 2 (decode speed is measured after the first token)")
+    if settings["prompt_tokens"] < 1 or settings["repeats"] < 1:
+        raise ValueError("--prompt-tokens and --repeats must be at least 1")
+    if settings["prompt_tokens"] + settings["new_tokens"] > settings["n_positions"]:
+        raise ValueError(f"--prompt-tokens + --new-tokens ({settings['prompt_tokens'] + settings['new_tokens']}) "
+                         f"exceeds --n-positions {settings['n_positions']}")
+    settings["threads"] = max(1, args.threads)
+    settings["compile_times"] = not args.no_compile_times
+    settings["buckets"] = not args.no_buckets
+    return settings
+
+
+def resolve_engines(requested: str | None) -> tuple[list[str], dict[str, str]]:
+    """Engines to run, and the ones left out with the reason."""
+    unavailable = {}
+    why = bench_peers.llamacpp_available()
+    if why:
+        unavailable["llamacpp"] = why
+    if requested is None:
+        return [e for e in ENGINES if e not in unavailable], unavailable
+    engines = _csv(requested)
+    for engine in engines:
+        if engine not in ENGINES:
+            raise ValueError(f"--engines {engine!r} is not one of {', '.join(ENGINES)}")
+    return engines, {e: r for e, r in unavailable.items() if e in engines}
+
+
+# -- the machine ---------------------------------------------------------------------
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict:
+    import psutil
+
+    cpu, flags = platform.processor() or "?", set()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu in ("?", platform.processor()):
+                cpu = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    versions = {"python": platform.python_version()}
+    for package in ("numpy", "jaxlib", "torch", "transformers", "llama-cpp-python"):
+        version = _version(package)
+        if version:
+            versions[package] = version
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+        "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma"}),
+        "memory_gib": psutil.virtual_memory().total / 2**30, "platform": platform.platform(),
+        "versions": versions,
+    }
+
+
+def measure_bandwidth(array_mb: int, threads: int, repeats: int = 7) -> dict:
+    """Sustained memory read bandwidth: `threads` threads each summing a part of one array.
+
+    numpy releases the GIL inside a reduction, so the threads read memory in parallel.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = np.ones(array_mb * 2**20 // 4, np.float32)
+    parts = np.array_split(data, threads)
+    samples = []
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            samples.append(data.nbytes / (time.perf_counter() - started) / 1e9)
+    samples = samples[1:]  # the first pass warms the pages and the threads
+    return {"gb_per_s": float(np.median(samples)), "samples_gb_per_s": samples, "array_mb": array_mb,
+            "threads": threads, "method": "numpy sum per thread over float32"}
+
+
+def weight_bytes(model_path: pathlib.Path, amp: str) -> int:
+    """Bytes of weights one decode step reads: every tensor once; a separate input embedding
+    is left out (a step reads one row of it), a tied one is the LM head and stays in."""
+    from decoders.checkpoint import open_checkpoint
+
+    size = {"f32": 4, "bf16": 2}[amp]
+    with open_checkpoint(model_path) as checkpoint:
+        total = sum(math.prod(checkpoint.shape(n)) for n in checkpoint.names())
+        if "lm_head.weight" in checkpoint.names():
+            total -= math.prod(checkpoint.shape("model.embed_tokens.weight"))
+    return total * size
+
+
+def make_prompts(model_path: pathlib.Path, batch: int, length: int) -> list[list[int]]:
+    """`batch` different prompts of `length` tokens: windows of a fixed text, or, when the
+    model has no tokenizer, fixed pseudo-random ids."""
+    from decoders.checkpoint import open_checkpoint
+
+    with open_checkpoint(model_path) as checkpoint:
+        vocab = int(checkpoint.config["vocab_size"])
+        try:
+            ids = list(checkpoint.tokenizer()(PROMPT_TEXT)["input_ids"])
+        except Exception:  # noqa: BLE001 - a checkpoint without tokenizer files
+            ids = np.random.default_rng(0).integers(3, vocab, 256).tolist()
+    need = length + 7 * batch
+    ids = (ids * (need // len(ids) + 1))[:need]
+    return [ids[7 * i: 7 * i + length] for i in range(batch)]
+
+
+# -- workers -------------------------------------------------------------------------
+class WorkerError(RuntimeError):
     pass
 
 
-def run(args):
+class Worker:
+    """One engine in a child process, driven by JSON lines (`python -m tools.bench --worker`)."""
+
+    def __init__(self, name: str, log_path: pathlib.Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        environment = dict(os.environ, TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        environment["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT)] + ([environment["PYTHONPATH"]] if environment.get("PYTHONPATH") else []))
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tools.bench", "--worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=environment)
+
+    def call(self, op: str, **request: Any) -> Any:
+        try:
+            self.proc.stdin.write(json.dumps({"op": op, **request}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self.proc.wait(timeout=30)
+            raise WorkerError(f"{self.name} worker exited with code {self.proc.returncode}: {self._log_tail()}")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise WorkerError(f"{self.name}: {reply['error']}")
+        return reply["result"]
+
+    def _log_tail(self, lines: int = 5) -> str:
+        self._log.flush()
+        try:
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            tail = []
+        return " | ".join(tail) or f"see {self.log_path}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class PyhloRunner:
+    """Ours: LlamaForSampling, from_pretrained + to_neuron, then greedy sample()."""
+
+    engine = "pyhlo"
+
+    def __init__(self, model_path: str, amp: str, batch: int, n_positions: int, **_: Any):
+        from decoders import LlamaForSampling
+
+        self.model = LlamaForSampling.from_pretrained(model_path, batch_size=batch, n_positions=n_positions,
+                                                      amp=amp)
+        self.model.to_neuron()
+        self.info = {"programs": len(self.model.eager_programs()), "cache_hits": self.model.programs.cache_hits,
+                     "token_buckets": self.model.token_buckets, "context_buckets": self.model.context_buckets}
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> dict:
+        streamer = bench_peers.TimingStreamer()
+        length = len(prompts[0])
+        started = time.perf_counter()
+        out = self.model.sample(prompts, sequence_length=length + new_tokens, top_k=1, eos_token_id=[],
+                                streamer=streamer)
+        finished = time.perf_counter()
+        return bench_peers.generation_record(started, streamer.token_times(started), finished,
+                                             out[:, length:].tolist())
+
+
+RUNNERS = {"pyhlo": PyhloRunner, "hf": bench_peers.HFRunner, "llamacpp": bench_peers.LlamaCppRunner}
+# Imported before the load clock starts: library import time is not load time.
+PRELOAD = {"pyhlo": ("decoders", "jax"), "hf": ("torch", "transformers"), "llamacpp": ("llama_cpp",)}
+
+
+def worker_main() -> int:
+    """The child side of Worker: one request per stdin line, one JSON reply per line."""
+    import resource
+
+    import psutil
+
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever the libraries print goes to the log, not into the replies
+    sys.stdout = sys.stderr
+    runner = None
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        if op == "quit":
+            break
+        try:
+            if op == "load":
+                for module in PRELOAD[request["engine"]]:
+                    importlib.import_module(module)
+                started = time.perf_counter()
+                runner = RUNNERS[request["engine"]](**request)
+                result = {"seconds": time.perf_counter() - started, "info": runner.info}
+            elif op == "generate":
+                result = runner.generate(request["prompts"], request["new_tokens"])
+            elif op == "memory":
+                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+                result = {"peak_rss_bytes": peak, "rss_bytes": psutil.Process().memory_info().rss}
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            reply = {"ok": True, "result": result}
+        except Exception as error:  # noqa: BLE001 - reported to the parent, which goes on
+            traceback.print_exc()
+            reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+        replies.write(json.dumps(reply) + "\n")
     return 0
+
+
+# -- one configuration ---------------------------------------------------------------
+def new_row(engine: str, amp: str, batch: int) -> dict:
+    return {"engine": engine, "amp": amp, "batch": batch, "status": "ok", "error": None,
+            "ttft_ms": None, "decode_tokens_per_s": None, "ms_per_step": None, "load_s": None,
+            "compile_cold_s": None, "compile_warm_s": None, "peak_rss_mb": None, "rss_mb": None,
+            "cold_peak_rss_mb": None, "roofline_fraction": None, "vs": {}, "ttft_vs": {}, "agreement": None,
+            "info": {}}
+
+
+def _fail(row: dict, error: Exception) -> None:
+    row["status"], row["error"] = "error", str(error)
+    print(f"  {row['engine']} {row['amp']} batch {row['batch']}: {error}", file=sys.stderr)
+
+
+def measure_config(model_path: pathlib.Path, engines: list[str], amp: str, batch: int, settings: dict,
+                   prompts: list[list[int]], model_files: dict[str, pathlib.Path], logs: pathlib.Path
+                   ) -> tuple[list[dict], list[dict]]:
+    """Rows of every engine for one precision and batch size, and pyhlo's bucket rows."""
+    rows = {e: new_row(e, amp, batch) for e in engines}
+    tag = f"{amp}-b{batch}"
+    spec = {"amp": amp, "batch": batch, "n_positions": settings["n_positions"], "threads": settings["threads"],
+            "prompt_tokens": settings["prompt_tokens"]}
+    new_tokens = settings["new_tokens"]
+    cache_env: dict[str, str] = {}
+    cache_dir = None
+    buckets: list[dict] = []
+    if settings["compile_times"] and "pyhlo" in rows:
+        cache_dir = tempfile.mkdtemp(prefix="pyhlo-bench-cache-")
+        cache_env = {"PYHLO_CACHE_DIR": cache_dir}
+        print(f"[{tag}] pyhlo: cold to_neuron() into an empty compile cache", file=sys.stderr)
+        try:
+            with Worker("pyhlo", logs / f"pyhlo-{tag}-cold.log", cache_env) as worker:
+                loaded = worker.call("load", engine="pyhlo", model_path=str(model_path), **spec)
+                memory = worker.call("memory")
+            rows["pyhlo"]["compile_cold_s"] = loaded["seconds"]
+            rows["pyhlo"]["cold_peak_rss_mb"] = memory["peak_rss_bytes"] / 2**20
+        except WorkerError as error:
+            _fail(rows["pyhlo"], error)
+    workers: dict[str, Worker] = {}
+    try:
+        for engine, row in rows.items():
+            if row["status"] != "ok":
+                continue
+            print(f"[{tag}] {engine}: loading", file=sys.stderr)
+            worker = Worker(engine, logs / f"{engine}-{tag}.log", cache_env if engine == "pyhlo" else None)
+            workers[engine] = worker
+            try:
+                loaded = worker.call("load", engine=engine, model_path=str(model_files[engine]), **spec)
+            except WorkerError as error:
+                _fail(row, error)
+                continue
+            row["load_s"], row["info"] = loaded["seconds"], loaded["info"]
+            if engine == "pyhlo" and cache_dir is not None:
+                row["compile_warm_s"] = loaded["seconds"]
+        live = [e for e in rows if rows[e]["status"] == "ok"]
+        warm_tokens: dict[str, list[list[int]]] = {}
+        records: dict[str, list[dict]] = {e: [] for e in live}
+        for engine in list(live):
+            try:
+                warm_tokens[engine] = workers[engine].call("generate", prompts=prompts, new_tokens=new_tokens)["tokens"]
+            except WorkerError as error:
+                _fail(rows[engine], error)
+                live.remove(engine)
+        for round_ in range(settings["repeats"]):
+            print(f"[{tag}] round {round_ + 1}/{settings['repeats']}", file=sys.stderr)
+            turn = round_ % max(1, len(live))
+            for engine in live[turn:] + live[:turn]:  # who goes first rotates
+                if rows[engine]["status"] != "ok":
+                    continue
+                try:
+                    records[engine].append(workers[engine].call("generate", prompts=prompts, new_tokens=new_tokens))
+                except WorkerError as error:
+                    _fail(rows[engine], error)
+        for engine in live:
+            row = rows[engine]
+            if row["status"] == "ok":
+                summarize_records(row, records[engine], new_tokens, batch)
+                if "pyhlo" in warm_tokens and engine != "pyhlo" and engine in warm_tokens:
+                    row["agreement"] = {"reference": "pyhlo", "new_tokens": new_tokens, "matching_new_tokens": [
+                        bench_report.matching_prefix(a, b) for a, b in zip(warm_tokens[engine], warm_tokens["pyhlo"])]}
+        if settings["buckets"] and "pyhlo" in live and rows["pyhlo"]["status"] == "ok":
+            buckets = measure_buckets(workers["pyhlo"], rows["pyhlo"], prompts, settings, tag)
+        for engine, worker in workers.items():
+            if worker.proc.poll() is None:
+                try:
+                    memory = worker.call("memory")
+                    rows[engine]["peak_rss_mb"] = memory["peak_rss_bytes"] / 2**20
+                    rows[engine]["rss_mb"] = memory["rss_bytes"] / 2**20
+                except WorkerError:
+                    pass
+    finally:
+        for worker in workers.values():
+            worker.close()
+        if cache_dir is not None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    return list(rows.values()), buckets
+
+
+def summarize_records(row: dict, records: list[dict], new_tokens: int, batch: int) -> None:
+    metrics = [bench_report.decode_metrics(r["ttft_s"], r["total_s"], new_tokens, batch) for r in records]
+    row["ttft_ms"] = bench_report.summarize(m["ttft_ms"] for m in metrics)
+    row["decode_tokens_per_s"] = bench_report.summarize(m["tokens_per_s"] for m in metrics)
+    row["ms_per_step"] = bench_report.summarize(m["ms_per_step"] for m in metrics)
+
+
+def measure_buckets(worker: Worker, row: dict, prompts: list[list[int]], settings: dict, tag: str) -> list[dict]:
+    """One long generation from a short prompt up to n_positions; each step's time goes to the
+    token bucket it ran in."""
+    buckets = row["info"]["token_buckets"]
+    prompt_length = max(1, min(BUCKET_PROMPT_TOKENS, buckets[0] // 2, settings["prompt_tokens"]))
+    new_tokens = settings["n_positions"] - prompt_length
+    print(f"[{tag}] pyhlo: {new_tokens} decode steps across buckets {buckets}", file=sys.stderr)
+    try:
+        record = worker.call("generate", prompts=[p[:prompt_length] for p in prompts], new_tokens=new_tokens)
+    except WorkerError as error:
+        print(f"  bucket run failed: {error}", file=sys.stderr)
+        return []
+    times = record["token_times_s"]
+    step_ms = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    rows = bench_report.bucket_rows(step_ms, prompt_length, buckets)
+    return [{"amp": row["amp"], "batch": row["batch"], **r} for r in rows]
+
+
+# -- the whole run -------------------------------------------------------------------
+def notes_for(results: list[dict], settings: dict) -> list[str]:
+    """Things a reader should not miss: disagreeing tokens, precisions slower than expected."""
+    notes = []
+    need = min(AGREEMENT_TOKENS, settings["new_tokens"])
+    for row in results:
+        agreement = row.get("agreement")
+        if agreement and row["amp"] == "f32" and min(agreement["matching_new_tokens"]) < need:
+            notes.append(f"{row['engine']} f32 batch {row['batch']}: only {min(agreement['matching_new_tokens'])} "
+                         f"leading greedy tokens equal pyhlo's (expected >= {need}); check the weights")
+    by_key = {(r["engine"], r["amp"], r["batch"]): r for r in results if r["status"] == "ok"}
+    for (engine, amp, batch), row in by_key.items():
+        f32 = by_key.get((engine, "f32", batch))
+        if amp == "bf16" and f32 is not None:
+            fast = bench_report.median_of(f32["decode_tokens_per_s"])
+            slow = bench_report.median_of(row["decode_tokens_per_s"])
+            if fast and slow and slow < 0.9 * fast:
+                notes.append(f"{bench_report.ENGINE_LABELS.get(engine, engine)} batch {batch}: bf16 decodes at "
+                             f"{slow:.1f} tok/s, f32 at {fast:.1f} tok/s ({fast / slow:.2f}x slower in bf16, "
+                             "although bf16 reads half the weight bytes)")
+    for row in results:
+        if row["status"] != "ok":
+            notes.append(f"{row['engine']} {row['amp']} batch {row['batch']}: {row['status']}: {row['error']}")
+    return notes
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = resolve_settings(args)
+    engines, unavailable = resolve_engines(args.engines)
+    if args.model:
+        model_path = pathlib.Path(args.model)
+        if not model_path.exists():
+            raise FileNotFoundError(f"--model {args.model}: no such file or directory")
+    else:
+        from decoders.default_model import default_model_path
+
+        model_path = default_model_path()
+    out = pathlib.Path(args.out)
+    logs = out / "logs"
+    notes = [f"{e} left out: {why}" for e, why in unavailable.items() if e not in engines]
+    if "llamacpp" in engines and "llamacpp" not in unavailable and model_path.suffix != ".gguf":
+        unavailable["llamacpp"] = "llama.cpp reads .gguf models only"
+
+    print("measuring memory bandwidth ...", file=sys.stderr)
+    bandwidth = measure_bandwidth(settings["bandwidth_mb"], settings["threads"])
+    roofline = {}
+    for amp in settings["amps"]:
+        size = weight_bytes(model_path, amp)
+        least = bench_report.roofline_ms(size, bandwidth["gb_per_s"] * 1e9)
+        roofline[amp] = {"weight_bytes": size, "min_ms_per_step": least, "max_tokens_per_s_batch1": 1e3 / least}
+    prompts_all = make_prompts(model_path, max(settings["batches"]), settings["prompt_tokens"])
+
+    results: list[dict] = []
+    buckets: list[dict] = []
+    for amp in settings["amps"]:
+        model_files = {"pyhlo": model_path, "hf": model_path}
+        if "llamacpp" in engines and "llamacpp" not in unavailable:
+            print(f"dense {amp} GGUF for llama.cpp ...", file=sys.stderr)
+            model_files["llamacpp"] = bench_peers.dense_gguf(model_path, amp)
+        for batch in settings["batches"]:
+            runnable = [e for e in engines if e not in unavailable]
+            rows, bucket_list = measure_config(model_path, runnable, amp, batch, settings, prompts_all[:batch],
+                                               model_files, logs)
+            for engine in engines:
+                if engine in unavailable:
+                    rows.append({**new_row(engine, amp, batch), "status": "unavailable",
+                                 "error": unavailable[engine]})
+            results += rows
+            buckets += bucket_list
+    for row in results:
+        if row["status"] == "ok":
+            row["roofline_fraction"] = bench_report.roofline_fraction(
+                roofline[row["amp"]]["weight_bytes"], bandwidth["gb_per_s"] * 1e9,
+                bench_report.median_of(row["ms_per_step"]))
+    bench_report.add_comparisons(results)
+    report = {
+        "schema": bench_report.SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "workload": {"model": model_path.name, "prompt_tokens": settings["prompt_tokens"],
+                     "new_tokens": settings["new_tokens"], "repeats": settings["repeats"],
+                     "n_positions": settings["n_positions"], "threads": settings["threads"],
+                     "engines": engines, "amps": settings["amps"], "batches": settings["batches"],
+                     "quick": bool(args.quick)},
+        "bandwidth": bandwidth,
+        "roofline": roofline,
+        "results": results,
+        "buckets": buckets,
+        "notes": notes + notes_for(results, settings),
+    }
+    paths = bench_report.write_all(report, out)
+    print(bench_report.report_markdown(report))
+    print(f"wrote {paths['json']}, {paths['md']}, {paths['png']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--worker"]:
+        sys.exit("this module is the bench worker; run `pyhlo bench` instead")
+    sys.exit(worker_main())

@@ -1,0 +1,158 @@
+"""`pyhlo bench`: a smoke run on a tiny model, and the statistics behind the tables.
+
+Nothing here asserts a speed: timings on a shared test machine mean nothing.
+"""
+import json
+
+import numpy as np
+import pytest
+
+from tools import bench, bench_peers, bench_report
+from tools.cli import main
+
+
+# -- statistics, ratios, roofline ------------------------------------------------------
+def test_summarize_gives_median_and_range():
+    s = bench_report.summarize([3.0, 1.0, 2.0, 10.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 10.0, 4)
+    assert bench_report.summarize([]) is None
+
+
+def test_ratio_is_none_when_a_side_is_missing():
+    assert bench_report.ratio(6.0, 3.0) == 2.0
+    assert bench_report.ratio(None, 3.0) is None
+    assert bench_report.ratio(1.0, 0.0) is None
+
+
+def test_decode_metrics_leave_out_the_first_token():
+    # 11 tokens in 1.1 s, the first after 0.1 s: 10 decode steps of 0.1 s each.
+    m = bench_report.decode_metrics(ttft_s=0.1, total_s=1.1, new_tokens=11, batch=4)
+    assert m["ttft_ms"] == pytest.approx(100.0)
+    assert m["ms_per_step"] == pytest.approx(100.0)
+    assert m["tokens_per_s"] == pytest.approx(40.0)  # 4 lines x 10 tokens/s
+    with pytest.raises(ValueError):
+        bench_report.decode_metrics(0.1, 0.2, new_tokens=1, batch=1)
+
+
+def test_roofline_is_weights_over_bandwidth():
+    assert bench_report.roofline_ms(500e6, 50e9) == pytest.approx(10.0)
+    assert bench_report.roofline_fraction(500e6, 50e9, ms_per_step=20.0) == pytest.approx(0.5)
+    assert bench_report.roofline_fraction(500e6, None, ms_per_step=20.0) is None
+
+
+def test_matching_prefix():
+    assert bench_report.matching_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert bench_report.matching_prefix([1, 2], [1, 2, 3]) == 2
+
+
+def test_steps_are_grouped_by_the_bucket_they_ran_in():
+    # Prompt of 2 tokens, buckets 4 and 8: steps attend over 3, 4 (bucket 4) then 5..8 (bucket 8).
+    rows = bench_report.bucket_rows([1.0, 1.0, 2.0, 2.0, 2.0, 4.0], prompt_length=2, buckets=[4, 8])
+    assert [(r["bucket"], r["ms_per_step"]["n"]) for r in rows] == [(4, 2), (8, 4)]
+    assert rows[0]["ms_per_step"]["median"] == 1.0
+    assert rows[0]["vs_largest"] == pytest.approx(2.0)
+    assert rows[1]["vs_largest"] == pytest.approx(1.0)
+
+
+def _row(engine, amp, batch, tokens_per_s, ttft_ms):
+    row = bench.new_row(engine, amp, batch)
+    row["decode_tokens_per_s"] = bench_report.summarize([tokens_per_s])
+    row["ttft_ms"] = bench_report.summarize([ttft_ms])
+    row["ms_per_step"] = bench_report.summarize([1e3 * batch / tokens_per_s])
+    return row
+
+
+def test_comparisons_pair_rows_of_the_same_precision_and_batch():
+    rows = [_row("pyhlo", "f32", 1, 60.0, 50.0), _row("hf", "f32", 1, 30.0, 100.0),
+            _row("llamacpp", "f32", 1, 120.0, 25.0), _row("hf", "bf16", 1, 1.0, 1.0)]
+    bench_report.add_comparisons(rows)
+    assert rows[0]["vs"] == {"hf": 2.0, "llamacpp": 0.5}
+    assert rows[0]["ttft_vs"] == {"hf": 0.5, "llamacpp": 2.0}
+    assert rows[1]["vs"] == {"llamacpp": 0.25}
+    assert rows[3]["vs"] == {}
+
+
+def test_results_table_has_one_line_per_row_and_every_column():
+    rows = [_row("pyhlo", "f32", 1, 60.0, 50.0), _row("hf", "f32", 1, 30.0, 100.0),
+            {**bench.new_row("llamacpp", "f32", 1), "status": "unavailable", "error": "not installed"}]
+    bench_report.add_comparisons(rows)
+    lines = bench_report.results_table(rows).splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == list(bench_report.TABLE_COLUMNS)
+    assert len(lines) == 2 + len(rows)
+    assert "2.00×" in lines[2]
+    assert "unavailable: not installed" in lines[4]
+    assert all(line.count("|") == len(bench_report.TABLE_COLUMNS) + 1 for line in lines)
+
+
+def test_spread_shows_the_range_only_for_several_samples():
+    assert bench_report.spread(bench_report.summarize([2.0])) == "2.0"
+    assert bench_report.spread(bench_report.summarize([1.0, 2.0, 4.0])) == "2.0 (1.0–4.0)"
+
+
+def test_bf16_slower_than_f32_is_noted():
+    rows = [_row("pyhlo", "f32", 1, 60.0, 50.0), _row("pyhlo", "bf16", 1, 20.0, 50.0)]
+    notes = bench.notes_for(rows, {"new_tokens": 128})
+    assert any("3.00x slower in bf16" in n for n in notes)
+
+
+# -- the pieces that touch models -------------------------------------------------------
+def test_permute_rope_rows_undoes_the_loaders_unpermute():
+    from decoders.gguf_checkpoint import unpermute_rope_rows
+
+    weight = np.arange(6 * 8 * 3, dtype=np.float32).reshape(6 * 8, 3)
+    assert np.array_equal(bench_peers.permute_rope_rows(unpermute_rope_rows(weight, 6), 6), weight)
+
+
+def test_bandwidth_probe_reports_a_positive_rate():
+    measured = bench.measure_bandwidth(array_mb=8, threads=2, repeats=2)
+    assert measured["gb_per_s"] > 0 and len(measured["samples_gb_per_s"]) == 2
+
+
+def test_options_are_checked():
+    parser = bench_parser()
+    with pytest.raises(ValueError, match="--amp"):
+        bench.resolve_settings(parser.parse_args(["--amp", "f64"]))
+    with pytest.raises(ValueError, match="n-positions"):
+        bench.resolve_settings(parser.parse_args(["--prompt-tokens", "200", "--n-positions", "256"]))
+    quick = bench.resolve_settings(parser.parse_args(["--quick", "--repeats", "2"]))
+    assert quick["repeats"] == 2 and quick["new_tokens"] == bench.QUICK["new_tokens"]
+
+
+def bench_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser
+
+
+# -- a whole run ---------------------------------------------------------------------------
+def test_quick_run_writes_table_json_and_chart(tiny_llama, tmp_path, capsys):
+    _, path = tiny_llama("mha", "safetensors")
+    out = tmp_path / "results"
+    code = main(["bench", "--model", str(path), "--quick", "--engines", "pyhlo,hf", "--repeats", "1",
+                 "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("| engine"))
+    assert [c.strip() for c in header.strip("|").split("|")] == list(bench_report.TABLE_COLUMNS)
+
+    report = json.loads((out / "bench.json").read_text())
+    assert report["schema"] == bench_report.SCHEMA
+    assert {"machine", "workload", "bandwidth", "roofline", "results", "buckets", "notes"} <= set(report)
+    assert report["bandwidth"]["gb_per_s"] > 0
+    assert [(r["engine"], r["amp"], r["batch"]) for r in report["results"]] == [("pyhlo", "f32", 1), ("hf", "f32", 1)]
+    for row in report["results"]:
+        assert row["status"] == "ok", row["error"]
+        for key in ("ttft_ms", "decode_tokens_per_s", "ms_per_step"):
+            assert set(row[key]) == {"median", "min", "max", "n", "samples"} and row[key]["n"] == 1
+        assert row["peak_rss_mb"] > 0 and row["load_s"] > 0
+        assert row["roofline_fraction"] > 0
+    ours, hf = report["results"]
+    assert ours["compile_cold_s"] > 0 and ours["compile_warm_s"] > 0
+    assert "hf" in ours["vs"]
+    # Same weights, f32, greedy: HF agrees with us token for token.
+    assert hf["agreement"]["matching_new_tokens"] == [report["workload"]["new_tokens"]]
+    assert {b["bucket"] for b in report["buckets"]} == {128, 256}
+    assert (out / "bench.md").read_text().startswith("# pyhlo bench")
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

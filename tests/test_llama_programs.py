@@ -1,0 +1,78 @@
+"""The compiled programs themselves: caches updated in place, named parameters, buckets."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from decoders import LlamaForSampling
+from decoders.buckets import context_buckets, pick, token_buckets
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    return LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=256,
+                                            context_length_estimate=[16, 64]).to_neuron()
+
+
+def cache_copies(hlo_text: str, cache_dims: str = "2,2,256,16") -> list[str]:
+    """Lines of an optimized module that copy a whole KV cache (f32[2,2,256,16] here)."""
+    pattern = re.compile(r"= f32\[" + cache_dims + r"\](\{[^}]*\})? copy\(")
+    return [line for line in hlo_text.splitlines() if pattern.search(line)]
+
+
+def test_no_compiled_block_copies_a_kv_cache(model):
+    blocks = [c for (kind, _), c in model.programs.compiled.items() if kind == "block"]
+    assert len(blocks) == len(model.context_buckets) + len(model.token_buckets)
+    for compiled in blocks:
+        text = compiled.executable.hlo_text()
+        assert "dynamic-update-slice" in text
+        assert cache_copies(text) == [], compiled.program.name
+
+
+def test_caches_are_donated_and_updated_in_place(model):
+    keys_before = list(model.kv_cache.keys)
+    model.sample([[1, 2, 3]] * 2, sequence_length=6, top_k=1, eos_token_id=[])
+    assert all(buffer.is_deleted() for buffer in keys_before)
+    assert not any(buffer.is_deleted() for buffer in model.kv_cache.keys)
+
+
+def test_block_parameters_are_named(model):
+    program = model.programs.build("block", (1, 128))
+    assert program.param_names[:6] == ["hidden", "positions", "slot", "pad", "cache_k", "cache_v"]
+    assert list(program.module.host_program_shape.parameter_names) == program.param_names
+    aliased = {e.parameter_number for e in program.module.input_output_alias.entries}
+    assert aliased == {program.param_names.index("cache_k"), program.param_names.index("cache_v")}
+
+
+def test_buckets_follow_transformers_neuronx():
+    assert token_buckets(1024) == [128, 256, 512, 1024]
+    assert token_buckets(100) == [100]
+    assert token_buckets([512, 128]) == [128, 512]
+    assert context_buckets([128, 256, 512, 1024]) == [64, 128, 256, 512]
+    assert context_buckets([128, 256], 100) == [100]
+    assert pick([128, 256], 129) == 256
+    with pytest.raises(ValueError, match="exceeds the largest bucket 256"):
+        pick([128, 256], 257)
+    with pytest.raises(ValueError, match="exceeds n_positions"):
+        context_buckets([128], [256])
+
+
+def test_the_copy_check_catches_a_program_that_reads_the_cache_before_updating_it(model):
+    """Reading the old cache after an in-place update forces XLA to copy it (DESIGN's trap)."""
+    from pyhlo import compile_py_func
+    from pyhlo.ops.reductions import reduce_sum
+    from pyhlo.ops.shape_ops import dynamic_update_slice
+
+    def trap(scribe):
+        cache = scribe.f32[2, 2, 256, 16].Parameter(parameter_number=0, parameter_name="cache_k")
+        new = scribe.f32[2, 2, 1, 16].Parameter(parameter_number=1)
+        updated = dynamic_update_slice(cache, new, [0, 0, 5, 0])
+        old_total = reduce_sum(cache, [0, 1, 2, 3])
+        new_total = reduce_sum(updated, [0, 1, 2, 3])
+        updated.set_alias_to(cache, must=True)
+        return [updated, old_total, new_total]
+
+    executable = model.programs.backend.compile(compile_py_func(trap).SerializeToString())
+    assert cache_copies(executable.hlo_text()) != []
