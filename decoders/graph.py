@@ -30,7 +30,9 @@ from pyhlo.ops.shape_ops import (
     concatenate,
     dynamic_slice,
     dynamic_update_slice,
+    get_tuple_element,
     iota,
+    make_tuple,
     reshape,
     slice_along,
     transpose,
@@ -144,10 +146,8 @@ class GraphBuilder:
             v = transpose(v, (0, 2, 1, 3))
             cache_k = dynamic_update_slice(p["cache_k"], k, [0, 0, p["slot"], 0])
             cache_v = dynamic_update_slice(p["cache_v"], v, [0, 0, p["slot"], 0])
-            keys = self._visible(cache_k, n_attend)
-            values = self._visible(cache_v, n_attend)
             mask = self._mask(p["slot"], p["pad"], n_tokens, n_attend)
-            context = attention(q, keys, values, mask, d.attention_scale)   # [b, h, n, d]
+            context = self._attend(q, cache_k, cache_v, mask, n_attend, p["slot"])   # [b, h, n, d]
             context = reshape(transpose(context, (0, 2, 1, 3)), (b, n_tokens, d.q_size))
             hidden = ew.add(hidden, matmul(context, p["o_weight"]))
             x = nn.rms_norm(hidden, p["post_norm"], d.norm_eps)
@@ -233,7 +233,25 @@ class GraphBuilder:
         real = ew.compare(key_slots, first, "GE")
         return scribe.pred[b, n_tokens, n_attend].And(causal, real)
 
-    def _visible(self, cache: HloValue, n_attend: int) -> HloValue:
+    def _attend(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, mask: HloValue,
+                n_attend: int, selector: HloValue) -> HloValue:
+        """Attention over the first n_attend slots of the just-updated caches.
+
+        Slicing an updated cache directly lets XLA fuse the update into the slice and
+        then copy the whole cache to keep the old value alive. Inside a conditional
+        (whose branch index is only known at run time) the slice reads the updated
+        buffer, so the update stays in place. Both branches are the same computation.
+        """
+        scale = self.dims.attention_scale
         if n_attend == self.cache_len:
-            return cache
-        return slice_along(cache, 2, 0, n_attend)
+            return attention(q, cache_k, cache_v, mask, scale)
+
+        def attend_prefix(scribe):
+            operands = scribe.tuple(q.shape, cache_k.shape, cache_v.shape, mask.shape).Parameter(
+                parameter_number=0)
+            q_, k_, v_, mask_ = (get_tuple_element(operands, i) for i in range(4))
+            return attention(q_, slice_along(k_, 2, 0, n_attend), slice_along(v_, 2, 0, n_attend), mask_, scale)
+
+        operands = make_tuple(q, cache_k, cache_v, mask)
+        return q.shape.Conditional(selector, operands, operands,
+                                   branch_computations=[attend_prefix, attend_prefix])

@@ -40,6 +40,8 @@ _OPCODE_ALIASES = {
     "Pow": "power",
     "TopK": "topk",
     "Sigmoid": "logistic",
+    "OptimizationBarrier": "opt-barrier",
+    "OptBarrier": "opt-barrier",
 }
 _HLO_FIELDS = set(hlo_pb2.HloInstructionProto.DESCRIPTOR.fields_by_name)
 _COMPUTATION_ARGS = ("to_apply", "condition", "body", "true_computation", "false_computation",

@@ -20,7 +20,7 @@ UNARY_SAME = {
     "abs", "negate", "exponential", "exponential-minus-one", "log", "log-plus-one", "sqrt",
     "rsqrt", "cbrt", "tanh", "logistic", "sine", "cosine", "tan", "floor", "ceil",
     "round-nearest-afz", "round-nearest-even", "sign", "not", "erf", "copy", "popcnt",
-    "clz", "real", "imag", "optimization-barrier",
+    "clz", "real", "imag", "opt-barrier",
 }
 BINARY_SAME = {
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "remainder",

@@ -90,3 +90,8 @@ def get_tuple_element(t: HloValue, index: int) -> HloValue:
 def make_tuple(*values: HloValue) -> HloValue:
     scribe = values[0].scribe
     return scribe.tuple(*(v.shape for v in values)).Tuple(*values)
+
+
+def optimization_barrier(x: HloValue) -> HloValue:
+    """x, computed in full before any later use: XLA may not fuse across this point."""
+    return x.shape.OptimizationBarrier(x)
