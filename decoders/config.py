@@ -80,6 +80,7 @@ class NeuronConfig:
     cast_logits_dtype: str = "f32"
     compilation_worker_count: int | None = None
     whole_model_program: bool = False
+    weight_layout: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,6 +105,8 @@ class NeuronConfig:
             raise _not_yet("cast_logits_dtype", self.cast_logits_dtype, "; logits are f32")
         if self.compilation_worker_count is not None and self.compilation_worker_count < 1:
             raise ValueError("NeuronConfig.compilation_worker_count must be >= 1")
+        if self.weight_layout not in (None, "in_out", "out_in"):
+            raise ValueError(f"NeuronConfig.weight_layout must be None, 'in_out' or 'out_in', got {self.weight_layout!r}")
         if self.extra:
             raise _not_yet("extra", self.extra)
 

@@ -88,17 +88,39 @@ class GraphBuilder:
     batch_size: int
     cache_len: int          # n_positions: every layer's cache holds this many positions
     dtype: str              # amp element type of weights, activations and caches
+    # "in_out": linear weights [in, out] and the LM head [hidden, vocab];
+    # "out_in": torch's own [out, in] and [vocab, hidden]. Which streams faster through
+    # XLA:CPU's matrix-vector products depends on the element type and the batch size.
+    weight_layout: str = "in_out"
+
+    def __post_init__(self) -> None:
+        if self.weight_layout not in ("in_out", "out_in"):
+            raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {self.weight_layout!r}")
+
+    @property
+    def embed_is_lm_head(self) -> bool:
+        """Tied embeddings with the LM head in [vocab, hidden]: one table serves both."""
+        return self.dims.tie_word_embeddings and self.weight_layout == "out_in"
+
+    def _weight(self, name: str, n_in: int, n_out: int) -> ParamSpec:
+        dims = (n_in, n_out) if self.weight_layout == "in_out" else (n_out, n_in)
+        return ParamSpec(name, self.dtype, dims)
+
+    def _linear(self, x: HloValue, weight: HloValue, out_dtype: str | None = None) -> HloValue:
+        if self.weight_layout == "in_out":
+            return matmul(x, weight, out_dtype=out_dtype)
+        return matmul_transposed(x, weight, out_dtype=out_dtype)
 
     # -- weight specs ------------------------------------------------------
     def layer_weight_specs(self) -> list[ParamSpec]:
         d, t = self.dims, self.dtype
         return [
             ParamSpec("input_norm", t, (d.hidden_size,)),
-            ParamSpec("qkv_weight", t, (d.hidden_size, d.q_size + 2 * d.kv_size)),
-            ParamSpec("o_weight", t, (d.q_size, d.hidden_size)),
+            self._weight("qkv_weight", d.hidden_size, d.q_size + 2 * d.kv_size),
+            self._weight("o_weight", d.q_size, d.hidden_size),
             ParamSpec("post_norm", t, (d.hidden_size,)),
-            ParamSpec("gate_up_weight", t, (d.hidden_size, 2 * d.intermediate_size)),
-            ParamSpec("down_weight", t, (d.intermediate_size, d.hidden_size)),
+            self._weight("gate_up_weight", d.hidden_size, 2 * d.intermediate_size),
+            self._weight("down_weight", d.intermediate_size, d.hidden_size),
         ]
 
     def cache_spec(self, name: str) -> ParamSpec:
@@ -107,16 +129,23 @@ class GraphBuilder:
 
     # -- programs -------------------------------------------------------------
     def embed(self, n_tokens: int) -> Program:
+        """Rows of the embedding table, or columns of the [hidden, vocab] LM head when tied."""
         d, b = self.dims, self.batch_size
-        specs = [ParamSpec("token_ids", "s32", (b, n_tokens)),
-                 ParamSpec("embed_weight", self.dtype, (d.vocab_size, d.hidden_size))]
+        by_column = self.dims.tie_word_embeddings and self.weight_layout == "in_out"
+        table_dims = (d.hidden_size, d.vocab_size) if by_column else (d.vocab_size, d.hidden_size)
+        table_name = "lm_head_weight" if by_column else "embed_weight"
+        specs = [ParamSpec("token_ids", "s32", (b, n_tokens)), ParamSpec(table_name, self.dtype, table_dims)]
 
         def body(p):
-            table, ids = p["embed_weight"], p["token_ids"]
+            table, ids = p[table_name], p["token_ids"]
+            if by_column:
+                numbers = dict(offset_dims=[0], collapsed_slice_dims=[1], start_index_map=[1], index_vector_dim=2)
+                columns = getattr(table.scribe, self.dtype)[d.hidden_size, b, n_tokens].Gather(
+                    table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[d.hidden_size, 1])
+                return {"hidden": transpose(columns, (1, 2, 0))}
             numbers = dict(offset_dims=[2], collapsed_slice_dims=[0], start_index_map=[0], index_vector_dim=2)
             hidden = getattr(table.scribe, self.dtype)[b, n_tokens, d.hidden_size].Gather(
-                table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[1, d.hidden_size]
-            )
+                table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[1, d.hidden_size])
             return {"hidden": hidden}
 
         return _program(f"embed_n{n_tokens}", specs, ["hidden"], body)
@@ -134,7 +163,7 @@ class GraphBuilder:
         def body(p):
             hidden, positions = p["hidden"], p["positions"]
             x = nn.rms_norm(hidden, p["input_norm"], d.norm_eps)
-            qkv = matmul(x, p["qkv_weight"])
+            qkv = self._linear(x, p["qkv_weight"])
             q = reshape(slice_along(qkv, 2, 0, d.q_size), (b, n_tokens, d.n_heads, d.head_dim))
             k = reshape(slice_along(qkv, 2, d.q_size, d.q_size + d.kv_size),
                         (b, n_tokens, d.n_kv_heads, d.head_dim))
@@ -149,12 +178,12 @@ class GraphBuilder:
             mask = self._mask(p["slot"], p["pad"], n_tokens, n_attend)
             context = self._attend(q, cache_k, cache_v, mask, n_attend, p["slot"])   # [b, h, n, d]
             context = reshape(transpose(context, (0, 2, 1, 3)), (b, n_tokens, d.q_size))
-            hidden = ew.add(hidden, matmul(context, p["o_weight"]))
+            hidden = ew.add(hidden, self._linear(context, p["o_weight"]))
             x = nn.rms_norm(hidden, p["post_norm"], d.norm_eps)
-            gate_up = matmul(x, p["gate_up_weight"])
+            gate_up = self._linear(x, p["gate_up_weight"])
             gate = slice_along(gate_up, 2, 0, d.intermediate_size)
             up = slice_along(gate_up, 2, d.intermediate_size, 2 * d.intermediate_size)
-            mlp = matmul(ew.multiply(nn.silu(gate), up), p["down_weight"])
+            mlp = self._linear(ew.multiply(nn.silu(gate), up), p["down_weight"])
             hidden = ew.add(hidden, mlp)
             cache_k.set_alias_to(p["cache_k"], must=True)
             cache_v.set_alias_to(p["cache_v"], must=True)
@@ -168,7 +197,7 @@ class GraphBuilder:
         specs = [ParamSpec("hidden", t, (b, n_tokens, d.hidden_size)),
                  ParamSpec("last_index", "s32", (b,)),
                  ParamSpec("final_norm", t, (d.hidden_size,)),
-                 ParamSpec("lm_head_weight", t, (d.vocab_size, d.hidden_size))]
+                 self._weight("lm_head_weight", d.hidden_size, d.vocab_size)]
 
         def body(p):
             hidden = p["hidden"]
@@ -181,7 +210,7 @@ class GraphBuilder:
                     picked.append(dynamic_slice(hidden, [i, index, 0], [1, 1, d.hidden_size]))
                 rows = reshape(concatenate(picked, 0), (b, d.hidden_size))
             x = nn.rms_norm(rows, p["final_norm"], d.norm_eps)
-            return {"logits": matmul_transposed(x, p["lm_head_weight"], out_dtype="f32")}
+            return {"logits": self._linear(x, p["lm_head_weight"], out_dtype="f32")}
 
         return _program(f"lm_head_n{n_tokens}", specs, ["logits"], body)
 

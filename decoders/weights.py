@@ -20,53 +20,56 @@ def _get(checkpoint: Checkpoint, name: str, shape: tuple[int, ...]) -> np.ndarra
     return checkpoint.get(name)
 
 
-def _linear(checkpoint: Checkpoint, name: str, out_features: int, in_features: int) -> np.ndarray:
-    return _get(checkpoint, name, (out_features, in_features)).T
+def _linear(checkpoint: Checkpoint, names: list[str], out_features: list[int], in_features: int,
+            layout: str) -> np.ndarray:
+    """torch Linear weights [out, in], fused along `out`, in the program's layout."""
+    fused = np.concatenate([_get(checkpoint, name, (n_out, in_features))
+                            for name, n_out in zip(names, out_features)], axis=0)
+    return fused.T if layout == "in_out" else fused
 
 
 def layer_weights(checkpoint: Checkpoint, family: DecoderFamily, dims: ModelDims,
-                  layer: int, dtype: str) -> dict[str, np.ndarray]:
+                  layer: int, dtype: str, layout: str = "in_out") -> dict[str, np.ndarray]:
     """One layer's weights by block parameter name, as contiguous arrays of `dtype`."""
     names = {key: template.format(i=layer) for key, template in family.layer_names.items()}
     h, q, kv, inter = dims.hidden_size, dims.q_size, dims.kv_size, dims.intermediate_size
     weights = {
         "input_norm": _get(checkpoint, names["input_norm"], (h,)),
-        "qkv_weight": np.concatenate([
-            _linear(checkpoint, names["q"], q, h),
-            _linear(checkpoint, names["k"], kv, h),
-            _linear(checkpoint, names["v"], kv, h),
-        ], axis=1),
-        "o_weight": _linear(checkpoint, names["o"], h, q),
+        "qkv_weight": _linear(checkpoint, [names["q"], names["k"], names["v"]], [q, kv, kv], h, layout),
+        "o_weight": _linear(checkpoint, [names["o"]], [h], q, layout),
         "post_norm": _get(checkpoint, names["post_norm"], (h,)),
-        "gate_up_weight": np.concatenate([
-            _linear(checkpoint, names["gate"], inter, h),
-            _linear(checkpoint, names["up"], inter, h),
-        ], axis=1),
-        "down_weight": _linear(checkpoint, names["down"], h, inter),
+        "gate_up_weight": _linear(checkpoint, [names["gate"], names["up"]], [inter, inter], h, layout),
+        "down_weight": _linear(checkpoint, [names["down"]], [h], inter, layout),
     }
     np_dtype = numpy_dtype(dtype)
     return {key: np.ascontiguousarray(value, dtype=np_dtype) for key, value in weights.items()}
 
 
 def iter_layers(checkpoint: Checkpoint, family: DecoderFamily, dims: ModelDims,
-                dtype: str) -> Iterator[dict[str, np.ndarray]]:
+                dtype: str, layout: str = "in_out") -> Iterator[dict[str, np.ndarray]]:
     for layer in range(dims.n_layers):
-        yield layer_weights(checkpoint, family, dims, layer, dtype)
+        yield layer_weights(checkpoint, family, dims, layer, dtype, layout)
 
 
 def shared_weights(checkpoint: Checkpoint, family: DecoderFamily, dims: ModelDims,
-                   dtype: str) -> dict[str, np.ndarray]:
-    """Embedding table, final norm and LM head (None when tied to the embedding)."""
+                   dtype: str, layout: str = "in_out") -> dict[str, np.ndarray]:
+    """Embedding table [vocab, hidden], final norm and LM head in the program's layout.
+
+    With tied embeddings only one table is kept: `embed_weight` is None when the LM
+    head is [hidden, vocab] (the embed program gathers its columns), and
+    `lm_head_weight` is None when it is [vocab, hidden] (the same table as the embedding).
+    """
     np_dtype = numpy_dtype(dtype)
     v, h = dims.vocab_size, dims.hidden_size
+
+    def contiguous(array):
+        return None if array is None else np.ascontiguousarray(array, dtype=np_dtype)
+
     embed = _get(checkpoint, family.embed_name, (v, h))
-    weights = {
-        "embed_weight": np.ascontiguousarray(embed, dtype=np_dtype),
-        "final_norm": np.ascontiguousarray(_get(checkpoint, family.final_norm_name, (h,)), dtype=np_dtype),
-        "lm_head_weight": None,
+    head = embed if dims.tie_word_embeddings else _get(checkpoint, family.lm_head_name, (v, h))
+    tied = dims.tie_word_embeddings
+    return {
+        "embed_weight": None if tied and layout == "in_out" else contiguous(embed),
+        "final_norm": contiguous(_get(checkpoint, family.final_norm_name, (h,))),
+        "lm_head_weight": None if tied and layout == "out_in" else contiguous(head.T if layout == "in_out" else head),
     }
-    if not dims.tie_word_embeddings:
-        weights["lm_head_weight"] = np.ascontiguousarray(
-            _get(checkpoint, family.lm_head_name, (v, h)), dtype=np_dtype
-        )
-    return weights

@@ -95,6 +95,7 @@ class Executable:
         self.compiled = compiled
         self.info = info
         self.num_replicas = num_replicas
+        self.serialized: bytes | None = None
         self.devices = pjrt.executable_devices(compiled)
         self._numpy_dtypes = [
             dtypes.numpy_dtype(p.dtype) if p.dtype in dtypes.ELEMENT_TYPES else None for p in info.parameters
@@ -186,6 +187,8 @@ class Executable:
 
     def serialize(self) -> bytes:
         """The compiled executable as bytes; reload with backend.deserialize()."""
+        if self.serialized is not None:
+            return self.serialized
         return self._pjrt.serialize_executable(self.compiled)
 
     def hlo_text(self) -> str:
@@ -268,7 +271,11 @@ class XlaBackend(Backend):
     def deserialize(self, data: bytes, hlo_bytes: bytes, num_replicas: int = 1) -> Executable:
         info = ProgramInfo.from_bytes(hlo_bytes)
         compiled = self._pjrt.deserialize_executable(self.platform, data, num_replicas=num_replicas)
-        return Executable(self, compiled, info, num_replicas)
+        executable = Executable(self, compiled, info, num_replicas)
+        # XLA:CPU cannot serialize a deserialized executable again (its code is not kept):
+        # remember the bytes it came from.
+        executable.serialized = data
+        return executable
 
     def _device(self, replica: int) -> Any:
         if not 0 <= replica < len(self.devices):

@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile-times", action="store_true",
                         help="skip the cold compile into an empty cache; use the usual compile cache")
     parser.add_argument("--no-buckets", action="store_true", help="skip the per-bucket decode latency run")
+    parser.add_argument("--quiet-wait", type=float, default=60.0,
+                        help="before each measured generation, wait up to this many seconds for other "
+                             "processes to leave the CPUs idle (default 60; 0: do not wait)")
 
 
 def _csv(value: str) -> list[str]:
@@ -125,6 +128,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
     settings["threads"] = max(1, args.threads)
     settings["compile_times"] = not args.no_compile_times
     settings["buckets"] = not args.no_buckets
+    settings["quiet_wait"] = max(0.0, args.quiet_wait)
     return settings
 
 
@@ -180,23 +184,36 @@ def machine_info() -> dict:
 
 
 def measure_bandwidth(array_mb: int, threads: int, repeats: int = 7) -> dict:
-    """Sustained memory read bandwidth: `threads` threads each summing a part of one array.
+    """Sustained memory read bandwidth over one large float32 array, two ways:
 
-    numpy releases the GIL inside a reduction, so the threads read memory in parallel.
+      threaded sum  `threads` threads each summing a part (numpy releases the GIL there);
+      matvec        the array as a matrix times a vector through numpy's BLAS (its own
+                    threads): the access pattern of a decode step.
+
+    The faster median is the bandwidth the roofline uses.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     data = np.ones(array_mb * 2**20 // 4, np.float32)
     parts = np.array_split(data, threads)
-    samples = []
-    with ThreadPoolExecutor(threads) as pool:
+    columns = 4096 if data.size % 4096 == 0 else 1
+    matrix, vector = data.reshape(-1, columns), np.ones(columns, np.float32)
+
+    def rate(read) -> list[float]:
+        samples = []
         for _ in range(repeats + 1):
             started = time.perf_counter()
-            list(pool.map(np.sum, parts))
+            read()
             samples.append(data.nbytes / (time.perf_counter() - started) / 1e9)
-    samples = samples[1:]  # the first pass warms the pages and the threads
-    return {"gb_per_s": float(np.median(samples)), "samples_gb_per_s": samples, "array_mb": array_mb,
-            "threads": threads, "method": "numpy sum per thread over float32"}
+        return samples[1:]  # the first pass warms the caches and the threads
+
+    with ThreadPoolExecutor(threads) as pool:
+        probes = {"threaded sum": rate(lambda: list(pool.map(np.sum, parts))),
+                  "matvec": rate(lambda: matrix @ vector)}
+    medians = {name: float(np.median(samples)) for name, samples in probes.items()}
+    best = max(medians, key=medians.get)
+    return {"gb_per_s": medians[best], "method": best, "samples_gb_per_s": probes[best],
+            "probes_gb_per_s": medians, "array_mb": array_mb, "threads": threads}
 
 
 def weight_bytes(model_path: pathlib.Path, amp: str) -> int:
@@ -226,6 +243,56 @@ def make_prompts(model_path: pathlib.Path, batch: int, length: int) -> list[list
     need = length + 7 * batch
     ids = (ids * (need // len(ids) + 1))[:need]
     return [ids[7 * i: 7 * i + length] for i in range(batch)]
+
+
+# -- other processes -------------------------------------------------------------------
+QUIET_PERCENT = 15.0  # system-wide CPU use (% of all cores) below which the machine counts as idle
+
+
+class OtherLoad:
+    """How much CPU other processes took while we measured, and waiting for them to stop.
+
+    Timings on a shared machine are only as good as its quiet: a second process on one of
+    two cores stalls every multi-threaded engine at each barrier. Our own use is this
+    process's CPU time plus that of its finished workers (os.times() counts reaped children).
+    """
+
+    def __init__(self, max_wait: float):
+        self.max_wait = max_wait
+        self.busy_starts = 0
+
+    @staticmethod
+    def _snapshot() -> tuple[float, float, float]:
+        import psutil
+
+        system = psutil.cpu_times()
+        busy = sum(system) - system.idle - getattr(system, "iowait", 0.0)
+        own = os.times()
+        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
+
+    def start(self) -> None:
+        self.busy_starts = 0
+        self._start = self._snapshot()
+
+    def stop(self) -> dict:
+        """Other processes' CPU use since start(), as a share of the machine."""
+        wall, busy, own = (b - a for a, b in zip(self._start, self._snapshot()))
+        other = max(0.0, busy - own)
+        return {"other_cpu_seconds": other, "wall_seconds": wall,
+                "other_cpu_fraction": other / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0,
+                "busy_starts": self.busy_starts}
+
+    def wait(self) -> None:
+        """Return once the CPUs are idle (our workers are idle between requests), or after max_wait."""
+        import psutil
+
+        if self.max_wait <= 0:
+            return
+        deadline = time.perf_counter() + self.max_wait
+        while psutil.cpu_percent(interval=0.5) >= QUIET_PERCENT:
+            if time.perf_counter() > deadline:
+                self.busy_starts += 1
+                return
 
 
 # -- workers -------------------------------------------------------------------------
@@ -299,7 +366,9 @@ class PyhloRunner:
         self.model = LlamaForSampling.from_pretrained(model_path, batch_size=batch, n_positions=n_positions,
                                                       amp=amp)
         self.model.to_neuron()
-        self.info = {"programs": len(self.model.eager_programs()), "cache_hits": self.model.programs.cache_hits,
+        programs = self.model.programs
+        self.info = {"programs": len(self.model.eager_programs()), "cache_hits": programs.cache_hits,
+                     "compiler_calls": programs.compiler_calls,
                      "token_buckets": self.model.token_buckets, "context_buckets": self.model.context_buckets}
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -370,8 +439,8 @@ def _fail(row: dict, error: Exception) -> None:
 
 
 def measure_config(model_path: pathlib.Path, engines: list[str], amp: str, batch: int, settings: dict,
-                   prompts: list[list[int]], model_files: dict[str, pathlib.Path], logs: pathlib.Path
-                   ) -> tuple[list[dict], list[dict]]:
+                   prompts: list[list[int]], model_files: dict[str, pathlib.Path], logs: pathlib.Path,
+                   load: OtherLoad) -> tuple[list[dict], list[dict]]:
     """Rows of every engine for one precision and batch size, and pyhlo's bucket rows."""
     rows = {e: new_row(e, amp, batch) for e in engines}
     tag = f"{amp}-b{batch}"
@@ -424,6 +493,7 @@ def measure_config(model_path: pathlib.Path, engines: list[str], amp: str, batch
             for engine in live[turn:] + live[:turn]:  # who goes first rotates
                 if rows[engine]["status"] != "ok":
                     continue
+                load.wait()
                 try:
                     records[engine].append(workers[engine].call("generate", prompts=prompts, new_tokens=new_tokens))
                 except WorkerError as error:
@@ -436,6 +506,7 @@ def measure_config(model_path: pathlib.Path, engines: list[str], amp: str, batch
                     row["agreement"] = {"reference": "pyhlo", "new_tokens": new_tokens, "matching_new_tokens": [
                         bench_report.matching_prefix(a, b) for a, b in zip(warm_tokens[engine], warm_tokens["pyhlo"])]}
         if settings["buckets"] and "pyhlo" in live and rows["pyhlo"]["status"] == "ok":
+            load.wait()
             buckets = measure_buckets(workers["pyhlo"], rows["pyhlo"], prompts, settings, tag)
         for engine, worker in workers.items():
             if worker.proc.poll() is None:
@@ -504,6 +575,16 @@ def notes_for(results: list[dict], settings: dict) -> list[str]:
     return notes
 
 
+def busy_notes(busy: list[dict]) -> list[str]:
+    notes = []
+    for b in busy:
+        if b["other_cpu_fraction"] > 0.05 or b["busy_starts"]:
+            notes.append(f"{b['amp']} batch {b['batch']}: other processes used {b['other_cpu_fraction'] * 100:.0f}% "
+                         f"of the CPUs while it was measured ({b['busy_starts']} generations started on a busy "
+                         "machine); its timings are pessimistic, multi-threaded engines the most")
+    return notes
+
+
 def run(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
     engines, unavailable = resolve_engines(args.engines)
@@ -521,7 +602,9 @@ def run(args: argparse.Namespace) -> int:
     if "llamacpp" in engines and "llamacpp" not in unavailable and model_path.suffix != ".gguf":
         unavailable["llamacpp"] = "llama.cpp reads .gguf models only"
 
+    load = OtherLoad(settings["quiet_wait"])
     print("measuring memory bandwidth ...", file=sys.stderr)
+    load.wait()
     bandwidth = measure_bandwidth(settings["bandwidth_mb"], settings["threads"])
     roofline = {}
     for amp in settings["amps"]:
@@ -532,6 +615,7 @@ def run(args: argparse.Namespace) -> int:
 
     results: list[dict] = []
     buckets: list[dict] = []
+    busy: list[dict] = []
     for amp in settings["amps"]:
         model_files = {"pyhlo": model_path, "hf": model_path}
         if "llamacpp" in engines and "llamacpp" not in unavailable:
@@ -539,8 +623,10 @@ def run(args: argparse.Namespace) -> int:
             model_files["llamacpp"] = bench_peers.dense_gguf(model_path, amp)
         for batch in settings["batches"]:
             runnable = [e for e in engines if e not in unavailable]
+            load.start()
             rows, bucket_list = measure_config(model_path, runnable, amp, batch, settings, prompts_all[:batch],
-                                               model_files, logs)
+                                               model_files, logs, load)
+            busy.append({"amp": amp, "batch": batch, **load.stop()})
             for engine in engines:
                 if engine in unavailable:
                     rows.append({**new_row(engine, amp, batch), "status": "unavailable",
@@ -566,7 +652,8 @@ def run(args: argparse.Namespace) -> int:
         "roofline": roofline,
         "results": results,
         "buckets": buckets,
-        "notes": notes + notes_for(results, settings),
+        "other_load": busy,
+        "notes": notes + notes_for(results, settings) + busy_notes(busy),
     }
     paths = bench_report.write_all(report, out)
     print(bench_report.report_markdown(report))

@@ -64,7 +64,8 @@ class HFRunner:
         dtype = getattr(torch, AMP_TO_TORCH[amp])
         path = pathlib.Path(model_path)
         if path.suffix == ".gguf":
-            # transformers dequantizes the GGUF the way our loader does (checked: equal tensors).
+            # transformers dequantizes the GGUF the way our loader does (checked: equal tensors);
+            # it needs the accelerate package for that.
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)

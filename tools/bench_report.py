@@ -208,19 +208,24 @@ def report_markdown(report: dict) -> str:
         "# pyhlo bench",
         "",
         f"Model {w['model']}; prompt {w['prompt_tokens']} tokens, {w['new_tokens']} new tokens "
-        f"(greedy, EOS ignored); n_positions {w['n_positions']}; {w['repeats']} repeats after a "
-        f"warm-up, engines alternating; {w['threads']} threads.",
+        f"(greedy, EOS ignored); n_positions {w['n_positions']}; repeats: {w['repeats']} after a "
+        f"warm-up, engines taking turns; threads: {w['threads']}.",
         "",
         *machine_lines(report["machine"]),
     ]
     bw = report.get("bandwidth")
     if bw:
-        out.append(f"- memory read bandwidth: {bw['gb_per_s']:.1f} GB/s (median of {len(bw['samples_gb_per_s'])}, "
-                   f"{bw['threads']} threads over {bw['array_mb']} MB)")
+        probes = ", ".join(f"{name} {rate:.1f}" for name, rate in bw.get("probes_gb_per_s", {}).items())
+        out.append(f"- memory read bandwidth: {bw['gb_per_s']:.1f} GB/s ({bw['method']}, median of "
+                   f"{len(bw['samples_gb_per_s'])} passes over {bw['array_mb']} MB; probes: {probes} GB/s)")
         for amp, roof in report.get("roofline", {}).items():
-            out.append(f"- roofline {amp}: {roof['weight_bytes'] / 1e6:.0f} MB of weights per step -> "
+            out.append(f"- roofline {amp}: {_num(roof['weight_bytes'] / 1e6, 1)} MB of weights per step -> "
                        f"at least {roof['min_ms_per_step']:.2f} ms per step "
                        f"(at most {roof['max_tokens_per_s_batch1']:.0f} tokens/s at batch 1)")
+    if report.get("other_load"):
+        shares = ", ".join(f"{b['amp']} batch {b['batch']} {b['other_cpu_fraction'] * 100:.0f}%"
+                           for b in report["other_load"])
+        out.append(f"- CPU taken by other processes while measuring: {shares}")
     out += [
         "",
         "## Throughput and latency",
