@@ -97,19 +97,25 @@ class GraphBuilder:
         if self.weight_layout not in ("in_out", "out_in"):
             raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {self.weight_layout!r}")
 
-    @property
-    def embed_is_lm_head(self) -> bool:
-        """Tied embeddings with the LM head in [vocab, hidden]: one table serves both."""
-        return self.dims.tie_word_embeddings and self.weight_layout == "out_in"
+    # The LM head stays f32: XLA:CPU has no fast bf16/f16 product of vocabulary size.
+    head_dtype: str = "f32"
 
-    def _weight(self, name: str, n_in: int, n_out: int) -> ParamSpec:
+    @property
+    def shares_one_table(self) -> bool:
+        """Tied embeddings stored once: the LM head table also serves the embedding."""
+        return self.dims.tie_word_embeddings and self.head_dtype == self.dtype
+
+    def _weight(self, name: str, n_in: int, n_out: int, dtype: str | None = None) -> ParamSpec:
         dims = (n_in, n_out) if self.weight_layout == "in_out" else (n_out, n_in)
-        return ParamSpec(name, self.dtype, dims)
+        return ParamSpec(name, dtype or self.dtype, dims)
 
     def _linear(self, x: HloValue, weight: HloValue, out_dtype: str | None = None) -> HloValue:
-        if self.weight_layout == "in_out":
-            return matmul(x, weight, out_dtype=out_dtype)
-        return matmul_transposed(x, weight, out_dtype=out_dtype)
+        """x @ weight. bf16/f16 products accumulate into f32 (XLA:CPU's fast form for
+        them, and the accurate one), then return to the activation type."""
+        accumulate = "f32" if weight.dtype != "f32" else None
+        product = (matmul if self.weight_layout == "in_out" else matmul_transposed)(
+            ew.convert(x, weight.dtype), weight, out_dtype=out_dtype or accumulate)
+        return ew.convert(product, out_dtype or x.dtype)
 
     # -- weight specs ------------------------------------------------------
     def layer_weight_specs(self) -> list[ParamSpec]:
@@ -131,9 +137,9 @@ class GraphBuilder:
     def embed(self, n_tokens: int) -> Program:
         """Rows of the embedding table, or columns of the [hidden, vocab] LM head when tied."""
         d, b = self.dims, self.batch_size
-        by_column = self.dims.tie_word_embeddings and self.weight_layout == "in_out"
+        by_column = self.shares_one_table and self.weight_layout == "in_out"
         table_dims = (d.hidden_size, d.vocab_size) if by_column else (d.vocab_size, d.hidden_size)
-        table_name = "lm_head_weight" if by_column else "embed_weight"
+        table_name = "lm_head_weight" if self.shares_one_table else "embed_weight"
         specs = [ParamSpec("token_ids", "s32", (b, n_tokens)), ParamSpec(table_name, self.dtype, table_dims)]
 
         def body(p):
@@ -197,7 +203,7 @@ class GraphBuilder:
         specs = [ParamSpec("hidden", t, (b, n_tokens, d.hidden_size)),
                  ParamSpec("last_index", "s32", (b,)),
                  ParamSpec("final_norm", t, (d.hidden_size,)),
-                 self._weight("lm_head_weight", d.hidden_size, d.vocab_size)]
+                 self._weight("lm_head_weight", d.hidden_size, d.vocab_size, self.head_dtype)]
 
         def body(p):
             hidden = p["hidden"]

@@ -126,11 +126,9 @@ class DecoderForSampling:
 
         backend = self.programs.backend
         layout = self.graph.weight_layout
-        shared = shared_weights(self.checkpoint, self.family, self.dims, self.dtype, layout)
-        on_device = {name: None if array is None else backend.to_device(array) for name, array in shared.items()}
-        if on_device["lm_head_weight"] is None:            # tied, [vocab, hidden]: one table
-            on_device["lm_head_weight"] = on_device["embed_weight"]
-        self._shared = {name: buffer for name, buffer in on_device.items() if buffer is not None}
+        shared = shared_weights(self.checkpoint, self.family, self.dims, self.dtype, layout,
+                                self.graph.head_dtype)
+        self._shared = {name: backend.to_device(array) for name, array in shared.items() if array is not None}
         del shared
         layers = iter_layers(self.checkpoint, self.family, self.dims, self.dtype, layout)
         self._weights = [

@@ -52,24 +52,23 @@ def iter_layers(checkpoint: Checkpoint, family: DecoderFamily, dims: ModelDims,
 
 
 def shared_weights(checkpoint: Checkpoint, family: DecoderFamily, dims: ModelDims,
-                   dtype: str, layout: str = "in_out") -> dict[str, np.ndarray]:
-    """Embedding table [vocab, hidden], final norm and LM head in the program's layout.
+                   dtype: str, layout: str = "in_out", head_dtype: str = "f32") -> dict[str, np.ndarray]:
+    """Embedding table [vocab, hidden] (`dtype`), final norm and LM head (`head_dtype`,
+    in the program's layout).
 
-    With tied embeddings only one table is kept: `embed_weight` is None when the LM
-    head is [hidden, vocab] (the embed program gathers its columns), and
-    `lm_head_weight` is None when it is [vocab, hidden] (the same table as the embedding).
+    Tied embeddings of one type are kept once: `embed_weight` is then None and the
+    embed program reads the LM head table (its rows or columns).
     """
-    np_dtype = numpy_dtype(dtype)
     v, h = dims.vocab_size, dims.hidden_size
 
-    def contiguous(array):
-        return None if array is None else np.ascontiguousarray(array, dtype=np_dtype)
+    def contiguous(array, element_type):
+        return np.ascontiguousarray(array, dtype=numpy_dtype(element_type))
 
     embed = _get(checkpoint, family.embed_name, (v, h))
     head = embed if dims.tie_word_embeddings else _get(checkpoint, family.lm_head_name, (v, h))
-    tied = dims.tie_word_embeddings
+    one_table = dims.tie_word_embeddings and head_dtype == dtype
     return {
-        "embed_weight": None if tied and layout == "in_out" else contiguous(embed),
-        "final_norm": contiguous(_get(checkpoint, family.final_norm_name, (h,))),
-        "lm_head_weight": None if tied and layout == "out_in" else contiguous(head.T if layout == "in_out" else head),
+        "embed_weight": None if one_table else contiguous(embed, dtype),
+        "final_norm": contiguous(_get(checkpoint, family.final_norm_name, (h,)), dtype),
+        "lm_head_weight": contiguous(head.T if layout == "in_out" else head, head_dtype),
     }

@@ -131,7 +131,7 @@ def test_quick_run_writes_table_json_and_chart(tiny_llama, tmp_path, capsys):
     _, path = tiny_llama("mha", "safetensors")
     out = tmp_path / "results"
     code = main(["bench", "--model", str(path), "--quick", "--engines", "pyhlo,hf", "--repeats", "1",
-                 "--out", str(out)])
+                 "--quiet-wait", "0", "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if line.startswith("| engine"))

@@ -104,3 +104,17 @@ def test_generation_stops_at_eos(tiny_llama):
     end = 8 + new.index(eos) + 1                   # generation ends at its first appearance
     stopped = model.sample(prompt, sequence_length=30, top_k=1, eos_token_id=eos)
     assert stopped[0].tolist() == free[0, :end].tolist()
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])       # bf16 uses [out, in] weights at batch 1, [in, out] above
+def test_bf16_stays_close_to_hf_f32(tiny_llama, batch_size):
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = build(path, batch_size=batch_size, amp="bf16")
+    prompt = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(6))
+    expected, expected_logits = hf_greedy(hf, prompt, 22)
+    tokens, logits = model.sample([prompt[0].tolist()] * batch_size, sequence_length=22, top_k=1,
+                                  eos_token_id=[], output_scores=True)
+    for line in range(batch_size):
+        # bf16 weights and activations: about 3 significant digits
+        assert relative_error(logits[0][line], expected_logits[0][0]) < 3e-2
+        assert tokens[line, :17].tolist() == expected[0, :17].tolist()

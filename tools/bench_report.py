@@ -311,6 +311,11 @@ def write_png(report: dict, path: pathlib.Path) -> None:
             ax.plot([p["bucket"] for p in points], [p["ms_per_step"]["median"] for p in points],
                     marker="o", label=f"{amp} batch {batch}")
         ax.set_xscale("log", base=2)
+        sizes = sorted({b["bucket"] for b in report["buckets"]})
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([str(b) for b in sizes])
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("ms per step (median)")
         ax.set_xlabel("token bucket (cache positions attended)")
         ax.set_title("pyhlo ms per decode step by bucket")
         ax.legend(fontsize=8)
