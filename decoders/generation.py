@@ -77,6 +77,8 @@ class Generation:
     def _forward(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, last_index: int) -> Any:
         """Run the model over n_tokens per line written at `slot`; logits of `last_index`."""
         model = self.model
+        if model.neuron_config.whole_model_program:
+            return self._forward_whole(token_ids, n_tokens, n_attend, slot, last_index)
         embed = model.program("embed", n_tokens)
         hidden = embed.run(embed.arguments({"token_ids": token_ids, **model._shared}))[0]
         slots = slot + np.arange(n_tokens, dtype=np.int32)[None, :]
@@ -85,6 +87,26 @@ class Generation:
         head = model.program("lm_head", n_tokens)
         last = self.backend.to_device(np.full((model.batch_size,), last_index, np.int32))
         return head.run(head.arguments({"hidden": hidden, "last_index": last, **model._shared}))[0]
+
+    def _forward_whole(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, last_index: int) -> Any:
+        """The same step as one unrolled program (NeuronConfig.whole_model_program)."""
+        model, cache = self.model, self.model.kv_cache
+        program = model.program("model_step", n_tokens, n_attend)
+        slots = slot + np.arange(n_tokens, dtype=np.int32)[None, :]
+        values = {
+            "token_ids": token_ids, "pad": self.pad_buffer, **model._shared,
+            "positions": self.backend.to_device(np.maximum(slots - self.pads[:, None], 0).astype(np.int32)),
+            "slot": self.backend.to_device(np.int32(slot)),
+            "last_index": self.backend.to_device(np.full((model.batch_size,), last_index, np.int32)),
+        }
+        for layer, weights in enumerate(model._weights):
+            values.update({f"layer{layer}.{name}": buffer for name, buffer in weights.items()})
+            values[f"layer{layer}.cache_k"] = cache.keys[layer]
+            values[f"layer{layer}.cache_v"] = cache.values[layer]
+        logits, *caches = program.run(program.arguments(values))
+        cache.keys[:] = caches[0::2]
+        cache.values[:] = caches[1::2]
+        return logits
 
     def _next_tokens(self, logits: Any, lines: list[list[int]]) -> Any:
         if self.scores is not None:

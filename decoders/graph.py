@@ -134,27 +134,32 @@ class GraphBuilder:
         return ParamSpec(name, self.dtype, (self.batch_size, d.n_kv_heads, self.cache_len, d.head_dim))
 
     # -- programs -------------------------------------------------------------
+    def embed_table_spec(self) -> ParamSpec:
+        """The table the embed program reads: the LM head itself when tied embeddings share it."""
+        d = self.dims
+        if not self.shares_one_table:
+            return ParamSpec("embed_weight", self.dtype, (d.vocab_size, d.hidden_size))
+        return self._weight("lm_head_weight", d.hidden_size, d.vocab_size, self.head_dtype)
+
     def embed(self, n_tokens: int) -> Program:
-        """Rows of the embedding table, or columns of the [hidden, vocab] LM head when tied."""
+        specs = [ParamSpec("token_ids", "s32", (self.batch_size, n_tokens)), self.embed_table_spec()]
+        return _program(f"embed_n{n_tokens}", specs, ["hidden"], lambda p: self._embed(p, n_tokens))
+
+    def _embed(self, p: dict[str, HloValue], n_tokens: int) -> dict[str, HloValue]:
+        """Rows of the [vocab, hidden] table, or columns of a [hidden, vocab] LM head."""
         d, b = self.dims, self.batch_size
-        by_column = self.shares_one_table and self.weight_layout == "in_out"
-        table_dims = (d.hidden_size, d.vocab_size) if by_column else (d.vocab_size, d.hidden_size)
-        table_name = "lm_head_weight" if self.shares_one_table else "embed_weight"
-        specs = [ParamSpec("token_ids", "s32", (b, n_tokens)), ParamSpec(table_name, self.dtype, table_dims)]
-
-        def body(p):
-            table, ids = p[table_name], p["token_ids"]
-            if by_column:
-                numbers = dict(offset_dims=[0], collapsed_slice_dims=[1], start_index_map=[1], index_vector_dim=2)
-                columns = getattr(table.scribe, self.dtype)[d.hidden_size, b, n_tokens].Gather(
-                    table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[d.hidden_size, 1])
-                return {"hidden": transpose(columns, (1, 2, 0))}
-            numbers = dict(offset_dims=[2], collapsed_slice_dims=[0], start_index_map=[0], index_vector_dim=2)
-            hidden = getattr(table.scribe, self.dtype)[b, n_tokens, d.hidden_size].Gather(
-                table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[1, d.hidden_size])
-            return {"hidden": hidden}
-
-        return _program(f"embed_n{n_tokens}", specs, ["hidden"], body)
+        spec = self.embed_table_spec()
+        table, ids = p[spec.name], p["token_ids"]
+        shape = getattr(table.scribe, self.dtype)
+        if spec.dims == (d.hidden_size, d.vocab_size):
+            numbers = dict(offset_dims=[0], collapsed_slice_dims=[1], start_index_map=[1], index_vector_dim=2)
+            columns = shape[d.hidden_size, b, n_tokens].Gather(
+                table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[d.hidden_size, 1])
+            return {"hidden": transpose(columns, (1, 2, 0))}
+        numbers = dict(offset_dims=[2], collapsed_slice_dims=[0], start_index_map=[0], index_vector_dim=2)
+        hidden = shape[b, n_tokens, d.hidden_size].Gather(
+            table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[1, d.hidden_size])
+        return {"hidden": hidden}
 
     def block(self, n_tokens: int, n_attend: int) -> Program:
         """One decoder layer over `n_tokens` new tokens per line, attending to `n_attend` keys."""
@@ -166,59 +171,91 @@ class GraphBuilder:
                  self.cache_spec("cache_k"), self.cache_spec("cache_v"),
                  *self.layer_weight_specs()]
 
-        def body(p):
-            hidden, positions = p["hidden"], p["positions"]
-            x = nn.rms_norm(hidden, p["input_norm"], d.norm_eps)
-            qkv = self._linear(x, p["qkv_weight"])
-            q = reshape(slice_along(qkv, 2, 0, d.q_size), (b, n_tokens, d.n_heads, d.head_dim))
-            k = reshape(slice_along(qkv, 2, d.q_size, d.q_size + d.kv_size),
-                        (b, n_tokens, d.n_kv_heads, d.head_dim))
-            v = reshape(slice_along(qkv, 2, d.q_size + d.kv_size, d.q_size + 2 * d.kv_size),
-                        (b, n_tokens, d.n_kv_heads, d.head_dim))
-            q, k = self._rotate(q, k, positions)
-            q = transpose(q, (0, 2, 1, 3))                      # [b, h, n, d]
-            k = transpose(k, (0, 2, 1, 3))                      # [b, kvh, n, d]
-            v = transpose(v, (0, 2, 1, 3))
-            cache_k = dynamic_update_slice(p["cache_k"], k, [0, 0, p["slot"], 0])
-            cache_v = dynamic_update_slice(p["cache_v"], v, [0, 0, p["slot"], 0])
-            mask = self._mask(p["slot"], p["pad"], n_tokens, n_attend)
-            context = self._attend(q, cache_k, cache_v, mask, n_attend, p["slot"])   # [b, h, n, d]
-            context = reshape(transpose(context, (0, 2, 1, 3)), (b, n_tokens, d.q_size))
-            hidden = ew.add(hidden, self._linear(context, p["o_weight"]))
-            x = nn.rms_norm(hidden, p["post_norm"], d.norm_eps)
-            gate_up = self._linear(x, p["gate_up_weight"])
-            gate = slice_along(gate_up, 2, 0, d.intermediate_size)
-            up = slice_along(gate_up, 2, d.intermediate_size, 2 * d.intermediate_size)
-            mlp = self._linear(ew.multiply(nn.silu(gate), up), p["down_weight"])
-            hidden = ew.add(hidden, mlp)
-            cache_k.set_alias_to(p["cache_k"], must=True)
-            cache_v.set_alias_to(p["cache_v"], must=True)
-            return {"hidden": hidden, "cache_k": cache_k, "cache_v": cache_v}
+        return _program(f"block_n{n_tokens}_s{n_attend}", specs, ["hidden", "cache_k", "cache_v"],
+                        lambda p: self._layer(p, n_tokens, n_attend))
 
-        return _program(f"block_n{n_tokens}_s{n_attend}", specs, ["hidden", "cache_k", "cache_v"], body)
+    def _layer(self, p: dict[str, HloValue], n_tokens: int, n_attend: int) -> dict[str, HloValue]:
+        """One decoder layer on named values: hidden, positions, slot, pad, caches, weights."""
+        d, b = self.dims, self.batch_size
+        hidden, positions = p["hidden"], p["positions"]
+        x = nn.rms_norm(hidden, p["input_norm"], d.norm_eps)
+        qkv = self._linear(x, p["qkv_weight"])
+        q = reshape(slice_along(qkv, 2, 0, d.q_size), (b, n_tokens, d.n_heads, d.head_dim))
+        k = reshape(slice_along(qkv, 2, d.q_size, d.q_size + d.kv_size),
+                    (b, n_tokens, d.n_kv_heads, d.head_dim))
+        v = reshape(slice_along(qkv, 2, d.q_size + d.kv_size, d.q_size + 2 * d.kv_size),
+                    (b, n_tokens, d.n_kv_heads, d.head_dim))
+        q, k = self._rotate(q, k, positions)
+        q = transpose(q, (0, 2, 1, 3))                      # [b, h, n, d]
+        k = transpose(k, (0, 2, 1, 3))                      # [b, kvh, n, d]
+        v = transpose(v, (0, 2, 1, 3))
+        cache_k = dynamic_update_slice(p["cache_k"], k, [0, 0, p["slot"], 0])
+        cache_v = dynamic_update_slice(p["cache_v"], v, [0, 0, p["slot"], 0])
+        mask = self._mask(p["slot"], p["pad"], n_tokens, n_attend)
+        context = self._attend(q, cache_k, cache_v, mask, n_attend, p["slot"])   # [b, h, n, d]
+        context = reshape(transpose(context, (0, 2, 1, 3)), (b, n_tokens, d.q_size))
+        hidden = ew.add(hidden, self._linear(context, p["o_weight"]))
+        x = nn.rms_norm(hidden, p["post_norm"], d.norm_eps)
+        gate_up = self._linear(x, p["gate_up_weight"])
+        gate = slice_along(gate_up, 2, 0, d.intermediate_size)
+        up = slice_along(gate_up, 2, d.intermediate_size, 2 * d.intermediate_size)
+        mlp = self._linear(ew.multiply(nn.silu(gate), up), p["down_weight"])
+        hidden = ew.add(hidden, mlp)
+        cache_k.set_alias_to(p["cache_k"], must=True)
+        cache_v.set_alias_to(p["cache_v"], must=True)
+        return {"hidden": hidden, "cache_k": cache_k, "cache_v": cache_v}
+
+    def head_specs(self) -> list[ParamSpec]:
+        d = self.dims
+        return [ParamSpec("final_norm", self.dtype, (d.hidden_size,)),
+                self._weight("lm_head_weight", d.hidden_size, d.vocab_size, self.head_dtype)]
 
     def lm_head(self, n_tokens: int) -> Program:
         """Logits (f32) of position `last_index[i]` of each line i."""
-        d, b, t = self.dims, self.batch_size, self.dtype
-        specs = [ParamSpec("hidden", t, (b, n_tokens, d.hidden_size)),
-                 ParamSpec("last_index", "s32", (b,)),
-                 ParamSpec("final_norm", t, (d.hidden_size,)),
-                 self._weight("lm_head_weight", d.hidden_size, d.vocab_size, self.head_dtype)]
+        d, b = self.dims, self.batch_size
+        specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, d.hidden_size)),
+                 ParamSpec("last_index", "s32", (b,)), *self.head_specs()]
+        return _program(f"lm_head_n{n_tokens}", specs, ["logits"], lambda p: self._head(p, n_tokens))
+
+    def _head(self, p: dict[str, HloValue], n_tokens: int) -> dict[str, HloValue]:
+        d, b = self.dims, self.batch_size
+        hidden = p["hidden"]
+        if n_tokens == 1:
+            rows = reshape(hidden, (b, d.hidden_size))
+        else:
+            picked = []
+            for i in range(b):
+                index = reshape(dynamic_slice(p["last_index"], [i], [1]), ())
+                picked.append(dynamic_slice(hidden, [i, index, 0], [1, 1, d.hidden_size]))
+            rows = reshape(concatenate(picked, 0), (b, d.hidden_size))
+        x = nn.rms_norm(rows, p["final_norm"], d.norm_eps)
+        return {"logits": self._linear(x, p["lm_head_weight"], out_dtype="f32")}
+
+    def model_step(self, n_tokens: int, n_attend: int) -> Program:
+        """The whole model unrolled into one program: token ids -> logits, every layer's
+        caches updated in place. Parameters of layer i are named `layer{i}.NAME`."""
+        d, b = self.dims, self.batch_size
+        per_layer = [self.cache_spec("cache_k"), self.cache_spec("cache_v"), *self.layer_weight_specs()]
+        shared = [self.embed_table_spec()] + [s for s in self.head_specs() if s.name != self.embed_table_spec().name]
+        specs = [ParamSpec("token_ids", "s32", (b, n_tokens)), ParamSpec("positions", "s32", (b, n_tokens)),
+                 ParamSpec("slot", "s32", ()), ParamSpec("pad", "s32", (b,)), ParamSpec("last_index", "s32", (b,)),
+                 *shared,
+                 *(ParamSpec(f"layer{i}.{spec.name}", spec.dtype, spec.dims)
+                   for i in range(d.n_layers) for spec in per_layer)]
+        outputs = ["logits"] + [f"layer{i}.{c}" for i in range(d.n_layers) for c in ("cache_k", "cache_v")]
 
         def body(p):
-            hidden = p["hidden"]
-            if n_tokens == 1:
-                rows = reshape(hidden, (b, d.hidden_size))
-            else:
-                picked = []
-                for i in range(b):
-                    index = reshape(dynamic_slice(p["last_index"], [i], [1]), ())
-                    picked.append(dynamic_slice(hidden, [i, index, 0], [1, 1, d.hidden_size]))
-                rows = reshape(concatenate(picked, 0), (b, d.hidden_size))
-            x = nn.rms_norm(rows, p["final_norm"], d.norm_eps)
-            return {"logits": self._linear(x, p["lm_head_weight"], out_dtype="f32")}
+            hidden = self._embed(p, n_tokens)["hidden"]
+            results = {}
+            for i in range(d.n_layers):
+                layer = {spec.name: p[f"layer{i}.{spec.name}"] for spec in per_layer}
+                out = self._layer({**p, **layer, "hidden": hidden}, n_tokens, n_attend)
+                hidden = out["hidden"]
+                results[f"layer{i}.cache_k"], results[f"layer{i}.cache_v"] = out["cache_k"], out["cache_v"]
+            results["logits"] = self._head({**p, "hidden": hidden}, n_tokens)["logits"]
+            return results
 
-        return _program(f"lm_head_n{n_tokens}", specs, ["logits"], body)
+        return _program(f"model_n{n_tokens}_s{n_attend}", specs, outputs, body)
 
     def greedy(self) -> Program:
         b, v = self.batch_size, self.dims.vocab_size

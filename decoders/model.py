@@ -53,8 +53,6 @@ class DecoderForSampling:
         self.dtype = element_type_of_amp(amp)
         self.amp = amp
         self.neuron_config = neuron_config or NeuronConfig()
-        if self.neuron_config.whole_model_program:
-            raise NotSupportedYet("NeuronConfig.whole_model_program=True is not supported yet")
         self.checkpoint_path = pathlib.Path(checkpoint_path)
         self.checkpoint = open_checkpoint(checkpoint_path)
         self.config = self.checkpoint.config
@@ -105,6 +103,9 @@ class DecoderForSampling:
     # -- to_neuron ---------------------------------------------------------------
     def eager_programs(self) -> list[tuple[str, tuple]]:
         """The programs to_neuron() compiles: prefill per context bucket, decode per token bucket."""
+        if self.neuron_config.whole_model_program:
+            return ([("greedy", ())] + [("model_step", (c, c)) for c in self.context_buckets]
+                    + [("model_step", (1, s)) for s in self.token_buckets])
         keys: list[tuple[str, tuple]] = [("embed", (1,)), ("lm_head", (1,)), ("greedy", ())]
         for c in self.context_buckets:
             keys += [("embed", (c,)), ("block", (c, c)), ("lm_head", (c,))]

@@ -118,3 +118,16 @@ def test_bf16_stays_close_to_hf_f32(tiny_llama, batch_size):
         # bf16 weights and activations: about 3 significant digits
         assert relative_error(logits[0][line], expected_logits[0][0]) < 3e-2
         assert tokens[line, :17].tolist() == expected[0, :17].tolist()
+
+
+def test_whole_model_program_gives_the_same_tokens(tiny_llama):
+    from decoders import NeuronConfig
+
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = build(path, batch_size=2, neuron_config=NeuronConfig(whole_model_program=True))
+    assert {kind for kind, _ in model.programs.compiled} == {"model_step", "greedy"}
+    prompts = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(7)) for n in (9, 30)]
+    tokens = model.sample(prompts, sequence_length=150, top_k=1, eos_token_id=[])
+    for i, prompt in enumerate(prompts):
+        expected, _ = hf_greedy(hf, prompt[None], len(prompt) + 120)
+        assert tokens[i, : len(prompt) + 120].tolist() == expected[0].tolist()
