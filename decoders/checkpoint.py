@@ -291,9 +291,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         )
     if path.is_file():
         if path.suffix == ".gguf":
-            from decoders.gguf_checkpoint import GGUFCheckpoint
+            from decoders.gguf_cache import open_gguf
 
-            return GGUFCheckpoint(path)
+            return open_gguf(path)
         if path.name in WEIGHT_FILES or path.name == "config.json" or path.suffix in (".safetensors", ".bin"):
             raise CheckpointError(
                 f"{path}: pass the directory that holds this file and its config.json "
@@ -312,7 +312,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                 f"{path}: holds several .gguf files ({', '.join(g.name for g in ggufs)}); "
                 "pass the path of the one to load"
             )
-        from decoders.gguf_checkpoint import GGUFCheckpoint
+        from decoders.gguf_cache import open_gguf
 
-        return GGUFCheckpoint(ggufs[0])
+        return open_gguf(ggufs[0])
     return HFCheckpoint(path)

@@ -297,40 +297,29 @@ class GGUFCheckpoint(Checkpoint):
         from transformers import AutoTokenizer
 
         # Building a tokenizer from GGUF metadata takes seconds; keep the converted one.
-        cached = self._tokenizer_cache_dir()
-        if cached is not None and (cached / "tokenizer_config.json").exists():
-            try:
-                return AutoTokenizer.from_pretrained(str(cached))
-            except (OSError, ValueError):
-                pass
+        cached = tokenizer_cache_dir(self.path)
+        tokenizer = load_cached_tokenizer(self.path)
+        if tokenizer is not None:
+            return tokenizer
         tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         if cached is not None:
             self._save_tokenizer(tokenizer, cached)
         return tokenizer
-
-    def _tokenizer_cache_dir(self) -> pathlib.Path | None:
-        import hashlib
-        import os
-
-        root = os.environ.get("PYHLO_TOKENIZER_CACHE", str(pathlib.Path.home() / ".cache" / "pyhlo" / "tokenizers"))
-        if root in ("", "0"):
-            return None
-        stat = self.path.stat()
-        key = hashlib.sha256(f"{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-        return pathlib.Path(root) / f"{self.path.stem}-{key}"
 
     @staticmethod
     def _save_tokenizer(tokenizer, directory: pathlib.Path) -> None:
         import shutil
         import tempfile
 
+        staging = None
         try:
             directory.parent.mkdir(parents=True, exist_ok=True)
             staging = pathlib.Path(tempfile.mkdtemp(dir=directory.parent))
             tokenizer.save_pretrained(str(staging))
             staging.replace(directory)
         except OSError:
-            shutil.rmtree(staging, ignore_errors=True)  # another process won the race, or no space
+            if staging is not None:  # another process won the race, or no space
+                shutil.rmtree(staging, ignore_errors=True)
 
     def chat_template(self) -> str | None:
         return self._metadata.get("tokenizer.chat_template")
@@ -343,3 +332,33 @@ class GGUFCheckpoint(Checkpoint):
     def close(self) -> None:
         # Drop the file mapping; arrays already returned own their memory.
         self._tensors = None
+
+
+def _cache_key(path: pathlib.Path) -> str:
+    import hashlib
+
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def tokenizer_cache_dir(path: pathlib.Path) -> pathlib.Path | None:
+    """Where the tokenizer built from this GGUF file is kept (PYHLO_TOKENIZER_CACHE=0: nowhere)."""
+    import os
+
+    root = os.environ.get("PYHLO_TOKENIZER_CACHE", str(pathlib.Path.home() / ".cache" / "pyhlo" / "tokenizers"))
+    if root in ("", "0"):
+        return None
+    return pathlib.Path(root) / f"{path.stem}-{_cache_key(path)}"
+
+
+def load_cached_tokenizer(path: pathlib.Path):
+    """The tokenizer kept for this GGUF file, or None."""
+    cached = tokenizer_cache_dir(path)
+    if cached is None or not (cached / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(cached))
+    except (OSError, ValueError):
+        return None

@@ -18,6 +18,8 @@ def _compile_cache_dir(tmp_path_factory):
 
     if "PYHLO_CACHE_DIR" not in os.environ:
         os.environ["PYHLO_CACHE_DIR"] = str(tmp_path_factory.mktemp("compile-cache"))
+    if "PYHLO_GGUF_CACHE" not in os.environ:
+        os.environ["PYHLO_GGUF_CACHE"] = str(tmp_path_factory.mktemp("converted-gguf"))
     yield
 
 

@@ -16,6 +16,12 @@ from decoders.gguf_checkpoint import GGUFCheckpoint, unpermute_rope_rows
 Q = gguf.GGMLQuantizationType
 
 
+
+@pytest.fixture(autouse=True)
+def _read_the_gguf_itself(monkeypatch):
+    """These tests are about reading GGUF files: no converted copies (see test_gguf_cache.py)."""
+    monkeypatch.setenv("PYHLO_GGUF_CACHE", "0")
+
 def llama_cpp_permute(weight, n_heads):
     """What llama.cpp's converter does to q and k: pair rows (i, i + head_dim/2) become adjacent."""
     half = weight.shape[0] // n_heads // 2
