@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from decoders.config import NotSupportedYet
 from decoders.family import DecoderFamily, ModelDims
 from pyhlo import Scribe, compile_py_func
 from pyhlo.ops import elementwise as ew
@@ -96,6 +97,13 @@ class GraphBuilder:
     def __post_init__(self) -> None:
         if self.weight_layout not in ("in_out", "out_in"):
             raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {self.weight_layout!r}")
+        built = {"norm": "rms", "activation": "silu", "gated_mlp": True, "positions": "rope", "qkv_bias": False}
+        for name, value in built.items():
+            if getattr(self.family, name) != value:
+                raise NotSupportedYet(
+                    f"family {self.family.name!r}: {name}={getattr(self.family, name)!r} is not built yet "
+                    f"(the shared block has {name}={value!r})"
+                )
 
     # The LM head stays f32: XLA:CPU has no fast bf16/f16 product of vocabulary size.
     head_dtype: str = "f32"

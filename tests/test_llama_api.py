@@ -82,3 +82,15 @@ def test_load_refuses_a_directory_saved_for_another_shape(model, checkpoint, tmp
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no such file or directory"):
         LlamaForSampling.from_pretrained(tmp_path / "nope")
+
+
+def test_a_family_feature_the_block_lacks_is_refused(checkpoint):
+    import dataclasses
+
+    from decoders.llama import LLAMA
+
+    class LayerNormLlama(LlamaForSampling):
+        family = dataclasses.replace(LLAMA, name="layernorm-llama", norm="layer")
+
+    with pytest.raises(NotSupportedYet, match="norm='layer' is not built yet"):
+        LayerNormLlama.from_pretrained(checkpoint, n_positions=128)
