@@ -317,20 +317,21 @@ class GraphBuilder:
                 n_attend: int, selector: HloValue) -> HloValue:
         """Attention over the first n_attend slots of the just-updated caches.
 
-        Slicing an updated cache directly lets XLA fuse the update into the slice and
-        then copy the whole cache to keep the old value alive. Inside a conditional
+        Reading an updated cache directly (sliced, or reshaped at batch 1) lets XLA fuse
+        the update into that read and then copy the whole cache to keep the old value
+        alive. Inside a conditional
         (whose branch index is only known at run time) the slice reads the updated
         buffer, so the update stays in place. Both branches are the same computation.
         """
         scale = self.dims.attention_scale
-        if n_attend == self.cache_len:
-            return attention(q, cache_k, cache_v, mask, scale)
 
         def attend_prefix(scribe):
             operands = scribe.tuple(q.shape, cache_k.shape, cache_v.shape, mask.shape).Parameter(
                 parameter_number=0)
             q_, k_, v_, mask_ = (get_tuple_element(operands, i) for i in range(4))
-            return attention(q_, slice_along(k_, 2, 0, n_attend), slice_along(v_, 2, 0, n_attend), mask_, scale)
+            if n_attend < self.cache_len:
+                k_, v_ = slice_along(k_, 2, 0, n_attend), slice_along(v_, 2, 0, n_attend)
+            return attention(q_, k_, v_, mask_, scale)
 
         operands = make_tuple(q, cache_k, cache_v, mask)
         return q.shape.Conditional(selector, operands, operands,
