@@ -137,6 +137,9 @@ class DecoderForSampling:
             for layer in tqdm(layers, total=self.dims.n_layers, desc="loading weights", unit="layer",
                               disable=None)
         ]
+        # The weights live on the device now: drop the checkpoint's file mapping, whose
+        # pages would otherwise stay in this process's resident memory.
+        self.checkpoint.close()
         cache_spec = self.graph.cache_spec("cache")
         self.kv_cache = KVCache(backend, self.dims.n_layers, cache_spec.dims, self.dtype)
 

@@ -95,6 +95,19 @@ def test_bf16_slower_than_f32_is_noted():
     assert any("3.00x slower in bf16" in n for n in notes)
 
 
+def test_disagreeing_tokens_are_noted():
+    rows = []
+    for batch, same in ((1, 128), (4, 7)):
+        row = _row("llamacpp", "f32", batch, 40.0, 10.0)
+        row["agreement"] = {"reference": "pyhlo", "new_tokens": 128, "matching_new_tokens": [same] * batch}
+        rows.append(row)
+    notes = bench.notes_for(rows, {"new_tokens": 128})
+    assert len(notes) == 1 and "batch 4" in notes[0] and "batch 1 agrees for 128" in notes[0]
+    rows[0]["agreement"]["matching_new_tokens"] = [3]
+    notes = bench.notes_for(rows, {"new_tokens": 128})
+    assert len(notes) == 2 and all("are the weights the same" in n for n in notes)
+
+
 # -- the pieces that touch models -------------------------------------------------------
 def test_permute_rope_rows_undoes_the_loaders_unpermute():
     from decoders.gguf_checkpoint import unpermute_rope_rows
