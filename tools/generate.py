@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     model = LlamaForSampling.from_pretrained(path, batch_size=1, n_positions=args.n_positions, amp=args.amp)
     model.to_neuron()
-    ready = time.perf_counter()
     tokenizer = model.tokenizer
+    ready = time.perf_counter()
     ids = prompt_ids(tokenizer, args.prompt, args.chat, args.system)
     length = len(ids) + args.max_new_tokens
     if length > model.n_positions:
@@ -69,6 +69,6 @@ def run(args: argparse.Namespace) -> int:
                        temperature=args.temperature, seed=args.seed, streamer=streamer)
     seconds = time.perf_counter() - ready
     new = out.shape[1] - len(ids)
-    print(f"[{new} tokens in {seconds:.2f} s, {new / seconds:.1f} tokens/s; model ready in "
-          f"{ready - started:.1f} s]", file=sys.stderr)
+    print(f"[{new} tokens in {seconds:.2f} s, {new / seconds:.1f} tokens/s (prefill included); "
+          f"model and tokenizer ready in {ready - started:.1f} s]", file=sys.stderr)
     return 0
