@@ -68,11 +68,22 @@ class Generation:
         cache = model.kv_cache
         step = {"positions": self.backend.to_device(positions.astype(np.int32)),
                 "slot": self.backend.to_device(np.int32(slot)), "pad": self.pad_buffer}
-        for layer, weights in enumerate(model._weights):
-            args = block.arguments({**weights, **step, "hidden": hidden,
-                                    "cache_k": cache.keys[layer], "cache_v": cache.values[layer]})
-            hidden, cache.keys[layer], cache.values[layer] = block.run(args)
+        # Checked once through the named path; the other layers reuse the same order.
+        names = block.program.param_names
+        first = block.arguments({**model._weights[0], **step, "hidden": hidden,
+                                 "cache_k": cache.keys[0], "cache_v": cache.values[0]})
+        hidden, cache.keys[0], cache.values[0] = block.run(first)
+        at_hidden, at_k, at_v = names.index("hidden"), names.index("cache_k"), names.index("cache_v")
+        for layer in range(1, len(model._weights)):
+            args = self._layer_arguments(block, layer, step)
+            args[at_hidden], args[at_k], args[at_v] = hidden, cache.keys[layer], cache.values[layer]
+            hidden, cache.keys[layer], cache.values[layer] = block.run_buffers(args)
         return hidden
+
+    def _layer_arguments(self, block: Any, layer: int, step: dict[str, Any]) -> list[Any]:
+        """Layer `layer`'s arguments in the block's order, hidden and caches still to fill."""
+        weights = self.model._weights[layer]
+        return [weights.get(name) if name in weights else step.get(name) for name in block.program.param_names]
 
     def _forward(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, last_index: int) -> Any:
         """Run the model over n_tokens per line written at `slot`; logits of `last_index`."""

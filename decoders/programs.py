@@ -33,6 +33,10 @@ class CompiledProgram:
     def run(self, args: list[Any]) -> list[Any]:
         return self.executable.run(args)
 
+    def run_buffers(self, args: list[Any]) -> list[Any]:
+        """Device buffers in parameter order, unchecked (the per-layer hot loop)."""
+        return self.executable.run_buffers(args)
+
 
 def _module_hash(program: Program) -> str:
     return hashlib.sha256(program.module.SerializeToString()).hexdigest()

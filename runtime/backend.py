@@ -159,6 +159,13 @@ class Executable:
         buffers = self._to_buffers(self._ordered(inputs), self.devices[0])
         return self._pjrt.execute(self.compiled, buffers)
 
+    def run_buffers(self, buffers: list[Any]) -> list[Any]:
+        """run() without conversion or checks: device buffers in parameter order, one device.
+
+        For hot loops whose arguments were produced by run() or to_device() and checked once.
+        """
+        return self._pjrt.execute(self.compiled, buffers)
+
     def run_replicated(self, per_replica_inputs: Sequence[Sequence[Any] | Mapping[str, Any]]) -> list[list[Any]]:
         """Run every replica; per_replica_inputs[r] are replica r's inputs (list or dict).
 
