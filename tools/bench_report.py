@@ -216,8 +216,10 @@ def report_markdown(report: dict) -> str:
     bw = report.get("bandwidth")
     if bw:
         probes = ", ".join(f"{name} {rate:.1f}" for name, rate in bw.get("probes_gb_per_s", {}).items())
+        runs = bw.get("all_probes_gb_per_s", [])
         out.append(f"- memory read bandwidth: {bw['gb_per_s']:.1f} GB/s ({bw['method']}, median of "
-                   f"{len(bw['samples_gb_per_s'])} passes over {bw['array_mb']} MB; probes: {probes} GB/s)")
+                   f"{len(bw['samples_gb_per_s'])} passes over {bw['array_mb']} MB; probes: {probes} GB/s; "
+                   f"best of {len(runs)} measurements through the run: {', '.join(f'{r:.1f}' for r in runs)})")
         for amp, roof in report.get("roofline", {}).items():
             out.append(f"- roofline {amp}: {_num(roof['weight_bytes'] / 1e6, 1)} MB of weights per step -> "
                        f"at least {roof['min_ms_per_step']:.2f} ms per step "
