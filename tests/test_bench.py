@@ -116,6 +116,17 @@ def test_permute_rope_rows_undoes_the_loaders_unpermute():
     assert np.array_equal(bench_peers.permute_rope_rows(unpermute_rope_rows(weight, 6), 6), weight)
 
 
+def test_a_workers_peak_rss_is_its_own():
+    # Linux hands a parent's ru_maxrss to its children across fork and exec; VmHWM is per process.
+    import subprocess
+    import sys
+
+    ballast = np.ones(300 * 2**20 // 8)  # a 300 MB peak in this process
+    child = subprocess.run([sys.executable, "-c", "from tools.bench import peak_rss_bytes; print(peak_rss_bytes())"],
+                           capture_output=True, text=True, check=True, cwd=bench.ROOT)
+    assert 0 < int(child.stdout) < ballast.nbytes // 2
+
+
 def test_bandwidth_probe_reports_a_positive_rate():
     measured = bench.measure_bandwidth(array_mb=8, threads=2, repeats=2)
     assert measured["gb_per_s"] > 0 and len(measured["samples_gb_per_s"]) == 2
@@ -160,6 +171,7 @@ def test_quick_run_writes_table_json_and_chart(tiny_llama, tmp_path, capsys):
         for key in ("ttft_ms", "decode_tokens_per_s", "ms_per_step"):
             assert set(row[key]) == {"median", "min", "max", "n", "samples"} and row[key]["n"] == 1
         assert row["peak_rss_mb"] > 0 and row["load_s"] > 0
+        assert len(row["other_cpu_fraction"]) == 1
         assert row["roofline_fraction"] > 0
     ours, hf = report["results"]
     assert ours["compile_cold_s"] > 0 and ours["compile_warm_s"] > 0

@@ -7,7 +7,8 @@ A result row is a dict with these keys (JSON schema `pyhlo-bench/1`):
     ttft_ms, decode_tokens_per_s, ms_per_step     summaries: {median, min, max, n, samples}
     load_s, compile_cold_s, compile_warm_s, peak_rss_mb, cold_peak_rss_mb, rss_mb
     roofline_fraction, vs ({peer: decode ratio}), ttft_vs ({peer: TTFT ratio}),
-    agreement ({reference, matching_new_tokens: [per line], new_tokens}), info
+    agreement ({reference, matching_new_tokens: [per line], new_tokens}),
+    other_cpu_fraction ([per sample: share of the CPUs other processes took]), disturbed_samples, info
 """
 from __future__ import annotations
 
