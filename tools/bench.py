@@ -17,8 +17,9 @@ generates once. Every generation is greedy with EOS ignored, so each line really
 The memory read bandwidth is measured in the same run, before the first configuration and
 after each (threads summing parts of a large array, and a BLAS matrix-vector product over
 it); the best measurement counts, as other processes only ever lower it. Before each
-measured generation the bench waits for the CPUs to be idle (--quiet-wait) and it reports
-how much CPU other processes took. llama.cpp (llama-cpp-python) is used when it can be
+measured generation the bench waits for the CPUs to be idle (--quiet-wait), repeats a
+generation (at most twice) when other processes took over 10% of the CPUs meanwhile, and
+reports how much CPU they took. llama.cpp (llama-cpp-python) is used when it can be
 imported; it reads F32/BF16 GGUF files written from our dequantized weights and cached
 next to the model.
 
@@ -98,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-buckets", action="store_true", help="skip the per-bucket decode latency run")
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each measured generation, wait up to this many seconds for other "
-                             "processes to leave the CPUs idle (default 60; 0: do not wait)")
+                             "processes to leave the CPUs idle, and repeat generations they disturbed "
+                             "(default 60; 0: neither wait nor repeat)")
 
 
 def _csv(value: str) -> list[str]:
@@ -652,13 +654,8 @@ def notes_for(results: list[dict], settings: dict) -> list[str]:
 
 
 def busy_notes(busy: list[dict]) -> list[str]:
-    notes = []
-    for b in busy:
-        if b["other_cpu_fraction"] > 0.05 or b["busy_starts"] or b.get("retries"):
-            notes.append(f"{b['amp']} batch {b['batch']}: other processes used {b['other_cpu_fraction'] * 100:.0f}% "
-                         f"of the CPUs over the whole configuration; {b.get('retries', 0)} generations were "
-                         f"repeated because of them, {b['busy_starts']} started on a busy machine")
-    return notes
+    return [f"{b['amp']} batch {b['batch']}: {b['busy_starts']} generations started while other processes "
+            f"kept the CPUs busy (after waiting --quiet-wait seconds)" for b in busy if b["busy_starts"]]
 
 
 def run(args: argparse.Namespace) -> int:

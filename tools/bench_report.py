@@ -228,7 +228,11 @@ def report_markdown(report: dict) -> str:
     if report.get("other_load"):
         shares = ", ".join(f"{b['amp']} batch {b['batch']} {b['other_cpu_fraction'] * 100:.0f}%"
                            for b in report["other_load"])
-        out.append(f"- CPU taken by other processes while measuring: {shares}")
+        retries = sum(b.get("retries", 0) for b in report["other_load"])
+        kept = [o for r in report["results"] for o in r.get("other_cpu_fraction") or []]
+        worst = f"; during the measured generations at most {max(kept) * 100:.1f}%" if kept else ""
+        out.append(f"- CPU taken by other processes per configuration (waits included): {shares}{worst} "
+                   f"({retries} generations repeated because of them)")
     out += [
         "",
         "## Throughput and latency",
@@ -273,7 +277,9 @@ def write_png(report: dict, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["results"] if r.get("status") == "ok"]
-    configs = sorted({(r["amp"], r["batch"]) for r in rows}, key=lambda c: (c[0], c[1]))
+    amps = list(report["workload"].get("amps", []))
+    configs = sorted({(r["amp"], r["batch"]) for r in rows},
+                     key=lambda c: (amps.index(c[0]) if c[0] in amps else len(amps), c[0], c[1]))
     engines = [e for e in ("pyhlo", "hf", "llamacpp") if any(r["engine"] == e for r in rows)]
     engines += sorted({r["engine"] for r in rows} - set(engines))
     by_key = {(r["engine"], r["amp"], r["batch"]): r for r in rows}
