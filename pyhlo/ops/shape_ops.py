@@ -91,7 +91,3 @@ def make_tuple(*values: HloValue) -> HloValue:
     scribe = values[0].scribe
     return scribe.tuple(*(v.shape for v in values)).Tuple(*values)
 
-
-def optimization_barrier(x: HloValue) -> HloValue:
-    """x, computed in full before any later use: XLA may not fuse across this point."""
-    return x.shape.OptimizationBarrier(x)
