@@ -81,6 +81,7 @@ class NeuronConfig:
     compilation_worker_count: int | None = None
     whole_model_program: bool = False
     weight_layout: str | None = None
+    cpu_kernels: bool | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -107,6 +108,8 @@ class NeuronConfig:
             raise ValueError("NeuronConfig.compilation_worker_count must be >= 1")
         if self.weight_layout not in (None, "in_out", "out_in"):
             raise ValueError(f"NeuronConfig.weight_layout must be None, 'in_out' or 'out_in', got {self.weight_layout!r}")
+        if self.cpu_kernels not in (None, True, False):
+            raise ValueError(f"NeuronConfig.cpu_kernels must be None, True or False, got {self.cpu_kernels!r}")
         if self.extra:
             raise _not_yet("extra", self.extra)
 

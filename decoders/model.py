@@ -33,10 +33,37 @@ SAVE_FORMAT = 1
 def preferred_weight_layout(dtype: str, batch_size: int) -> str:
     """The weight layout whose matrix-vector products stream fastest on XLA:CPU.
 
-    Measured (see README, Performance): f32 runs best with [in, out] at every batch
-    size; bf16 and f16 at batch 1 only with [out, in].
+    Without pyhlo's CPU kernel (see use_matvec_kernel), measured: f32 runs best with
+    [in, out] at every batch size; bf16 and f16 at batch 1 only with [out, in].
     """
     return "out_in" if dtype in ("bf16", "f16") and batch_size == 1 else "in_out"
+
+
+def use_matvec_kernel(neuron_config: NeuronConfig, backend: Any, dtype: str) -> bool:
+    """Whether decode products run on pyhlo's CPU matrix-vector kernel.
+
+    NeuronConfig.cpu_kernels None (the default) turns it on where it can run: XLA:CPU,
+    f32 or bf16 weights, [out, in] layout (the default), a C++ compiler to build it, and
+    PYHLO_CPU_KERNELS not 0. True insists (an error says what is missing); False is off.
+    """
+    wanted = neuron_config.cpu_kernels
+    if wanted is False:
+        return False
+    reasons = []
+    if getattr(backend, "platform", None) != "cpu":
+        reasons.append(f"the backend is {backend!r}, not XLA:CPU")
+    if dtype not in ("f32", "bf16"):
+        reasons.append(f"amp {dtype} (the kernel reads f32 or bf16 weights)")
+    if neuron_config.weight_layout == "in_out":
+        reasons.append("weight_layout='in_out' (the kernel reads [out, in] weights)")
+    if not reasons:
+        from runtime import cpu_kernels
+
+        if not cpu_kernels.register():
+            reasons.append("the kernels are off (PYHLO_CPU_KERNELS=0, or they did not build: see the warning)")
+    if reasons and wanted:
+        raise ValueError("NeuronConfig.cpu_kernels=True, but " + "; ".join(reasons))
+    return not reasons
 
 
 class DecoderForSampling:
@@ -62,8 +89,11 @@ class DecoderForSampling:
         self.token_buckets = bucketing.token_buckets(n_positions)
         self.context_buckets = bucketing.context_buckets(self.token_buckets, context_length_estimate)
         self.n_positions = self.token_buckets[-1]
-        layout = self.neuron_config.weight_layout or preferred_weight_layout(self.dtype, batch_size)
-        self.graph = GraphBuilder(self.family, self.dims, batch_size, self.n_positions, self.dtype, layout)
+        if backend is None:
+            from runtime.backend import get_backend
+
+            backend = get_backend()
+        self.graph = self._graph_builder(backend)
         self.programs = ProgramSet(self.graph, backend=backend,
                                    workers=self.neuron_config.compilation_worker_count)
         self.tp_degree = tp_degree
@@ -71,6 +101,14 @@ class DecoderForSampling:
         self._shared: dict[str, Any] | None = None
         self.kv_cache: KVCache | None = None
         self._tokenizer = None
+
+    def _graph_builder(self, backend: Any) -> GraphBuilder:
+        kernel = use_matvec_kernel(self.neuron_config, backend, self.dtype)
+        layout = "out_in" if kernel else (self.neuron_config.weight_layout
+                                          or preferred_weight_layout(self.dtype, self.batch_size))
+        head_dtype = self.dtype if kernel else "f32"
+        return GraphBuilder(self.family, self.dims, self.batch_size, self.n_positions, self.dtype, layout,
+                            head_dtype=head_dtype, matvec_kernel=kernel)
 
     # -- construction ------------------------------------------------------------
     @classmethod

@@ -270,13 +270,26 @@ class XlaBackend(Backend):
     def device_count(self) -> int:
         return len(self.devices)
 
+    def _register_kernels_for(self, data: bytes) -> None:
+        """pyhlo's CPU kernels must be registered before XLA builds a program calling them."""
+        if self.platform != "cpu":
+            return
+        from runtime import cpu_kernels
+
+        if cpu_kernels.referenced_by(data) and not cpu_kernels.register():
+            raise RuntimeError(f"this program calls {cpu_kernels.MATVEC_TARGET!r}, but pyhlo's CPU kernels are "
+                               "off (PYHLO_CPU_KERNELS=0, or no C++ compiler): rebuild it with "
+                               "NeuronConfig(cpu_kernels=False)")
+
     def compile(self, hlo_bytes: bytes, num_replicas: int = 1) -> Executable:
         info = ProgramInfo.from_bytes(hlo_bytes)
+        self._register_kernels_for(hlo_bytes)
         compiled = self._pjrt.compile(hlo_bytes, self.platform, num_replicas=num_replicas)
         return Executable(self, compiled, info, num_replicas)
 
     def deserialize(self, data: bytes, hlo_bytes: bytes, num_replicas: int = 1) -> Executable:
         info = ProgramInfo.from_bytes(hlo_bytes)
+        self._register_kernels_for(hlo_bytes)
         compiled = self._pjrt.deserialize_executable(self.platform, data, num_replicas=num_replicas)
         executable = Executable(self, compiled, info, num_replicas)
         # XLA:CPU cannot serialize a deserialized executable again (its code is not kept):

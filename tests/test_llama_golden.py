@@ -32,10 +32,14 @@ def build(path, batch_size=1, **kwargs):
     return LlamaForSampling.from_pretrained(path, batch_size=batch_size, **kwargs).to_neuron()
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
 @pytest.mark.parametrize("variant", ["mha", "gqa_tied_llama3"])
-def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant):
+def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels):
+    from decoders import NeuronConfig
+
     hf, path = tiny_llama(variant, "safetensors")
-    model = build(path)
+    model = build(path, neuron_config=NeuronConfig(cpu_kernels=kernels))
+    assert model.graph.matvec_kernel is kernels
     prompt = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
     length = 150                                   # 110 new tokens: decode crosses 128 -> 256
     expected, expected_logits = hf_greedy(hf, prompt, length)
@@ -106,10 +110,14 @@ def test_generation_stops_at_eos(tiny_llama):
     assert stopped[0].tolist() == free[0, :end].tolist()
 
 
-@pytest.mark.parametrize("batch_size", [1, 2])       # bf16 uses [out, in] weights at batch 1, [in, out] above
-def test_bf16_stays_close_to_hf_f32(tiny_llama, batch_size):
+@pytest.mark.parametrize("batch_size, kernels", [(1, True), (2, True), (3, True), (1, False), (2, False)])
+def test_bf16_stays_close_to_hf_f32(tiny_llama, batch_size, kernels):
+    # With the CPU kernel: decode on the kernel up to 2 lines, XLA's dot at 3; without:
+    # [out, in] weights at batch 1, [in, out] above.
+    from decoders import NeuronConfig
+
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
-    model = build(path, batch_size=batch_size, amp="bf16")
+    model = build(path, batch_size=batch_size, amp="bf16", neuron_config=NeuronConfig(cpu_kernels=kernels))
     prompt = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(6))
     expected, expected_logits = hf_greedy(hf, prompt, 22)
     tokens, logits = model.sample([prompt[0].tolist()] * batch_size, sequence_length=22, top_k=1,

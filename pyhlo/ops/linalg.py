@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pyhlo.scribe import HloValue
+from pyhlo.shape_inference import HloShapeError
 
 
 def dot_general(lhs: HloValue, rhs: HloValue, contracting: tuple[Sequence[int], Sequence[int]],
@@ -31,3 +32,16 @@ def matmul(x: HloValue, w: HloValue, out_dtype: str | None = None) -> HloValue:
 def matmul_transposed(x: HloValue, w: HloValue, out_dtype: str | None = None) -> HloValue:
     """x[..., k] @ w[n, k].T -> [..., n] (weights stored as [out, in], like torch Linear)."""
     return dot_general(x, w, ([len(x.dims) - 1], [1]), out_dtype=out_dtype)
+
+
+def matvec_kernel(x: HloValue, w: HloValue, target: str = "pyhlo_matvec") -> HloValue:
+    """x[..., k] (f32) @ w[n, k].T -> f32[..., n] by a CPU kernel called through XLA's typed FFI.
+
+    `w` is f32 or bf16 in torch's [out, in] layout. The kernel must be registered with the
+    backend (runtime.cpu_kernels.register()) before a program using it is compiled.
+    """
+    if x.dtype != "f32" or w.dtype not in ("f32", "bf16") or len(w.dims) != 2 or x.dims[-1] != w.dims[1]:
+        raise HloShapeError(f"matvec_kernel: need f32 x[..., k] and f32/bf16 w[n, k], got "
+                            f"{x.dtype}{list(x.dims)} and {w.dtype}{list(w.dims)}")
+    shape = x.scribe.f32[(*x.dims[:-1], w.dims[0])]
+    return shape.CustomCall(x, w, custom_call_target=target, custom_call_api_version=4, backend_config=b"{}")

@@ -1,0 +1,110 @@
+"""Hand-written CPU kernels that XLA calls as typed-FFI custom calls.
+
+    from runtime import cpu_kernels
+    if cpu_kernels.register():          # builds once, then registers with XLA:CPU
+        ...emit custom-call "pyhlo_matvec" in CPU programs...
+
+The sources live in runtime/kernels/. They are compiled with the machine's C++ compiler
+(`CXX`, else g++, else c++) against the XLA FFI headers that ship with jaxlib, for this
+CPU (-march=native), into a cache directory (env PYHLO_KERNEL_DIR, default
+~/.cache/pyhlo/kernels) under a name that hashes the source, the compiler flags, the
+jaxlib version and the CPU, and reused from there. PYHLO_CPU_KERNELS=0 turns them off;
+without a compiler they are off, with one warning, and programs use XLA's own dot.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+MATVEC_TARGET = "pyhlo_matvec"
+_SOURCE = pathlib.Path(__file__).with_name("kernels") / "matvec.cc"
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def enabled() -> bool:
+    """False when PYHLO_CPU_KERNELS says off (0, false, no, off)."""
+    return os.environ.get("PYHLO_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def kernel_dir() -> pathlib.Path:
+    default = pathlib.Path.home() / ".cache" / "pyhlo" / "kernels"
+    return pathlib.Path(os.environ.get("PYHLO_KERNEL_DIR") or default)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def build(compiler: str | None = None) -> pathlib.Path:
+    """The kernel library for this machine, compiled now unless already in the cache."""
+    import jax.ffi
+    import jaxlib
+
+    compiler = compiler or _compiler()
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(b"\0".join([
+        source, " ".join(_FLAGS).encode(), compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
+    ])).hexdigest()[:16]
+    target = kernel_dir() / f"libpyhlo_kernels-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = pathlib.Path(tmp) / target.name
+        command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+        os.replace(built, target)   # atomic: concurrent builders each write a whole file
+    return target
+
+
+_loaded: list[ctypes.CDLL] = []   # kept for the life of the process
+
+
+@functools.lru_cache(maxsize=1)
+def _registered() -> bool:
+    import jax.ffi
+
+    try:
+        library = ctypes.CDLL(str(build()))
+        _loaded.append(library)
+    except (KernelBuildError, OSError) as error:
+        warnings.warn(f"pyhlo CPU kernels are off, programs use XLA's own dot: {error}", stacklevel=3)
+        return False
+    jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(library.PyhloMatvec), platform="cpu")
+    return True
+
+
+def register() -> bool:
+    """Build (once) and register the kernels with XLA:CPU; False when they are off."""
+    return enabled() and _registered()
+
+
+def referenced_by(data: bytes) -> bool:
+    """Whether HLO or executable bytes call one of these kernels."""
+    return MATVEC_TARGET.encode() in data

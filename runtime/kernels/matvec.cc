@@ -1,0 +1,241 @@
+// pyhlo_matvec: y[m, n] = sum_k x[m, k] * w[n, k] for a few rows of activations.
+//
+// The decode step of a decoder multiplies a handful of activation rows (batch lines)
+// by every weight matrix once, so it is bound by how fast the weights stream from
+// memory. This kernel reads each weight row once for all activation rows, converts
+// bf16 weights to f32 in registers, accumulates in f32, and splits the weight rows
+// between the caller and XLA's intra-op thread pool.
+//
+// Operands: x f32[..., K] (the leading dims are the activation rows), w f32 or bf16
+// [N, K] row-major ("out, in", like torch's Linear). Result: y f32[..., N].
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PYHLO_AVX512 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kChunkAlign = 4;   // rows per chunk are a multiple of this
+constexpr int kMaxGroup = 4;      // activation rows handled together
+
+struct Problem {
+  const float* x;
+  const float* x_even = nullptr;   // bf16 weights: x[:, 0::2] and x[:, 1::2], zero-padded
+  const float* x_odd = nullptr;
+  const void* w;
+  float* y;
+  int64_t m, n, k;
+  bool w_is_bf16;
+};
+
+#ifdef PYHLO_AVX512
+// Each weight row is read front to back, one row after the other, so a thread's reads
+// are a single sequential stream (interleaving several rows measured half as fast).
+// Four partial sums along k keep the multiply-adds independent.
+
+inline __mmask16 mask16(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+template <int G>
+void row_f32(const Problem& p, const float* w, int64_t n, int64_t m0) {
+  __m512 acc[4][G];
+  for (int u = 0; u < 4; ++u)
+    for (int g = 0; g < G; ++g) acc[u][g] = _mm512_setzero_ps();
+  const int64_t k = p.k;
+  const float* row = w + n * k;
+  for (int64_t k0 = 0; k0 < k; k0 += 64) {
+    for (int u = 0; u < 4; ++u) {
+      const int64_t at = k0 + 16 * u;
+      if (at >= k) break;
+      const __mmask16 mask = mask16(k - at);
+      const __m512 wr = _mm512_maskz_loadu_ps(mask, row + at);
+      for (int g = 0; g < G; ++g)
+        acc[u][g] = _mm512_fmadd_ps(wr, _mm512_maskz_loadu_ps(mask, p.x + (m0 + g) * k + at), acc[u][g]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    p.y[(m0 + g) * p.n + n] = _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(acc[0][g], acc[1][g]), _mm512_add_ps(acc[2][g], acc[3][g])));
+}
+
+// bf16 weights, 32 per load, read as 16 lanes of 32 bits. A bf16 is the top half of an
+// f32: the high halves, low bits masked off, are the odd elements as f32, and the low
+// halves shifted up are the even ones. x comes de-interleaved to match (p.x_even,
+// p.x_odd), so no lane crosses another.
+template <int G>
+void row_bf16(const Problem& p, const uint16_t* w, int64_t n, int64_t m0) {
+  __m512 acc[2][G];
+  for (int u = 0; u < 2; ++u)
+    for (int g = 0; g < G; ++g) acc[u][g] = _mm512_setzero_ps();
+  const int64_t k = p.k, half = (k + 1) / 2;
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  const uint16_t* row = w + n * k;
+  for (int64_t k0 = 0; k0 < k; k0 += 32) {
+    const int64_t left = k - k0;
+    const __mmask32 wmask = left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << left) - 1);
+    const __mmask16 xmask = mask16((left + 1) / 2);
+    const __m512i lanes = _mm512_maskz_loadu_epi16(wmask, row + k0);
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(lanes, high));
+    for (int g = 0; g < G; ++g) {
+      const int64_t at = (m0 + g) * half + k0 / 2;
+      acc[0][g] = _mm512_fmadd_ps(even, _mm512_maskz_loadu_ps(xmask, p.x_even + at), acc[0][g]);
+      acc[1][g] = _mm512_fmadd_ps(odd, _mm512_maskz_loadu_ps(xmask, p.x_odd + at), acc[1][g]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    p.y[(m0 + g) * p.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][g], acc[1][g]));
+}
+
+template <int G, typename W>
+void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
+  if constexpr (sizeof(W) == 2) {
+    row_bf16<G>(p, w, n, m0);
+  } else {
+    row_f32<G>(p, w, n, m0);
+  }
+}
+#else
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Portable form: 16 independent partial sums, which compilers vectorize.
+template <int G, typename W>
+void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
+  const int64_t k = p.k;
+  const W* weights = w + n * k;
+  for (int g = 0; g < G; ++g) {
+    const float* xr = p.x + (m0 + g) * k;
+    float part[16] = {0};
+    int64_t k0 = 0;
+    for (; k0 + 16 <= k; k0 += 16)
+      for (int j = 0; j < 16; ++j) part[j] += to_f32(weights[k0 + j]) * xr[k0 + j];
+    float sum = 0;
+    for (; k0 < k; ++k0) sum += to_f32(weights[k0]) * xr[k0];
+    for (int j = 0; j < 16; ++j) sum += part[j];
+    p.y[(m0 + g) * p.n + n] = sum;
+  }
+}
+#endif
+
+template <typename W>
+void weight_rows(const Problem& p, int64_t begin, int64_t end) {
+  const W* w = static_cast<const W*>(p.w);
+  for (int64_t n = begin; n < end; ++n) {
+    int64_t m0 = 0;
+    for (; m0 + kMaxGroup <= p.m; m0 += kMaxGroup) row<kMaxGroup>(p, w, n, m0);
+    switch (p.m - m0) {
+      case 3: row<3>(p, w, n, m0); break;
+      case 2: row<2>(p, w, n, m0); break;
+      case 1: row<1>(p, w, n, m0); break;
+      default: break;
+    }
+  }
+}
+
+void weight_rows(const Problem& p, int64_t begin, int64_t end) {
+  if (p.w_is_bf16) {
+    weight_rows<uint16_t>(p, begin, end);
+  } else {
+    weight_rows<float>(p, begin, end);
+  }
+}
+
+// Chunks of weight rows handed out by an atomic counter: whoever is free takes the
+// next one, so the result never waits on a helper that has not started.
+struct SharedWork {
+  Problem problem;
+  int64_t chunk_rows = 0;
+  int64_t n_chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void drain() {
+    for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
+      const int64_t begin = c * chunk_rows;
+      const int64_t end = begin + chunk_rows < problem.n ? begin + chunk_rows : problem.n;
+      weight_rows(problem, begin, end);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Matvec(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                  ffi::Result<ffi::AnyBuffer> y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("pyhlo_matvec: x and y must be f32");
+  if (w.element_type() != ffi::DataType::F32 && w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("pyhlo_matvec: w must be f32 or bf16");
+  if (x_dims.size() < 1 || w_dims.size() != 2 || x_dims[x_dims.size() - 1] != w_dims[1])
+    return ffi::Error::InvalidArgument("pyhlo_matvec: need x[..., K] and w[N, K]");
+
+  Problem p;
+  p.k = w_dims[1];
+  p.n = w_dims[0];
+  p.m = x.element_count() / (p.k == 0 ? 1 : p.k);
+  p.x = static_cast<const float*>(x.untyped_data());
+  p.w = w.untyped_data();
+  p.y = static_cast<float*>(y->untyped_data());
+  p.w_is_bf16 = w.element_type() == ffi::DataType::BF16;
+  if (y->element_count() != static_cast<size_t>(p.m * p.n))
+    return ffi::Error::InvalidArgument("pyhlo_matvec: y must have x's rows and w's N columns");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  std::vector<float> x_even, x_odd;
+  if (p.w_is_bf16) {
+    const int64_t half = (p.k + 1) / 2;
+    x_even.assign(p.m * half, 0.0f);
+    x_odd.assign(p.m * half, 0.0f);
+    for (int64_t m = 0; m < p.m; ++m)
+      for (int64_t i = 0; i < p.k; ++i)
+        (i % 2 ? x_odd : x_even)[m * half + i / 2] = p.x[m * p.k + i];
+    p.x_even = x_even.data();
+    p.x_odd = x_odd.data();
+  }
+
+  int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
+  if (const char* env = getenv("PYHLO_MATVEC_THREADS")) threads = atoi(env) > 0 ? atoi(env) : 1;
+  auto work = std::make_shared<SharedWork>();
+  work->problem = p;
+  // About four chunks per thread.
+  int64_t chunk = (p.n + 4 * threads - 1) / (4 * threads);
+  chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+  work->chunk_rows = chunk;
+  work->n_chunks = (p.n + chunk - 1) / chunk;
+  const int64_t helpers = threads - 1 < work->n_chunks - 1 ? threads - 1 : work->n_chunks - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->n_chunks) {
+#ifdef PYHLO_AVX512
+    _mm_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PyhloMatvec, Matvec,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -1,0 +1,103 @@
+"""pyhlo's CPU matrix-vector kernel (runtime/kernels/matvec.cc) through XLA's typed FFI:
+against numpy, and where the decoder uses it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hlo_run import run_fn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pyhlo.dtypes import numpy_dtype
+from pyhlo.ops import linalg
+from pyhlo.shape_inference import HloShapeError
+from runtime import cpu_kernels
+
+BF16 = numpy_dtype("bf16")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert cpu_kernels.register(), "the CPU kernels did not build"
+
+
+# Rows cover every activation group size (1-4 and beyond, in groups of 4); k covers
+# whole vectors, tails and odd lengths (bf16 pairs); n covers thread chunks and tails.
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.integers(1, 3), min_size=1, max_size=2), k=st.integers(1, 200),
+       n=st.integers(1, 300), dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**32 - 1))
+def test_matvec_kernel_matches_numpy(rows, k, n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((*rows, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(numpy_dtype(dtype))
+
+    def program(scribe):
+        a = scribe.f32[x.shape].Parameter(parameter_number=0)
+        b = getattr(scribe, dtype)[w.shape].Parameter(parameter_number=1)
+        return linalg.matvec_kernel(a, b)
+
+    (out,) = run_fn(program, x, w)
+    expected = x.astype(np.float64) @ w.astype(np.float64).T     # bf16 weights are exact in f64
+    assert out.shape == (*rows, n) and out.dtype == np.float32
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_large_product_splits_across_threads_and_stays_exact():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 576)).astype(np.float32)
+    w = rng.standard_normal((5003, 576)).astype(BF16)
+
+    def program(scribe):
+        return linalg.matvec_kernel(scribe.f32[2, 576].Parameter(parameter_number=0),
+                                    scribe.bf16[5003, 576].Parameter(parameter_number=1))
+
+    (out,) = run_fn(program, x, w)
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-4, atol=1e-3)
+
+
+def test_matvec_kernel_rejects_shapes_it_cannot_run():
+    def program(scribe):
+        return linalg.matvec_kernel(scribe.f32[1, 8].Parameter(parameter_number=0),
+                                    scribe.f32[4, 9].Parameter(parameter_number=1))
+
+    with pytest.raises(HloShapeError, match="matvec_kernel"):
+        run_fn(program, np.zeros((1, 8), np.float32), np.zeros((4, 9), np.float32))
+
+
+def test_decode_block_calls_the_kernel_and_prefill_does_not(tiny_llama):
+    from decoders import LlamaForSampling, NeuronConfig
+
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = LlamaForSampling.from_pretrained(path, n_positions=128, context_length_estimate=[16])
+    assert model.graph.matvec_kernel and model.graph.weight_layout == "out_in"
+    decode = model.programs.build("block", (1, 128)).module.SerializeToString()
+    prefill = model.programs.build("block", (16, 16)).module.SerializeToString()
+    assert cpu_kernels.referenced_by(decode) and not cpu_kernels.referenced_by(prefill)
+
+    off = LlamaForSampling.from_pretrained(path, n_positions=128, neuron_config=NeuronConfig(cpu_kernels=False))
+    assert not off.graph.matvec_kernel
+    assert not cpu_kernels.referenced_by(off.programs.build("block", (1, 128)).module.SerializeToString())
+
+    with pytest.raises(ValueError, match="weight_layout='in_out'"):
+        LlamaForSampling.from_pretrained(path, n_positions=128,
+                                         neuron_config=NeuronConfig(cpu_kernels=True, weight_layout="in_out"))
+
+
+def test_a_program_calling_the_kernel_fails_clearly_when_kernels_are_off(monkeypatch):
+    from runtime.backend import get_backend
+
+    def program(scribe):
+        return linalg.matvec_kernel(scribe.f32[1, 4].Parameter(parameter_number=0),
+                                    scribe.f32[2, 4].Parameter(parameter_number=1))
+
+    from pyhlo import compile_py_func
+
+    monkeypatch.setenv("PYHLO_CPU_KERNELS", "0")
+    with pytest.raises(RuntimeError, match="cpu_kernels=False"):
+        get_backend().compile(compile_py_func(program).SerializeToString())
+
+
+def test_build_reports_a_missing_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYHLO_KERNEL_DIR", str(tmp_path))
+    with pytest.raises(cpu_kernels.KernelBuildError, match="failed"):
+        cpu_kernels.build(compiler="false")
