@@ -85,8 +85,8 @@ def _program(name: str, specs: list[ParamSpec], outputs: list[str], body) -> Pro
 # Up to this many activation rows (by weight type) a product is bound by reading the
 # weights and the kernel, reading them once for all rows, beats XLA's dot; beyond it
 # XLA's matrix-matrix dot is faster (measured on a [49152, 576] head: f32 1.5x faster
-# at 1 row, 1.5x at 4, slower at 8; bf16 20x at 1 row, 1.6x at 2, slower at 4).
-MATVEC_KERNEL_MAX_ROWS = {"f32": 4, "bf16": 2}
+# at 1 row, 1.5x at 4, slower at 8; bf16 20x at 1 row, 2.7x at 2, 1.5x at 4).
+MATVEC_KERNEL_MAX_ROWS = {"f32": 4, "bf16": 4}
 
 
 @dataclass(frozen=True)

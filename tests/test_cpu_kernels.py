@@ -25,10 +25,13 @@ def kernels():
 # whole vectors, tails and odd lengths (bf16 pairs); n covers thread chunks and tails.
 @settings(max_examples=40, deadline=None)
 @given(rows=st.lists(st.integers(1, 3), min_size=1, max_size=2), k=st.integers(1, 200),
-       n=st.integers(1, 300), dtype=st.sampled_from(["f32", "bf16"]), seed=st.integers(0, 2**32 - 1))
-def test_matvec_kernel_matches_numpy(rows, k, n, dtype, seed):
+       n=st.integers(1, 300), dtype=st.sampled_from(["f32", "bf16"]), x_in_bf16=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_matvec_kernel_matches_numpy(rows, k, n, dtype, x_in_bf16, seed):
+    # x_in_bf16: activations that are exactly bf16 values (a bf16 model's), which take the
+    # kernel's bf16-pair path when the weights are bf16 too.
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((*rows, k)).astype(np.float32)
+    x = rng.standard_normal((*rows, k)).astype(BF16 if x_in_bf16 else np.float32).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(numpy_dtype(dtype))
 
     def program(scribe):

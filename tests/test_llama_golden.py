@@ -112,7 +112,7 @@ def test_generation_stops_at_eos(tiny_llama):
 
 @pytest.mark.parametrize("batch_size, kernels", [(1, True), (2, True), (3, True), (1, False), (2, False)])
 def test_bf16_stays_close_to_hf_f32(tiny_llama, batch_size, kernels):
-    # With the CPU kernel: decode on the kernel up to 2 lines, XLA's dot at 3; without:
+    # With the CPU kernel: decode on the kernel (up to 4 lines); without:
     # [out, in] weights at batch 1, [in, out] above.
     from decoders import NeuronConfig
 

@@ -2,9 +2,11 @@
 //
 // The decode step of a decoder multiplies a handful of activation rows (batch lines)
 // by every weight matrix once, so it is bound by how fast the weights stream from
-// memory. This kernel reads each weight row once for all activation rows, converts
-// bf16 weights to f32 in registers, accumulates in f32, and splits the weight rows
-// between the caller and XLA's intra-op thread pool.
+// memory. This kernel reads each weight row once for all activation rows, accumulates
+// in f32, and splits the weight rows between the caller and XLA's intra-op thread pool.
+// bf16 weights are widened to f32 in registers, or, when x holds bf16 values (a bf16
+// model's activations) and the CPU has AVX512-BF16, multiplied in bf16 pairs into f32
+// sums (vdpbf16ps), which takes a quarter of the instructions.
 //
 // Operands: x f32[..., K] (the leading dims are the activation rows), w f32 or bf16
 // [N, K] row-major ("out, in", like torch's Linear). Result: y f32[..., N].
@@ -33,6 +35,7 @@ struct Problem {
   const float* x;
   const float* x_even = nullptr;   // bf16 weights: x[:, 0::2] and x[:, 1::2], zero-padded
   const float* x_odd = nullptr;
+  const uint16_t* x_bf16 = nullptr; // bf16 weights, x exactly bf16 and AVX512-BF16: x as bf16
   const void* w;
   float* y;
   int64_t m, n, k;
@@ -99,9 +102,39 @@ void row_bf16(const Problem& p, const uint16_t* w, int64_t n, int64_t m0) {
     p.y[(m0 + g) * p.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][g], acc[1][g]));
 }
 
+#ifdef __AVX512BF16__
+// With AVX512-BF16 and x exactly representable in bf16 (a bf16 model's activations), one
+// instruction multiplies 32 pairs and adds them into 16 f32 sums.
+template <int G>
+void row_dpbf16(const Problem& p, const uint16_t* w, int64_t n, int64_t m0) {
+  __m512 acc[2][G];
+  for (int u = 0; u < 2; ++u)
+    for (int g = 0; g < G; ++g) acc[u][g] = _mm512_setzero_ps();
+  const int64_t k = p.k;
+  const uint16_t* row = w + n * k;
+  for (int64_t k0 = 0; k0 < k; k0 += 64) {
+    for (int u = 0; u < 2; ++u) {
+      const int64_t at = k0 + 32 * u;
+      if (at >= k) break;
+      const int64_t left = k - at;
+      const __mmask32 mask = left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << left) - 1);
+      const __m512bh wr = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + at);
+      for (int g = 0; g < G; ++g)
+        acc[u][g] = _mm512_dpbf16_ps(acc[u][g], wr,
+                                     (__m512bh)_mm512_maskz_loadu_epi16(mask, p.x_bf16 + (m0 + g) * k + at));
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    p.y[(m0 + g) * p.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][g], acc[1][g]));
+}
+#endif
+
 template <int G, typename W>
 void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
   if constexpr (sizeof(W) == 2) {
+#ifdef __AVX512BF16__
+    if (p.x_bf16 != nullptr) return row_dpbf16<G>(p, w, n, m0);
+#endif
     row_bf16<G>(p, w, n, m0);
   } else {
     row_f32<G>(p, w, n, m0);
@@ -200,7 +233,21 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     return ffi::Error::InvalidArgument("pyhlo_matvec: y must have x's rows and w's N columns");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   std::vector<float> x_even, x_odd;
+  std::vector<uint16_t> x_bf16;
+#if defined(PYHLO_AVX512) && defined(__AVX512BF16__)
   if (p.w_is_bf16) {
+    x_bf16.resize(p.m * p.k);
+    bool exact = true;
+    for (int64_t i = 0; i < p.m * p.k && exact; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, p.x + i, sizeof(bits));
+      exact = (bits & 0xFFFFu) == 0;
+      x_bf16[i] = uint16_t(bits >> 16);
+    }
+    if (exact) p.x_bf16 = x_bf16.data();
+  }
+#endif
+  if (p.w_is_bf16 && p.x_bf16 == nullptr) {
     const int64_t half = (p.k + 1) / 2;
     x_even.assign(p.m * half, 0.0f);
     x_odd.assign(p.m * half, 0.0f);
