@@ -25,7 +25,7 @@ from decoders.family import DecoderFamily, ModelDims
 from pyhlo import Scribe, compile_py_func
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops import nn, sampling
-from pyhlo.ops.attention import attention
+from pyhlo.ops.attention import attention, decode_attention_kernel
 from pyhlo.ops.linalg import matmul, matmul_transposed, matvec_kernel
 from pyhlo.ops.shape_ops import (
     concatenate,
@@ -102,17 +102,18 @@ class GraphBuilder:
     weight_layout: str = "in_out"
     # The LM head's element type: f32 unless the products below make the amp type fast.
     head_dtype: str = "f32"
-    # XLA:CPU only: products with few activation rows (MATVEC_KERNEL_MAX_ROWS: decode
-    # steps at small batch sizes) call pyhlo's matrix-vector kernel (runtime/kernels/matvec.cc) through
-    # a typed-FFI custom call; longer products (prefill) stay XLA dots.
-    matvec_kernel: bool = False
+    # XLA:CPU only: pyhlo's kernels (runtime/kernels/), called through typed-FFI custom
+    # calls. Products with few activation rows (MATVEC_KERNEL_MAX_ROWS: decode steps at
+    # small batch sizes) run on the matrix-vector kernel, longer ones (prefill) stay XLA
+    # dots; decode attention reads the cache in place.
+    cpu_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.weight_layout not in ("in_out", "out_in"):
             raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {self.weight_layout!r}")
-        if self.matvec_kernel and (self.weight_layout != "out_in" or self.dtype not in ("f32", "bf16")
+        if self.cpu_kernels and (self.weight_layout != "out_in" or self.dtype not in ("f32", "bf16")
                                    or self.head_dtype not in ("f32", "bf16")):
-            raise ValueError("matvec_kernel needs weight_layout='out_in' and f32 or bf16 weights, got "
+            raise ValueError("cpu_kernels needs weight_layout='out_in' and f32 or bf16 weights, got "
                              f"{self.weight_layout!r} and {self.dtype}/{self.head_dtype}")
         built = {"norm": "rms", "activation": "silu", "gated_mlp": True, "positions": "rope", "qkv_bias": False}
         for name, value in built.items():
@@ -134,7 +135,7 @@ class GraphBuilder:
     def _linear(self, x: HloValue, weight: HloValue, out_dtype: str | None = None) -> HloValue:
         """x @ weight. bf16/f16 products accumulate into f32 (XLA:CPU's fast form for
         them, and the accurate one), then return to the activation type."""
-        if self.matvec_kernel and int(np.prod(x.dims[:-1])) <= MATVEC_KERNEL_MAX_ROWS[weight.dtype]:
+        if self.cpu_kernels and int(np.prod(x.dims[:-1])) <= MATVEC_KERNEL_MAX_ROWS[weight.dtype]:
             return ew.convert(matvec_kernel(ew.convert(x, "f32"), weight), out_dtype or x.dtype)
         accumulate = "f32" if weight.dtype != "f32" else None
         product = (matmul if self.weight_layout == "in_out" else matmul_transposed)(
@@ -215,9 +216,13 @@ class GraphBuilder:
         v = transpose(v, (0, 2, 1, 3))
         cache_k = dynamic_update_slice(p["cache_k"], k, [0, 0, p["slot"], 0])
         cache_v = dynamic_update_slice(p["cache_v"], v, [0, 0, p["slot"], 0])
-        mask = self._mask(p["slot"], p["pad"], n_tokens, n_attend)
-        context = self._attend(q, cache_k, cache_v, mask, n_attend, p["slot"])   # [b, h, n, d]
-        context = reshape(transpose(context, (0, 2, 1, 3)), (b, n_tokens, d.q_size))
+        if self.cpu_kernels and n_tokens == 1:
+            context = decode_attention_kernel(ew.convert(q, "f32"), cache_k, cache_v, p["slot"], p["pad"],
+                                              d.attention_scale)
+        else:
+            mask = self._mask(p["slot"], p["pad"], n_tokens, n_attend)
+            context = self._attend(q, cache_k, cache_v, mask, n_attend, p["slot"])   # [b, h, n, d]
+        context = ew.convert(reshape(transpose(context, (0, 2, 1, 3)), (b, n_tokens, d.q_size)), self.dtype)
         hidden = ew.add(hidden, self._linear(context, p["o_weight"]))
         x = nn.rms_norm(hidden, p["post_norm"], d.norm_eps)
         gate_up = self._linear(x, p["gate_up_weight"])

@@ -33,14 +33,14 @@ SAVE_FORMAT = 1
 def preferred_weight_layout(dtype: str, batch_size: int) -> str:
     """The weight layout whose matrix-vector products stream fastest on XLA:CPU.
 
-    Without pyhlo's CPU kernel (see use_matvec_kernel), measured: f32 runs best with
+    Without pyhlo's CPU kernels (see use_cpu_kernels), measured: f32 runs best with
     [in, out] at every batch size; bf16 and f16 at batch 1 only with [out, in].
     """
     return "out_in" if dtype in ("bf16", "f16") and batch_size == 1 else "in_out"
 
 
-def use_matvec_kernel(neuron_config: NeuronConfig, backend: Any, dtype: str) -> bool:
-    """Whether decode products run on pyhlo's CPU matrix-vector kernel.
+def use_cpu_kernels(neuron_config: NeuronConfig, backend: Any, dtype: str) -> bool:
+    """Whether decode steps run on pyhlo's CPU kernels (matrix-vector products, attention).
 
     NeuronConfig.cpu_kernels None (the default) turns it on where it can run: XLA:CPU,
     f32 or bf16 weights, [out, in] layout (the default), a C++ compiler to build it, and
@@ -103,12 +103,12 @@ class DecoderForSampling:
         self._tokenizer = None
 
     def _graph_builder(self, backend: Any) -> GraphBuilder:
-        kernel = use_matvec_kernel(self.neuron_config, backend, self.dtype)
+        kernel = use_cpu_kernels(self.neuron_config, backend, self.dtype)
         layout = "out_in" if kernel else (self.neuron_config.weight_layout
                                           or preferred_weight_layout(self.dtype, self.batch_size))
         head_dtype = self.dtype if kernel else "f32"
         return GraphBuilder(self.family, self.dims, self.batch_size, self.n_positions, self.dtype, layout,
-                            head_dtype=head_dtype, matvec_kernel=kernel)
+                            head_dtype=head_dtype, cpu_kernels=kernel)
 
     # -- construction ------------------------------------------------------------
     @classmethod

@@ -277,7 +277,7 @@ class XlaBackend(Backend):
         from runtime import cpu_kernels
 
         if cpu_kernels.referenced_by(data) and not cpu_kernels.register():
-            raise RuntimeError(f"this program calls {cpu_kernels.MATVEC_TARGET!r}, but pyhlo's CPU kernels are "
+            raise RuntimeError("this program calls pyhlo's CPU kernels, but they are "
                                "off (PYHLO_CPU_KERNELS=0, or no C++ compiler): rebuild it with "
                                "NeuronConfig(cpu_kernels=False)")
 

@@ -2,7 +2,7 @@
 
     from runtime import cpu_kernels
     if cpu_kernels.register():          # builds once, then registers with XLA:CPU
-        ...emit custom-call "pyhlo_matvec" in CPU programs...
+        ...emit custom-calls "pyhlo_matvec", "pyhlo_decode_attention" in CPU programs...
 
 The sources live in runtime/kernels/. They are compiled with the machine's C++ compiler
 (`CXX`, else g++, else c++) against the XLA FFI headers that ship with jaxlib, for this
@@ -24,7 +24,10 @@ import tempfile
 import warnings
 
 MATVEC_TARGET = "pyhlo_matvec"
-_SOURCE = pathlib.Path(__file__).with_name("kernels") / "matvec.cc"
+DECODE_ATTENTION_TARGET = "pyhlo_decode_attention"
+# custom-call target -> the handler symbol the library exports
+TARGETS = {MATVEC_TARGET: "PyhloMatvec", DECODE_ATTENTION_TARGET: "PyhloDecodeAttention"}
+_SOURCES = [pathlib.Path(__file__).with_name("kernels") / name for name in ("matvec.cc", "decode_attention.cc")]
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 
@@ -65,9 +68,9 @@ def build(compiler: str | None = None) -> pathlib.Path:
     compiler = compiler or _compiler()
     if compiler is None:
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
-    source = _SOURCE.read_bytes()
+    sources = b"\0".join(path.read_bytes() for path in _SOURCES)
     digest = hashlib.sha256(b"\0".join([
-        source, " ".join(_FLAGS).encode(), compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
+        sources, " ".join(_FLAGS).encode(), compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
     ])).hexdigest()[:16]
     target = kernel_dir() / f"libpyhlo_kernels-{digest}.so"
     if target.exists():
@@ -75,7 +78,7 @@ def build(compiler: str | None = None) -> pathlib.Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = pathlib.Path(tmp) / target.name
-        command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(built)]
+        command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(built)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
@@ -96,7 +99,8 @@ def _registered() -> bool:
     except (KernelBuildError, OSError) as error:
         warnings.warn(f"pyhlo CPU kernels are off, programs use XLA's own dot: {error}", stacklevel=3)
         return False
-    jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(library.PyhloMatvec), platform="cpu")
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     return True
 
 
@@ -107,4 +111,4 @@ def register() -> bool:
 
 def referenced_by(data: bytes) -> bool:
     """Whether HLO or executable bytes call one of these kernels."""
-    return MATVEC_TARGET.encode() in data
+    return any(target.encode() in data for target in TARGETS)

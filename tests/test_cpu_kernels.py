@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import linalg
+from pyhlo.ops.attention import decode_attention_kernel
 from pyhlo.shape_inference import HloShapeError
 from runtime import cpu_kernels
 
@@ -58,6 +59,45 @@ def test_large_product_splits_across_threads_and_stays_exact():
     np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-4, atol=1e-3)
 
 
+def reference_decode_attention(q, k, v, slot, pad, scale):
+    b, h, _, d = q.shape
+    group = h // k.shape[1]
+    out = np.zeros((b, h, 1, d))
+    for i in range(b):
+        visible = slice(max(pad[i], 0), slot + 1)
+        for j in range(h):
+            keys, values = k[i, j // group, visible].astype(np.float64), v[i, j // group, visible].astype(np.float64)
+            if len(keys) == 0:
+                continue
+            scores = keys @ q[i, j, 0].astype(np.float64) * scale
+            weights = np.exp(scores - scores.max())
+            out[i, j, 0] = weights @ values / weights.sum()
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 3), kvh=st.integers(1, 3), group=st.integers(1, 4), s=st.integers(1, 40),
+       d=st.sampled_from([1, 7, 16, 64, 80]), dtype=st.sampled_from(["f32", "bf16"]), data=st.data())
+def test_decode_attention_kernel_matches_numpy(b, kvh, group, s, d, dtype, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    slot = data.draw(st.integers(0, s - 1))
+    pad = np.array(data.draw(st.lists(st.integers(0, slot), min_size=b, max_size=b)), np.int32)
+    h = kvh * group
+    q = rng.standard_normal((b, h, 1, d)).astype(np.float32)
+    k = rng.standard_normal((b, kvh, s, d)).astype(numpy_dtype(dtype))
+    v = rng.standard_normal((b, kvh, s, d)).astype(numpy_dtype(dtype))
+    scale = 1 / np.sqrt(d)
+
+    def program(scribe):
+        return decode_attention_kernel(
+            scribe.f32[q.shape].Parameter(parameter_number=0), getattr(scribe, dtype)[k.shape].Parameter(parameter_number=1),
+            getattr(scribe, dtype)[v.shape].Parameter(parameter_number=2), scribe.s32[()].Parameter(parameter_number=3),
+            scribe.s32[b].Parameter(parameter_number=4), scale)
+
+    (out,) = run_fn(program, q, k, v, np.int32(slot), pad)
+    np.testing.assert_allclose(out, reference_decode_attention(q, k, v, slot, pad, scale), rtol=1e-4, atol=1e-5)
+
+
 def test_matvec_kernel_rejects_shapes_it_cannot_run():
     def program(scribe):
         return linalg.matvec_kernel(scribe.f32[1, 8].Parameter(parameter_number=0),
@@ -67,18 +107,19 @@ def test_matvec_kernel_rejects_shapes_it_cannot_run():
         run_fn(program, np.zeros((1, 8), np.float32), np.zeros((4, 9), np.float32))
 
 
-def test_decode_block_calls_the_kernel_and_prefill_does_not(tiny_llama):
+def test_decode_block_calls_the_kernels_and_prefill_does_not(tiny_llama):
     from decoders import LlamaForSampling, NeuronConfig
 
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")
     model = LlamaForSampling.from_pretrained(path, n_positions=128, context_length_estimate=[16])
-    assert model.graph.matvec_kernel and model.graph.weight_layout == "out_in"
+    assert model.graph.cpu_kernels and model.graph.weight_layout == "out_in"
     decode = model.programs.build("block", (1, 128)).module.SerializeToString()
     prefill = model.programs.build("block", (16, 16)).module.SerializeToString()
-    assert cpu_kernels.referenced_by(decode) and not cpu_kernels.referenced_by(prefill)
+    assert all(target.encode() in decode for target in cpu_kernels.TARGETS)
+    assert not cpu_kernels.referenced_by(prefill)
 
     off = LlamaForSampling.from_pretrained(path, n_positions=128, neuron_config=NeuronConfig(cpu_kernels=False))
-    assert not off.graph.matvec_kernel
+    assert not off.graph.cpu_kernels
     assert not cpu_kernels.referenced_by(off.programs.build("block", (1, 128)).module.SerializeToString())
 
     with pytest.raises(ValueError, match="weight_layout='in_out'"):

@@ -39,7 +39,7 @@ def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels):
 
     hf, path = tiny_llama(variant, "safetensors")
     model = build(path, neuron_config=NeuronConfig(cpu_kernels=kernels))
-    assert model.graph.matvec_kernel is kernels
+    assert model.graph.cpu_kernels is kernels
     prompt = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
     length = 150                                   # 110 new tokens: decode crosses 128 -> 256
     expected, expected_logits = hf_greedy(hf, prompt, length)
@@ -112,20 +112,29 @@ def test_generation_stops_at_eos(tiny_llama):
 
 @pytest.mark.parametrize("batch_size, kernels", [(1, True), (2, True), (3, True), (1, False), (2, False)])
 def test_bf16_stays_close_to_hf_f32(tiny_llama, batch_size, kernels):
-    # With the CPU kernel: decode on the kernel (up to 4 lines); without:
-    # [out, in] weights at batch 1, [in, out] above.
+    # With the CPU kernels: decode on them (up to 4 lines); without: [out, in] weights at
+    # batch 1, [in, out] above.
     from decoders import NeuronConfig
 
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
     model = build(path, batch_size=batch_size, amp="bf16", neuron_config=NeuronConfig(cpu_kernels=kernels))
     prompt = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(6))
-    expected, expected_logits = hf_greedy(hf, prompt, 22)
-    tokens, logits = model.sample([prompt[0].tolist()] * batch_size, sequence_length=22, top_k=1,
+    length = 32
+    expected, expected_logits = hf_greedy(hf, prompt, length)
+    tokens, logits = model.sample([prompt[0].tolist()] * batch_size, sequence_length=length, top_k=1,
                                   eos_token_id=[], output_scores=True)
     for line in range(batch_size):
-        # bf16 weights and activations: about 3 significant digits
-        assert relative_error(logits[0][line], expected_logits[0][0]) < 3e-2
-        assert tokens[line, :17].tolist() == expected[0, :17].tolist()
+        ours = tokens[line, prompt.shape[1]:].tolist()
+        reference = expected[0, prompt.shape[1]:].tolist()
+        for step, (token, wanted) in enumerate(zip(ours, reference)):
+            # bf16 weights and activations: about 3 significant digits
+            assert relative_error(logits[step][line], expected_logits[step][0]) < 3e-2, step
+            if token != wanted:
+                # Only a near-tie of the f32 reference, within bf16's error, may go the other way
+                # (HF's own bf16 model flips this prompt's third token too); the lines part there.
+                gap = expected_logits[step][0][wanted] - expected_logits[step][0][token]
+                assert gap < 3e-2 * expected_logits[step][0].abs().max(), (step, float(gap))
+                break
 
 
 def test_whole_model_program_gives_the_same_tokens(tiny_llama):

@@ -9,6 +9,7 @@ from pyhlo.ops.linalg import dot_general
 from pyhlo.ops.nn import softmax
 from pyhlo.ops.shape_ops import broadcast, reshape
 from pyhlo.scribe import HloValue
+from pyhlo.shape_inference import HloShapeError
 
 
 def lowest(dtype: str) -> float:
@@ -56,3 +57,25 @@ def attention(q: HloValue, k: HloValue, v: HloValue, mask: HloValue | None, scal
     out = dot_general(reshape(probs, (b, kvh, g * nq, s)), v, ([3], [2]), ([0, 1], [0, 1]),
                       out_dtype="f32")
     return convert(reshape(out, (b, h, nq, d)), q.dtype)
+
+
+def decode_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValue, pad: HloValue,
+                            scale: float, target: str = "pyhlo_decode_attention") -> HloValue:
+    """One query token per line over the cache slots pad[i] <= t <= slot, by a CPU kernel
+    called through XLA's typed FFI; the same result as attention() with that mask.
+
+    q f32[b, h, 1, d]; k, v f32 or bf16 [b, kvh, S, d]; slot s32[]; pad s32[b]. Returns
+    f32[b, h, 1, d]. The kernel reads the cache in place: no slice of it is copied. It must
+    be registered with the backend (runtime.cpu_kernels.register()) before compiling.
+    """
+    b, h, nq, d = q.dims
+    if (q.dtype != "f32" or nq != 1 or len(k.dims) != 4 or k.dims[0] != b or k.dims[3] != d
+            or h % k.dims[1] or v.dims != k.dims or v.dtype != k.dtype or k.dtype not in ("f32", "bf16")
+            or slot.dtype != "s32" or slot.dims != () or pad.dtype != "s32" or pad.dims != (b,)):
+        raise HloShapeError(
+            f"decode_attention_kernel: need f32 q[b, h, 1, d], f32/bf16 k and v [b, kvh, S, d], s32 slot[] "
+            f"and pad[b]; got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, v {v.dtype}{list(v.dims)}, "
+            f"slot {slot.dtype}{list(slot.dims)}, pad {pad.dtype}{list(pad.dims)}")
+    factor = constant(q.scribe, "f32", float(scale))
+    return q.shape.CustomCall(q, k, v, slot, pad, factor, custom_call_target=target,
+                              custom_call_api_version=4, backend_config=b"{}")

@@ -1,0 +1,126 @@
+// pyhlo_decode_attention: one query token per batch line attending over its KV cache.
+//
+// For line i and query head j (reading kv head j / (h / kvh), as HF's repeat_kv):
+//   out[i, j, 0, :] = softmax_t(scale * q[i, j, 0, :] . k[i, kv, t, :]) v[i, kv, t, :]
+// over the cache slots pad[i] <= t <= slot. It reads the slots in place, so a decode
+// step attends to exactly the filled part of the cache without copying a prefix of it
+// (XLA materializes a slice of the cache before its dot). Sums and softmax are f32.
+//
+// Operands: q f32[b, h, 1, d]; k, v f32 or bf16 [b, kvh, S, d]; slot s32[]; pad s32[b];
+// scale f32[]. Result: f32[b, h, 1, d].
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) {
+  uint32_t bits = uint32_t(p[i]) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// sum_e a[e] * b[e] with 16 independent partial sums, which compilers vectorize.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  float part[16] = {0};
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16)
+    for (int j = 0; j < 16; ++j) part[j] += a[e + j] * load(b, e + j);
+  float sum = 0.0f;
+  for (; e < n; ++e) sum += a[e] * load(b, e);
+  for (int j = 0; j < 16; ++j) sum += part[j];
+  return sum;
+}
+
+// Each cache row is read once for the query heads that share its kv head.
+template <typename T>
+void attend(const float* q, const T* k, const T* v, float* out, int64_t b, int64_t h, int64_t kvh,
+            int64_t s, int64_t d, int64_t slot, const int32_t* pad, float scale) {
+  const int64_t group = h / kvh;
+  std::vector<float> scores(group * s), top(group), total(group);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t first = pad[i] < 0 ? 0 : pad[i];
+    const int64_t last = slot < s - 1 ? slot : s - 1;
+    for (int64_t c = 0; c < kvh; ++c) {
+      const float* qc = q + (i * h + c * group) * d;     // the group's query heads, one after another
+      float* oc = out + (i * h + c * group) * d;
+      const T* kc = k + (i * kvh + c) * s * d;
+      const T* vc = v + (i * kvh + c) * s * d;
+      std::fill(oc, oc + group * d, 0.0f);
+      if (first > last) continue;
+      std::fill(top.begin(), top.end(), -INFINITY);
+      for (int64_t t = first; t <= last; ++t)
+        for (int64_t g = 0; g < group; ++g) {
+          const float score = dot(qc + g * d, kc + t * d, d) * scale;
+          scores[g * s + t] = score;
+          top[g] = score > top[g] ? score : top[g];
+        }
+      std::fill(total.begin(), total.end(), 0.0f);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t t = first; t <= last; ++t) {
+          scores[g * s + t] = std::exp(scores[g * s + t] - top[g]);
+          total[g] += scores[g * s + t];
+        }
+      for (int64_t t = first; t <= last; ++t) {
+        const T* row = vc + t * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float weight = scores[g * s + t] / total[g];
+          float* og = oc + g * d;
+          for (int64_t e = 0; e < d; ++e) og[e] += weight * load(row, e);
+        }
+      }
+    }
+  }
+}
+
+ffi::Error DecodeAttention(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> pad,
+                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  if (q.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("pyhlo_decode_attention: q and the result must be f32");
+  if (k.element_type() != v.element_type() ||
+      (k.element_type() != ffi::DataType::F32 && k.element_type() != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("pyhlo_decode_attention: k and v must both be f32 or bf16");
+  if (qd.size() != 4 || kd.size() != 4 || qd[2] != 1 || qd[0] != kd[0] || qd[3] != kd[3] ||
+      kd[1] == 0 || qd[1] % kd[1] != 0 || v.element_count() != k.element_count() ||
+      pad.element_count() != static_cast<size_t>(qd[0]))
+    return ffi::Error::InvalidArgument(
+        "pyhlo_decode_attention: need q[b, h, 1, d], k and v [b, kvh, S, d] with h a multiple of "
+        "kvh, and pad[b]");
+  const int64_t b = qd[0], h = qd[1], d = qd[3], kvh = kd[1], s = kd[2];
+  const float* qp = static_cast<const float*>(q.untyped_data());
+  float* op = static_cast<float*>(out->untyped_data());
+  const int64_t at = slot.typed_data()[0];
+  const float sc = scale.typed_data()[0];
+  if (k.element_type() == ffi::DataType::F32) {
+    attend(qp, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()), op,
+           b, h, kvh, s, d, at, pad.typed_data(), sc);
+  } else {
+    attend(qp, static_cast<const uint16_t*>(k.untyped_data()), static_cast<const uint16_t*>(v.untyped_data()),
+           op, b, h, kvh, s, d, at, pad.typed_data(), sc);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PyhloDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>());
