@@ -79,7 +79,9 @@ class NeuronConfig:
     continuous_batching: Any = None
     cast_logits_dtype: str = "f32"
     compilation_worker_count: int | None = None
-    whole_model_program: bool = False
+    # None: the whole model as one program per bucket where that is faster (XLA:CPU with
+    # pyhlo's CPU kernels), else one program per decoder block reused by every layer.
+    whole_model_program: bool | None = None
     weight_layout: str | None = None
     cpu_kernels: bool | None = None
     extra: dict = field(default_factory=dict)
@@ -108,6 +110,9 @@ class NeuronConfig:
             raise ValueError("NeuronConfig.compilation_worker_count must be >= 1")
         if self.weight_layout not in (None, "in_out", "out_in"):
             raise ValueError(f"NeuronConfig.weight_layout must be None, 'in_out' or 'out_in', got {self.weight_layout!r}")
+        if self.whole_model_program not in (None, True, False):
+            raise ValueError(f"NeuronConfig.whole_model_program must be None, True or False, "
+                             f"got {self.whole_model_program!r}")
         if self.cpu_kernels not in (None, True, False):
             raise ValueError(f"NeuronConfig.cpu_kernels must be None, True or False, got {self.cpu_kernels!r}")
         if self.extra:

@@ -88,7 +88,7 @@ class Generation:
     def _forward(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, last_index: int) -> Any:
         """Run the model over n_tokens per line written at `slot`; logits of `last_index`."""
         model = self.model
-        if model.neuron_config.whole_model_program:
+        if model.whole_model:
             return self._forward_whole(token_ids, n_tokens, n_attend, slot, last_index)
         embed = model.program("embed", n_tokens)
         hidden = embed.run(embed.arguments({"token_ids": token_ids, **model._shared}))[0]

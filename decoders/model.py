@@ -94,6 +94,10 @@ class DecoderForSampling:
 
             backend = get_backend()
         self.graph = self._graph_builder(backend)
+        # Measured on XLA:CPU with the kernels: one unrolled program per step saves the
+        # launch of 30 block programs (about 37 us each), 2-4 ms of a 17-25 ms step.
+        whole = self.neuron_config.whole_model_program
+        self.whole_model = self.graph.cpu_kernels if whole is None else whole
         self.programs = ProgramSet(self.graph, backend=backend,
                                    workers=self.neuron_config.compilation_worker_count)
         self.tp_degree = tp_degree
@@ -141,7 +145,7 @@ class DecoderForSampling:
     # -- to_neuron ---------------------------------------------------------------
     def eager_programs(self) -> list[tuple[str, tuple]]:
         """The programs to_neuron() compiles: prefill per context bucket, decode per token bucket."""
-        if self.neuron_config.whole_model_program:
+        if self.whole_model:
             return ([("greedy", ())] + [("model_step", (c, c)) for c in self.context_buckets]
                     + [("model_step", (1, s)) for s in self.token_buckets])
         keys: list[tuple[str, tuple]] = [("embed", (1,)), ("lm_head", (1,)), ("greedy", ())]

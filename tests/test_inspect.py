@@ -113,13 +113,14 @@ def test_big_module_hides_its_text_unless_asked(tmp_path, capsys):
 
 
 def test_model_lists_every_program_and_memory_totals(tiny_llama, capsys):
-    from decoders import LlamaForSampling
+    from decoders import LlamaForSampling, NeuronConfig
 
     hf_model, path = tiny_llama("mha", "safetensors")
-    code, out, _ = inspect(capsys, path, "--n-positions", "256")
+    code, out, _ = inspect(capsys, path, "--n-positions", "256", "--per-block")
     assert code == 0
 
-    model = LlamaForSampling.from_pretrained(path, n_positions=256)
+    model = LlamaForSampling.from_pretrained(path, n_positions=256,
+                                             neuron_config=NeuronConfig(whole_model_program=False))
     names = [model.programs.build(kind, args).name for kind, args in model.eager_programs()]
     assert "block_n1_s256" in names and "block_n128_s128" in names
     assert f"=== programs ({len(names)}, as model.eager_programs() lists them) ===" in out
@@ -141,7 +142,7 @@ def test_model_lists_every_program_and_memory_totals(tiny_llama, capsys):
 
 def test_model_program_is_shown_like_a_module(tiny_llama, capsys):
     _, path = tiny_llama("mha", "safetensors")
-    code, out, _ = inspect(capsys, path, "--n-positions", "256", "--program", "block_n1_s128",
+    code, out, _ = inspect(capsys, path, "--n-positions", "256", "--per-block", "--program", "block_n1_s128",
                            "--section", "params")
     assert code == 0
     assert "=== module block_n1_s128:" in out
@@ -213,6 +214,6 @@ def test_bad_targets_exit_2_with_a_clear_message(tmp_path, capsys):
 
 def test_unknown_program_names_the_programs_there_are(tiny_llama, capsys):
     _, path = tiny_llama("mha", "safetensors")
-    code, _, err = inspect(capsys, path, "--n-positions", "256", "--program", "block_n9")
+    code, _, err = inspect(capsys, path, "--n-positions", "256", "--per-block", "--program", "block_n9")
     assert code == 2
     assert "no program 'block_n9'; this model's programs: embed_n1, lm_head_n1, greedy" in err

@@ -32,14 +32,16 @@ def build(path, batch_size=1, **kwargs):
     return LlamaForSampling.from_pretrained(path, batch_size=batch_size, **kwargs).to_neuron()
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
+@pytest.mark.parametrize("kernels, whole", [(True, None), (True, False), (False, None)],
+                         ids=["cpu_kernels-whole_model", "cpu_kernels-per_block", "xla_dot-per_block"])
 @pytest.mark.parametrize("variant", ["mha", "gqa_tied_llama3"])
-def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels):
+def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels, whole):
     from decoders import NeuronConfig
 
     hf, path = tiny_llama(variant, "safetensors")
-    model = build(path, neuron_config=NeuronConfig(cpu_kernels=kernels))
+    model = build(path, neuron_config=NeuronConfig(cpu_kernels=kernels, whole_model_program=whole))
     assert model.graph.cpu_kernels is kernels
+    assert model.whole_model is (kernels if whole is None else whole)   # the default follows the kernels
     prompt = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
     length = 150                                   # 110 new tokens: decode crosses 128 -> 256
     expected, expected_logits = hf_greedy(hf, prompt, length)

@@ -10,11 +10,16 @@ from decoders import LlamaForSampling
 from decoders.buckets import context_buckets, pick, token_buckets
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["batch1", "batch2"])
+@pytest.fixture(scope="module", params=[(1, False), (2, False), (1, True), (2, True)],
+                ids=["batch1-per_block", "batch2-per_block", "batch1-whole_model", "batch2-whole_model"])
 def model(tiny_llama, request):
+    from decoders import NeuronConfig
+
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")
-    return LlamaForSampling.from_pretrained(path, batch_size=request.param, n_positions=256,
-                                            context_length_estimate=[16, 64]).to_neuron()
+    batch_size, whole = request.param
+    return LlamaForSampling.from_pretrained(path, batch_size=batch_size, n_positions=256,
+                                            context_length_estimate=[16, 64],
+                                            neuron_config=NeuronConfig(whole_model_program=whole)).to_neuron()
 
 
 def cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
@@ -27,10 +32,11 @@ def cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
     return copies
 
 
-def test_no_compiled_block_copies_a_kv_cache(model):
-    blocks = [c for (kind, _), c in model.programs.compiled.items() if kind == "block"]
-    assert len(blocks) == len(model.context_buckets) + len(model.token_buckets)
-    for compiled in blocks:
+def test_no_compiled_step_copies_a_kv_cache(model):
+    step_kind = "model_step" if model.whole_model else "block"
+    steps = [c for (kind, _), c in model.programs.compiled.items() if kind == step_kind]
+    assert len(steps) == len(model.context_buckets) + len(model.token_buckets)
+    for compiled in steps:
         text = compiled.executable.hlo_text()
         assert "dynamic-update-slice" in text
         assert cache_copies(text, math.prod(model.graph.cache_spec("k").dims)) == [], compiled.program.name

@@ -37,8 +37,8 @@ examples:
   pyhlo inspect my_ops.py:double --section opcodes,cost
   pyhlo inspect default
   pyhlo inspect path/to/llama-dir --n-positions 256 --batch-size 2 --amp bf16
-  pyhlo inspect default --program block_n1_s1024 --section params
-  pyhlo inspect default --program block_n1_s128 --dump out --svg
+  pyhlo inspect default --program model_n1_s1024 --section params
+  pyhlo inspect default --per-block --program block_n1_s128 --dump out --svg
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeatable; default: all but the text of modules over "
                              f"{hlo_report.TEXT_LIMIT} instructions)")
     parser.add_argument("--program", metavar="NAME",
-                        help="for a model: show this program (e.g. block_n1_s128) like a module")
+                        help="for a model: show this program (e.g. model_n1_s128, or block_n1_s128 "
+                             "with --per-block) like a module")
     parser.add_argument("--dump", metavar="DIR", help="write NAME.pb, NAME.txt and NAME.dot of each module")
     parser.add_argument("--svg", action="store_true", help="with --dump: also render NAME.svg (Graphviz)")
     parser.add_argument("--png", action="store_true", help="with --dump: also render NAME.png (Graphviz)")
@@ -84,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="weights and activations type (default f32)")
     model.add_argument("--context-length-estimate", type=_int_list, metavar="N[,N]",
                        help="prefill buckets, e.g. 64,256 (default: half of each token bucket)")
+    model.add_argument("--per-block", action="store_true",
+                       help="one program per decoder block, reused by every layer (block_n*, embed_n*, "
+                            "lm_head_n*), instead of the whole model per bucket (model_n*), the default "
+                            "on XLA:CPU")
 
 
 def _open_model(target: hlo_report.Target, args: argparse.Namespace):
@@ -91,8 +96,12 @@ def _open_model(target: hlo_report.Target, args: argparse.Namespace):
     from decoders.default_model import default_model_path
 
     path = target.path if target.path is not None else default_model_path()
+    from decoders import NeuronConfig
+
+    config = NeuronConfig(whole_model_program=False) if args.per_block else None
     return LlamaForSampling.from_pretrained(path, batch_size=args.batch_size, n_positions=args.n_positions,
-                                            amp=args.amp, context_length_estimate=args.context_length_estimate)
+                                            amp=args.amp, context_length_estimate=args.context_length_estimate,
+                                            neuron_config=config)
 
 
 def _dump(reports: list[hlo_report.ModuleReport], directory: str, formats: list[str]) -> int:
