@@ -79,8 +79,9 @@ class NeuronConfig:
     continuous_batching: Any = None
     cast_logits_dtype: str = "f32"
     compilation_worker_count: int | None = None
-    # None: the whole model as one program per bucket where that is faster (XLA:CPU with
-    # pyhlo's CPU kernels), else one program per decoder block reused by every layer.
+    # Decode steps as one unrolled program per bucket (True) or as embed, one decoder-block
+    # program reused by every layer, and LM head (False). None: unrolled where that is
+    # faster (XLA:CPU with pyhlo's CPU kernels). Prefill always runs per block.
     whole_model_program: bool | None = None
     weight_layout: str | None = None
     cpu_kernels: bool | None = None

@@ -88,7 +88,7 @@ class Generation:
     def _forward(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, last_index: int) -> Any:
         """Run the model over n_tokens per line written at `slot`; logits of `last_index`."""
         model = self.model
-        if model.whole_model:
+        if model.whole_model and n_tokens == 1:
             return self._forward_whole(token_ids, n_tokens, n_attend, slot, last_index)
         embed = model.program("embed", n_tokens)
         hidden = embed.run(embed.arguments({"token_ids": token_ids, **model._shared}))[0]
@@ -100,7 +100,7 @@ class Generation:
         return head.run(head.arguments({"hidden": hidden, "last_index": last, **model._shared}))[0]
 
     def _forward_whole(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, last_index: int) -> Any:
-        """The same step as one unrolled program (NeuronConfig.whole_model_program)."""
+        """A decode step as one unrolled program (NeuronConfig.whole_model_program)."""
         model, cache = self.model, self.model.kv_cache
         program = model.program("model_step", n_tokens, n_attend)
         slots = slot + np.arange(n_tokens, dtype=np.int32)[None, :]
@@ -180,7 +180,7 @@ class Generation:
             if all(done) or slot + 1 >= sequence_length:
                 break
             # The token just drawn sits at `slot`; its logits give the next one.
-            n_attend = bucketing.pick(model.token_buckets, slot + 1)
+            n_attend = bucketing.pick(model.decode_buckets(), slot + 1)
             logits = self._forward(tokens_device, 1, n_attend, slot, 0)
             slot += 1
         if streamer is not None:

@@ -94,8 +94,9 @@ class DecoderForSampling:
 
             backend = get_backend()
         self.graph = self._graph_builder(backend)
-        # Measured on XLA:CPU with the kernels: one unrolled program per step saves the
-        # launch of 30 block programs (about 37 us each), 2-4 ms of a 17-25 ms step.
+        # Decode steps as one unrolled program: measured on XLA:CPU with the kernels, it
+        # saves the launch of 30 block programs (about 37 us each), 2-4 ms of a 17-25 ms
+        # step. Prefill, bound by arithmetic, stays per block (smaller code, faster start).
         whole = self.neuron_config.whole_model_program
         self.whole_model = self.graph.cpu_kernels if whole is None else whole
         self.programs = ProgramSet(self.graph, backend=backend,
@@ -143,15 +144,22 @@ class DecoderForSampling:
         return self._tokenizer
 
     # -- to_neuron ---------------------------------------------------------------
+    def decode_buckets(self) -> list[int]:
+        """The cache lengths decode programs are built for: every token bucket, or just
+        n_positions when the decode attention kernel reads only the filled slots anyway."""
+        return [self.n_positions] if self.graph.cpu_kernels else self.token_buckets
+
     def eager_programs(self) -> list[tuple[str, tuple]]:
-        """The programs to_neuron() compiles: prefill per context bucket, decode per token bucket."""
+        """The programs to_neuron() compiles: prefill per context bucket (embed, one block
+        program for every layer, LM head), decode per decode bucket (the whole model in one
+        program, or the same three pieces), and the sampler."""
+        keys: list[tuple[str, tuple]] = [("greedy", ())]
         if self.whole_model:
-            return ([("greedy", ())] + [("model_step", (c, c)) for c in self.context_buckets]
-                    + [("model_step", (1, s)) for s in self.token_buckets])
-        keys: list[tuple[str, tuple]] = [("embed", (1,)), ("lm_head", (1,)), ("greedy", ())]
+            keys += [("model_step", (1, s)) for s in self.decode_buckets()]
+        else:
+            keys += [("embed", (1,)), ("lm_head", (1,))] + [("block", (1, s)) for s in self.decode_buckets()]
         for c in self.context_buckets:
             keys += [("embed", (c,)), ("block", (c, c)), ("lm_head", (c,))]
-        keys += [("block", (1, s)) for s in self.token_buckets]
         return keys
 
     def to_neuron(self) -> DecoderForSampling:

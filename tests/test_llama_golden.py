@@ -139,12 +139,15 @@ def test_bf16_stays_close_to_hf_f32(tiny_llama, batch_size, kernels):
                 break
 
 
-def test_whole_model_program_gives_the_same_tokens(tiny_llama):
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
+def test_whole_model_program_gives_the_same_tokens(tiny_llama, kernels):
     from decoders import NeuronConfig
 
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
-    model = build(path, batch_size=2, neuron_config=NeuronConfig(whole_model_program=True))
-    assert {kind for kind, _ in model.programs.compiled} == {"model_step", "greedy"}
+    model = build(path, batch_size=2, neuron_config=NeuronConfig(whole_model_program=True, cpu_kernels=kernels))
+    decode = {(kind, args) for kind, args in model.programs.compiled if kind in ("model_step", "block") and args[0] == 1}
+    # One decode program with the attention kernel (it reads only the filled slots), else one per token bucket.
+    assert decode == ({("model_step", (1, 256))} if kernels else {("model_step", (1, 128)), ("model_step", (1, 256))})
     prompts = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(7)) for n in (9, 30)]
     tokens = model.sample(prompts, sequence_length=150, top_k=1, eos_token_id=[])
     for i, prompt in enumerate(prompts):

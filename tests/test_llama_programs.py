@@ -33,9 +33,8 @@ def cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
 
 
 def test_no_compiled_step_copies_a_kv_cache(model):
-    step_kind = "model_step" if model.whole_model else "block"
-    steps = [c for (kind, _), c in model.programs.compiled.items() if kind == step_kind]
-    assert len(steps) == len(model.context_buckets) + len(model.token_buckets)
+    steps = [c for (kind, _), c in model.programs.compiled.items() if kind in ("block", "model_step")]
+    assert len(steps) == len(model.context_buckets) + len(model.decode_buckets())
     for compiled in steps:
         text = compiled.executable.hlo_text()
         assert "dynamic-update-slice" in text
