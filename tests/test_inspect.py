@@ -142,10 +142,10 @@ def test_model_lists_every_program_and_memory_totals(tiny_llama, capsys):
 
 def test_model_program_is_shown_like_a_module(tiny_llama, capsys):
     _, path = tiny_llama("mha", "safetensors")
-    code, out, _ = inspect(capsys, path, "--n-positions", "256", "--per-block", "--program", "block_n1_s128",
+    code, out, _ = inspect(capsys, path, "--n-positions", "256", "--per-block", "--program", "block_n1_s256",
                            "--section", "params")
     assert code == 0
-    assert "=== module block_n1_s128:" in out
+    assert "=== module block_n1_s256:" in out
     assert row(out, "4") == ["4", "cache_k", "f32[1,4,256,16]", "64.0 KiB", "output {1}"]
     assert "output {2} <- parameter 5 (cache_v), must alias" in out
 
@@ -216,4 +216,4 @@ def test_unknown_program_names_the_programs_there_are(tiny_llama, capsys):
     _, path = tiny_llama("mha", "safetensors")
     code, _, err = inspect(capsys, path, "--n-positions", "256", "--per-block", "--program", "block_n9")
     assert code == 2
-    assert "no program 'block_n9'; this model's programs: embed_n1, lm_head_n1, greedy" in err
+    assert "no program 'block_n9'; this model's programs: greedy, embed_n1, lm_head_n1, block_n1_s256" in err

@@ -38,7 +38,7 @@ examples:
   pyhlo inspect default
   pyhlo inspect path/to/llama-dir --n-positions 256 --batch-size 2 --amp bf16
   pyhlo inspect default --program model_n1_s1024 --section params
-  pyhlo inspect default --per-block --program block_n1_s128 --dump out --svg
+  pyhlo inspect default --per-block --program block_n1_s1024 --dump out --svg
 """
 from __future__ import annotations
 
