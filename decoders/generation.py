@@ -66,7 +66,7 @@ class Generation:
         model = self.model
         block = model.program("block", n_tokens, n_attend)
         cache = model.kv_cache
-        step = {"positions": self.backend.to_device(positions.astype(np.int32)),
+        step = {"positions": self.backend.to_device(positions),
                 "slot": self.backend.to_device(np.int32(slot)), "pad": self.pad_buffer}
         # Checked once through the named path; the other layers reuse the same order.
         names = block.program.param_names
@@ -85,6 +85,11 @@ class Generation:
         weights = self.model._weights[layer]
         return [weights.get(name) if name in weights else step.get(name) for name in block.program.param_names]
 
+    def _positions(self, n_tokens: int, slot: int) -> np.ndarray:
+        """Rotary positions of n_tokens written at `slot`: slot minus each line's left padding."""
+        slots = slot + np.arange(n_tokens, dtype=np.int32)[None, :]
+        return np.maximum(slots - self.pads[:, None], 0).astype(np.int32)
+
     def _forward(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, last_index: int) -> Any:
         """Run the model over n_tokens per line written at `slot`; logits of `last_index`."""
         model = self.model
@@ -92,8 +97,7 @@ class Generation:
             return self._forward_whole(token_ids, n_tokens, n_attend, slot, last_index)
         embed = model.program("embed", n_tokens)
         hidden = embed.run(embed.arguments({"token_ids": token_ids, **model._shared}))[0]
-        slots = slot + np.arange(n_tokens, dtype=np.int32)[None, :]
-        positions = np.maximum(slots - self.pads[:, None], 0)
+        positions = self._positions(n_tokens, slot)
         hidden = self._layers(hidden, n_tokens, n_attend, positions, slot)
         head = model.program("lm_head", n_tokens)
         last = self.backend.to_device(np.full((model.batch_size,), last_index, np.int32))
@@ -103,10 +107,9 @@ class Generation:
         """A decode step as one unrolled program (NeuronConfig.whole_model_program)."""
         model, cache = self.model, self.model.kv_cache
         program = model.program("model_step", n_tokens, n_attend)
-        slots = slot + np.arange(n_tokens, dtype=np.int32)[None, :]
         values = {
             "token_ids": token_ids, "pad": self.pad_buffer, **model._shared,
-            "positions": self.backend.to_device(np.maximum(slots - self.pads[:, None], 0).astype(np.int32)),
+            "positions": self.backend.to_device(self._positions(n_tokens, slot)),
             "slot": self.backend.to_device(np.int32(slot)),
             "last_index": self.backend.to_device(np.full((model.batch_size,), last_index, np.int32)),
         }

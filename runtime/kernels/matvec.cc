@@ -51,6 +51,10 @@ inline __mmask16 mask16(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
 }
 
+inline __mmask32 mask32(int64_t left) {
+  return left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << left) - 1);
+}
+
 template <int G>
 void row_f32(const Problem& p, const float* w, int64_t n, int64_t m0) {
   __m512 acc[4][G];
@@ -87,7 +91,7 @@ void row_bf16(const Problem& p, const uint16_t* w, int64_t n, int64_t m0) {
   const uint16_t* row = w + n * k;
   for (int64_t k0 = 0; k0 < k; k0 += 32) {
     const int64_t left = k - k0;
-    const __mmask32 wmask = left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << left) - 1);
+    const __mmask32 wmask = mask32(left);
     const __mmask16 xmask = mask16((left + 1) / 2);
     const __m512i lanes = _mm512_maskz_loadu_epi16(wmask, row + k0);
     const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));
@@ -116,8 +120,7 @@ void row_dpbf16(const Problem& p, const uint16_t* w, int64_t n, int64_t m0) {
     for (int u = 0; u < 2; ++u) {
       const int64_t at = k0 + 32 * u;
       if (at >= k) break;
-      const int64_t left = k - at;
-      const __mmask32 mask = left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1ull << left) - 1);
+      const __mmask32 mask = mask32(k - at);
       const __m512bh wr = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + at);
       for (int g = 0; g < G; ++g)
         acc[u][g] = _mm512_dpbf16_ps(acc[u][g], wr,
@@ -258,8 +261,10 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
     p.x_odd = x_odd.data();
   }
 
+  // PYHLO_MATVEC_THREADS (read once) caps the threads per product, for measurements.
+  static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
   int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
-  if (const char* env = getenv("PYHLO_MATVEC_THREADS")) threads = atoi(env) > 0 ? atoi(env) : 1;
+  if (cap != 0) threads = cap > 0 ? cap : 1;
   auto work = std::make_shared<SharedWork>();
   work->problem = p;
   // About four chunks per thread.
