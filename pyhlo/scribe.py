@@ -24,25 +24,13 @@ from google.protobuf import json_format
 
 from pyhlo import dtypes
 from pyhlo.literals import literal
+from pyhlo.opcodes import opcode_of as opcode_of  # kept importable as pyhlo.scribe.opcode_of
 from pyhlo.schema import hlo_pb2
-from pyhlo.shape_inference import KNOWN_OPCODES, HloShapeError, expected_shape
+from pyhlo.shape_inference import HloShapeError, expected_shape
 from pyhlo.shapes import ArrayShape, DType, Shape, TupleShape
 
 _PYHLO_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# CamelCase method names whose opcode is not the plain kebab-case spelling.
-_OPCODE_ALIASES = {
-    "Exp": "exponential",
-    "Expm1": "exponential-minus-one",
-    "Log1p": "log-plus-one",
-    "Sin": "sine",
-    "Cos": "cosine",
-    "Pow": "power",
-    "TopK": "topk",
-    "Sigmoid": "logistic",
-    "OptimizationBarrier": "opt-barrier",
-    "OptBarrier": "opt-barrier",
-}
 _HLO_FIELDS = set(hlo_pb2.HloInstructionProto.DESCRIPTOR.fields_by_name)
 _COMPUTATION_ARGS = ("to_apply", "condition", "body", "true_computation", "false_computation",
                      "comparator", "branch_computations")
@@ -50,16 +38,6 @@ _COMPUTATION_ARGS = ("to_apply", "condition", "body", "true_computation", "false
 
 def _in_pyhlo(filename: str) -> bool:
     return os.path.abspath(filename).startswith(_PYHLO_DIR + os.sep)
-
-
-def opcode_of(method_name: str) -> str:
-    """`DynamicUpdateSlice` -> `dynamic-update-slice`; unknown names fail clearly."""
-    opcode = _OPCODE_ALIASES.get(method_name) or re.sub(
-        r"(?<!^)(?=[A-Z])", "-", method_name
-    ).lower()
-    if opcode not in KNOWN_OPCODES:
-        raise AttributeError(f"unknown HLO op {method_name!r} (opcode {opcode!r})")
-    return opcode
 
 
 class HloValue:

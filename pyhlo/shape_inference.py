@@ -9,37 +9,13 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from pyhlo.opcodes import BINARY_SAME, UNARY_SAME, UNCHECKED
 from pyhlo.shapes import ArrayShape, Shape, TupleShape
 
 
 class HloShapeError(ValueError):
     """A program is ill-formed: wrong operand count, mismatched shapes, bad attributes."""
 
-
-UNARY_SAME = {
-    "abs", "negate", "exponential", "exponential-minus-one", "log", "log-plus-one", "sqrt",
-    "rsqrt", "cbrt", "tanh", "logistic", "sine", "cosine", "tan", "floor", "ceil",
-    "round-nearest-afz", "round-nearest-even", "sign", "not", "erf", "copy", "popcnt",
-    "clz", "real", "imag", "opt-barrier",
-}
-BINARY_SAME = {
-    "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "remainder",
-    "and", "or", "xor", "atan2", "shift-left", "shift-right-logical", "shift-right-arithmetic",
-}
-# Opcodes with no shape rule here: XLA checks them when it compiles.
-UNCHECKED = {
-    "custom-call", "rng-bit-generator", "gather", "scatter", "while", "conditional", "call",
-    "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "rng", "after-all",
-    "bitcast", "fusion", "map", "reverse", "reduce-precision",
-}
-KNOWN_OPCODES = (
-    UNARY_SAME | BINARY_SAME | UNCHECKED | {
-        "parameter", "constant", "compare", "select", "clamp", "convert", "bitcast-convert",
-        "is-finite", "broadcast", "reshape", "transpose", "slice", "dynamic-slice",
-        "dynamic-update-slice", "concatenate", "pad", "iota", "dot", "reduce", "reduce-window",
-        "get-tuple-element", "tuple", "sort", "topk", "all-reduce", "replica-id", "partition-id",
-    }
-)
 
 OPERAND_COUNTS: dict[str, int] = {
     **{op: 1 for op in UNARY_SAME},

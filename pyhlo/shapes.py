@@ -7,17 +7,25 @@ where it is written.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 from pyhlo import dtypes
+from pyhlo.opcodes import opcode_of
 from pyhlo.schema import hlo_pb2
 
-if TYPE_CHECKING:
-    from pyhlo.scribe import HloValue, Scribe
+
+class InstructionWriter(Protocol):
+    """What a shape needs of its scribe (a pyhlo.scribe.Scribe): writing an instruction.
+
+    Named here instead of Scribe because the scribe module imports this one.
+    """
+
+    def add_instruction(self, opcode: str, shape: Shape, operands: Sequence[Any],
+                        attributes: dict[str, Any]) -> Any: ...
 
 
 class Shape:
-    scribe: Scribe
+    scribe: InstructionWriter
 
     def to_proto(self) -> hlo_pb2.ShapeProto:
         raise NotImplementedError
@@ -26,11 +34,9 @@ class Shape:
         # Op methods are CamelCase names of HLO opcodes: Add, DynamicUpdateSlice...
         if not op_name[:1].isupper():
             raise AttributeError(op_name)
-        from pyhlo.scribe import opcode_of
-
         opcode = opcode_of(op_name)
 
-        def build(*operands: HloValue, **attributes: Any) -> HloValue:
+        def build(*operands: Any, **attributes: Any) -> Any:
             return self.scribe.add_instruction(opcode, self, operands, attributes)
 
         build.__name__ = op_name
@@ -40,7 +46,7 @@ class Shape:
 class ArrayShape(Shape):
     """An array of `dtype` elements with static dimensions, row-major."""
 
-    def __init__(self, scribe: Scribe, dtype: str, dims: tuple[int, ...]):
+    def __init__(self, scribe: InstructionWriter, dtype: str, dims: tuple[int, ...]):
         for d in dims:
             if not isinstance(d, int) or isinstance(d, bool) or d < 0:
                 raise ValueError(f"{dtype}{list(dims)}: dimensions must be non-negative ints")
@@ -84,7 +90,7 @@ class ArrayShape(Shape):
 
 
 class TupleShape(Shape):
-    def __init__(self, scribe: Scribe, elements: tuple[Shape, ...]):
+    def __init__(self, scribe: InstructionWriter, elements: tuple[Shape, ...]):
         self.scribe = scribe
         self.elements = tuple(elements)
 
@@ -118,7 +124,7 @@ class TupleShape(Shape):
 class DType:
     """An element type bound to a scribe: `f32[4, 8]` makes a shape, `f32.Constant(...)` a scalar."""
 
-    def __init__(self, scribe: Scribe, name: str):
+    def __init__(self, scribe: InstructionWriter, name: str):
         self.scribe = scribe
         self.name = name
 
@@ -145,7 +151,7 @@ class DType:
         return self.name
 
 
-def shape_from_proto(scribe: Scribe, proto: hlo_pb2.ShapeProto) -> Shape:
+def shape_from_proto(scribe: InstructionWriter, proto: hlo_pb2.ShapeProto) -> Shape:
     if proto.element_type == hlo_pb2.TUPLE:
         return TupleShape(scribe, tuple(shape_from_proto(scribe, s) for s in proto.tuple_shapes))
     return ArrayShape(scribe, dtypes.NAME_OF_PRIMITIVE[proto.element_type], tuple(proto.dimensions))
