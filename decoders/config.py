@@ -92,15 +92,18 @@ class NeuronConfig:
             raise ValueError(f"NeuronConfig.fuse_qkv must be a bool, got {self.fuse_qkv!r}")
         if self.attention_layout != "BSH":
             raise _not_yet("attention_layout", self.attention_layout, "; use 'BSH'")
-        if self.group_query_attention not in (None, "shard-over-heads", "replicated-heads"):
+        if self.group_query_attention is not None:
             raise _not_yet("group_query_attention", self.group_query_attention,
-                           "; use None, 'shard-over-heads' or 'replicated-heads'")
+                           " (its strategies shard KV heads for tensor parallelism, not built yet); use None")
         if self.quant is not None:
             raise _not_yet("quant", self.quant, "; weights run in the amp dtype")
-        if self.on_device_generation is not None and not isinstance(self.on_device_generation, GenerationConfig):
-            raise ValueError("NeuronConfig.on_device_generation must be a GenerationConfig or None")
+        if self.on_device_generation is not None:
+            self._check_generation(self.on_device_generation)
         if self.padding_side not in ("left", "right"):
             raise ValueError(f"NeuronConfig.padding_side must be 'left' or 'right', got {self.padding_side!r}")
+        if self.padding_side == "left":
+            raise _not_yet("padding_side", "left", "; a prompt shorter than its context bucket is padded "
+                           "on the right")
         if self.output_all_logits:
             raise _not_yet("output_all_logits", True)
         if self.continuous_batching is not None:
@@ -118,6 +121,17 @@ class NeuronConfig:
             raise ValueError(f"NeuronConfig.cpu_kernels must be None, True or False, got {self.cpu_kernels!r}")
         if self.extra:
             raise _not_yet("extra", self.extra)
+
+    @staticmethod
+    def _check_generation(config: Any) -> None:
+        """sample() takes do_sample, top_k, top_p, temperature, global_top_k and eos_token_id
+        from it; the rest is not built yet."""
+        if not isinstance(config, GenerationConfig):
+            raise ValueError("NeuronConfig.on_device_generation must be a GenerationConfig or None")
+        for name, built in (("max_length", None), ("per_batch_line", False), ("dynamic", True)):
+            if getattr(config, name) != built:
+                raise NotSupportedYet(f"GenerationConfig.{name}={getattr(config, name)!r} is not supported "
+                                      f"yet; use {built!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,10 +1,9 @@
-"""DecoderForSampling: from_pretrained -> to_neuron -> sample, for any decoder family.
+"""DecoderForSampling: from_pretrained -> to_neuron -> sample / forward, for every family.
 
-A family subclass only names its `DecoderFamily` description; everything here is
-shared. The host loop dispatches pure-function executables: embed, then the
-block program once per layer (with that layer's weights and KV caches, updated
-in place), then the LM head and the sampler. Token ids stay on the device between
-steps; logits are never downloaded unless no_repeat_ngram_size asks for them.
+A family subclass only names its `Family` description (families/). The model reads the
+checkpoint's config into pieces (blocks/), chooses the platform's lowering once
+(lowering.py), and hands both to a Session (session/) that owns the compiled programs,
+the weights and the KV caches. sample() and forward() are thin clients of that Session.
 """
 from __future__ import annotations
 
@@ -15,59 +14,25 @@ import pathlib
 import time
 from typing import Any
 
-from decoders import buckets as bucketing
-from decoders.checkpoint import open_checkpoint
+import numpy as np
+
+from decoders.checkpoints import open_checkpoint
 from decoders.config import GenerationConfig, NeuronConfig, NotSupportedYet, element_type_of_amp
-from decoders.family import DecoderFamily, dims_from_config
-from decoders.graph import GraphBuilder, Program
-from decoders.inputs import check_sampling, parse_prompts, per_line
-from decoders.programs import ProgramSet
-from decoders.weights import iter_layers, shared_weights
-from runtime.kv_cache import KVCache
+from decoders.description import ConfigReader, Family
+from decoders.lowering import XlaLowering, choose_lowering
+from decoders.programs import buckets as bucketing
+from decoders.programs.builder import ProgramBuilder
+from decoders.programs.keys import ProgramKey
+from decoders.session.inputs import check_sampling, parse_prompts, per_line
+from decoders.session.session import Session
 
 log = logging.getLogger("pyhlo")
 
-SAVE_FORMAT = 1
-
-
-def preferred_weight_layout(dtype: str, batch_size: int) -> str:
-    """The weight layout whose matrix-vector products stream fastest on XLA:CPU.
-
-    Without pyhlo's CPU kernels (see use_cpu_kernels), measured: f32 runs best with
-    [in, out] at every batch size; bf16 and f16 at batch 1 only with [out, in].
-    """
-    return "out_in" if dtype in ("bf16", "f16") and batch_size == 1 else "in_out"
-
-
-def use_cpu_kernels(neuron_config: NeuronConfig, backend: Any, dtype: str) -> bool:
-    """Whether decode steps run on pyhlo's CPU kernels (matrix-vector products, attention).
-
-    NeuronConfig.cpu_kernels None (the default) turns it on where it can run: XLA:CPU,
-    f32 or bf16 weights, [out, in] layout (the default), a C++ compiler to build it, and
-    PYHLO_CPU_KERNELS not 0. True insists (an error says what is missing); False is off.
-    """
-    wanted = neuron_config.cpu_kernels
-    if wanted is False:
-        return False
-    reasons = []
-    if getattr(backend, "platform", None) != "cpu":
-        reasons.append(f"the backend is {backend!r}, not XLA:CPU")
-    if dtype not in ("f32", "bf16"):
-        reasons.append(f"amp {dtype} (the kernel reads f32 or bf16 weights)")
-    if neuron_config.weight_layout == "in_out":
-        reasons.append("weight_layout='in_out' (the kernel reads [out, in] weights)")
-    if not reasons:
-        from runtime import cpu_kernels
-
-        if not cpu_kernels.register():
-            reasons.append("the kernels are off (PYHLO_CPU_KERNELS=0, or they did not build: see the warning)")
-    if reasons and wanted:
-        raise ValueError("NeuronConfig.cpu_kernels=True, but " + "; ".join(reasons))
-    return not reasons
+SAVE_FORMAT = 2
 
 
 class DecoderForSampling:
-    family: DecoderFamily
+    family: Family
 
     def __init__(self, checkpoint_path: str | os.PathLike, batch_size: int = 1,
                  n_positions: int | list[int] = 2048, tp_degree: int = 1, amp: str = "f32",
@@ -77,6 +42,7 @@ class DecoderForSampling:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if tp_degree != 1:
             raise NotSupportedYet(f"tp_degree={tp_degree} is not supported yet; use tp_degree=1")
+        self.tp_degree = tp_degree
         self.dtype = element_type_of_amp(amp)
         self.amp = amp
         self.neuron_config = neuron_config or NeuronConfig()
@@ -84,38 +50,21 @@ class DecoderForSampling:
         self.checkpoint = open_checkpoint(checkpoint_path)
         self.config = self.checkpoint.config
         self._check_family(self.config)
-        self.dims = dims_from_config(self.config)
+        self.decoder = self.family.describe(ConfigReader(self.config, self.family.name), self.neuron_config.fuse_qkv)
         self.batch_size = batch_size
         self.token_buckets = bucketing.token_buckets(n_positions)
         self.context_buckets = bucketing.context_buckets(self.token_buckets, context_length_estimate)
         self.n_positions = self.token_buckets[-1]
         if backend is None:
-            from runtime.backend import get_backend
+            from runtime import get_backend
 
             backend = get_backend()
-        self.graph = self._graph_builder(backend)
-        # Decode steps as one unrolled program: measured on XLA:CPU with the kernels, it
-        # saves the launch of 30 block programs (about 37 us each), 2-4 ms of a 17-25 ms
-        # step. Prefill, bound by arithmetic, stays per block (smaller code, faster start).
-        whole = self.neuron_config.whole_model_program
-        self.whole_model = self.graph.cpu_kernels if whole is None else whole
-        self.programs = ProgramSet(self.graph, backend=backend,
-                                   workers=self.neuron_config.compilation_worker_count)
-        self.tp_degree = tp_degree
-        self._weights: list[dict[str, Any]] | None = None
-        self._shared: dict[str, Any] | None = None
-        self.kv_cache: KVCache | None = None
+        lowering = choose_lowering(self.neuron_config, backend, self.dtype, batch_size)
+        builder = ProgramBuilder(self.decoder, batch_size, self.n_positions, lowering)
+        self.session = Session(builder, backend, self.token_buckets, self.context_buckets,
+                               workers=self.neuron_config.compilation_worker_count)
         self._tokenizer = None
 
-    def _graph_builder(self, backend: Any) -> GraphBuilder:
-        kernel = use_cpu_kernels(self.neuron_config, backend, self.dtype)
-        layout = "out_in" if kernel else (self.neuron_config.weight_layout
-                                          or preferred_weight_layout(self.dtype, self.batch_size))
-        head_dtype = self.dtype if kernel else "f32"
-        return GraphBuilder(self.family, self.dims, self.batch_size, self.n_positions, self.dtype, layout,
-                            head_dtype=head_dtype, cpu_kernels=kernel)
-
-    # -- construction ------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, batch_size: int = 1,
                         n_positions: int | list[int] = 2048, tp_degree: int = 1, amp: str = "f32",
@@ -133,9 +82,25 @@ class DecoderForSampling:
                 f"{type(self).__name__} runs {', '.join(self.family.model_types)} checkpoints; "
                 f"{self.checkpoint_path} is model_type {model_type!r}"
             )
-        for flag in ("attention_bias", "mlp_bias"):
-            if config.get(flag):
-                raise NotSupportedYet(f"{flag}=True checkpoints are not supported yet")
+
+    # -- what was built ------------------------------------------------------------
+    @property
+    def lowering(self) -> XlaLowering:
+        return self.session.lowering
+
+    @property
+    def programs(self):
+        return self.session.programs
+
+    @property
+    def kv_cache(self):
+        return self.session.kv_cache
+
+    def decode_buckets(self) -> list[int]:
+        return self.session.decode_buckets()
+
+    def eager_programs(self) -> list[ProgramKey]:
+        return self.session.eager_programs()
 
     @property
     def tokenizer(self):
@@ -144,76 +109,81 @@ class DecoderForSampling:
         return self._tokenizer
 
     # -- to_neuron ---------------------------------------------------------------
-    def decode_buckets(self) -> list[int]:
-        """The cache lengths decode programs are built for: every token bucket, or just
-        n_positions when the decode attention kernel reads only the filled slots anyway."""
-        return [self.n_positions] if self.graph.cpu_kernels else self.token_buckets
-
-    def eager_programs(self) -> list[tuple[str, tuple]]:
-        """The programs to_neuron() compiles: prefill per context bucket (embed, one block
-        program for every layer, LM head), decode per decode bucket (the whole model in one
-        program, or the same three pieces), and the sampler."""
-        keys: list[tuple[str, tuple]] = [("greedy", ())]
-        if self.whole_model:
-            keys += [("model_step", (1, s)) for s in self.decode_buckets()]
-        else:
-            keys += [("embed", (1,)), ("lm_head", (1,))] + [("block", (1, s)) for s in self.decode_buckets()]
-        for c in self.context_buckets:
-            keys += [("embed", (c,)), ("block", (c, c)), ("lm_head", (c,))]
-        return keys
-
     def to_neuron(self) -> DecoderForSampling:
         """Build and compile every bucket's programs, then place weights and KV caches."""
         started = time.perf_counter()
-        self.programs.compile_all(self.eager_programs())
+        self.session.compile()
         compiled = time.perf_counter()
-        self._load_weights()
+        self.session.load_weights(self.checkpoint)
+        # The weights live on the device now: drop the checkpoint's file mapping, whose
+        # pages would otherwise stay in this process's resident memory.
+        self.checkpoint.close()
         log.info("to_neuron: compile %.1f s (%d from cache), weights %.1f s",
                  compiled - started, self.programs.cache_hits, time.perf_counter() - compiled)
         return self
 
-    def _load_weights(self) -> None:
-        from tqdm.auto import tqdm
-
-        backend = self.programs.backend
-        layout = self.graph.weight_layout
-        shared = shared_weights(self.checkpoint, self.family, self.dims, self.dtype, layout,
-                                self.graph.head_dtype)
-        self._shared = {name: backend.to_device(array) for name, array in shared.items() if array is not None}
-        del shared
-        layers = iter_layers(self.checkpoint, self.family, self.dims, self.dtype, layout)
-        self._weights = [
-            {name: backend.to_device(array) for name, array in layer.items()}
-            for layer in tqdm(layers, total=self.dims.n_layers, desc="loading weights", unit="layer",
-                              disable=None)
-        ]
-        # The weights live on the device now: drop the checkpoint's file mapping, whose
-        # pages would otherwise stay in this process's resident memory.
-        self.checkpoint.close()
-        cache_spec = self.graph.cache_spec("cache")
-        self.kv_cache = KVCache(backend, self.dims.n_layers, cache_spec.dims, self.dtype)
-
     def _require_loaded(self) -> None:
-        if self._weights is None:
-            raise RuntimeError("call model.to_neuron() before sample()")
+        if not self.session.loaded:
+            raise RuntimeError("call model.to_neuron() before sample() or forward()")
 
-    # -- sampling ----------------------------------------------------------------
-    def sample(self, input_ids: Any, sequence_length: int, start_ids: Any = None, top_k: int | list = 50,
-               top_p: float | list = 1.0, temperature: float | list = 1.0,
-               eos_token_id: int | list[int] | None = None, streamer: Any = None,
-               stopping_criteria_list: Any = None, no_repeat_ngram_size: int | None = None,
-               seed: int | None = None, attention_mask: Any = None, output_scores: bool = False):
-        """Generate up to `sequence_length` tokens per line (prompt included).
+    # -- forward -----------------------------------------------------------------
+    def forward(self, input_ids: Any, cache_ids: Any = None, start_ids: Any = None):
+        """Run input_ids [batch, n] through the model; f32 logits [batch, vocab] of the last token.
 
-        Returns a torch LongTensor [batch, <= sequence_length]: each line is its prompt
-        followed by its new tokens, right-padded with the EOS id where lines end early.
+        cache_ids: the cache positions of the n tokens (contiguous, the same for every line;
+        default 0..n-1, a new sequence). start_ids: per line, the offset of its first real
+        token in a left-padded batch (default 0). Keys and values stay in the KV cache for
+        the next call, as in transformers-neuronx.
         """
         import torch
 
         self._require_loaded()
+        ids = parse_prompts(input_ids, vocab_size=self.decoder.head.vocab_size).as_given().astype(np.int32)
+        if ids.shape[0] != self.batch_size:
+            raise ValueError(f"input_ids has {ids.shape[0]} lines; the model was compiled for "
+                             f"batch_size={self.batch_size}")
+        slot = self._first_slot(cache_ids, ids.shape[1])
+        pads = np.zeros(self.batch_size, np.int32)
         if start_ids is not None:
-            raise NotSupportedYet("start_ids (continuous batching) is not supported yet")
-        prompts = parse_prompts(input_ids, attention_mask, self.dims.vocab_size)
+            pads = np.asarray(per_line(np.asarray(start_ids).reshape(-1).tolist(), self.batch_size, "start_ids"),
+                              np.int32)
+        logits = self.session.forward(ids, slot, pads)
+        return torch.from_numpy(np.array(self.session.backend.to_host(logits), copy=True))
+
+    def _first_slot(self, cache_ids: Any, n_tokens: int) -> int:
+        if cache_ids is None:
+            return 0
+        ids = np.asarray(cache_ids.tolist() if hasattr(cache_ids, "tolist") else cache_ids, np.int64)
+        if ids.ndim == 2:
+            if not (ids == ids[:1]).all():
+                raise NotSupportedYet("cache_ids that differ between batch lines (continuous batching) "
+                                      "are not supported yet")
+            ids = ids[0]
+        if ids.shape != (n_tokens,) or not np.array_equal(ids, ids[0] + np.arange(n_tokens)):
+            raise ValueError(f"cache_ids must be {n_tokens} consecutive cache positions, got {ids.tolist()}")
+        return int(ids[0])
+
+    # -- sampling ----------------------------------------------------------------
+    def sample(self, input_ids: Any, sequence_length: int, start_ids: Any = None, top_k: int | list | None = None,
+               top_p: float | list | None = None, temperature: float | list | None = None,
+               eos_token_id: int | list[int] | None = None, streamer: Any = None,
+               stopping_criteria_list: Any = None, no_repeat_ngram_size: int | None = None,
+               seed: int | None = None, attention_mask: Any = None, output_scores: bool = False):
+        """Generate until each line is `sequence_length` long (prompt included).
+
+        input_ids: a [batch, length] tensor, padded and marked by `attention_mask` or
+        `start_ids` (offset of each line's first real token); the result is [batch,
+        <= sequence_length], each line its input row as given, then its new tokens. Or a list
+        of prompts of different lengths: each line its prompt, then its new tokens. Lines
+        that end early are right-padded with the EOS id. top_k, top_p and temperature default
+        to NeuronConfig.on_device_generation's, else 50, 1.0 and 1.0.
+        """
+        import torch
+
+        from decoders.session.generation import Generation
+
+        self._require_loaded()
+        prompts = parse_prompts(input_ids, attention_mask, self.decoder.head.vocab_size, start_ids)
         if prompts.batch_size != self.batch_size:
             raise ValueError(
                 f"got {prompts.batch_size} prompts but the model was compiled for batch_size={self.batch_size}"
@@ -225,42 +195,35 @@ class DecoderForSampling:
                 f"sequence_length {sequence_length} exceeds n_positions {self.n_positions}; "
                 "rebuild the model with a larger n_positions"
             )
-        if prompts.longest > sequence_length:
-            raise ValueError(
-                f"prompt length {prompts.longest} exceeds sequence_length {sequence_length}"
-            )
+        if prompts.width > sequence_length:
+            raise ValueError(f"prompt length {prompts.width} exceeds sequence_length {sequence_length}")
+        on_device = self.neuron_config.on_device_generation
+        if top_k is None and on_device is not None:
+            top_k = (on_device.top_k or self.decoder.head.vocab_size) if on_device.do_sample else 1
+        configured = on_device or GenerationConfig()
+        top_k = 50 if top_k is None else top_k
         top_ks = per_line(top_k, self.batch_size, "top_k")
-        top_ps = per_line(top_p, self.batch_size, "top_p")
-        temperatures = per_line(temperature, self.batch_size, "temperature")
+        top_ps = per_line(configured.top_p if top_p is None else top_p, self.batch_size, "top_p")
+        temperatures = per_line(configured.temperature if temperature is None else temperature,
+                                self.batch_size, "temperature")
         check_sampling(top_ks, top_ps, temperatures)
         if no_repeat_ngram_size is not None and (not isinstance(no_repeat_ngram_size, int)
                                                  or no_repeat_ngram_size < 1):
             raise ValueError(f"no_repeat_ngram_size must be an int >= 1, got {no_repeat_ngram_size!r}")
-        eos_ids = self._eos_ids(eos_token_id)
-
-        from decoders.generation import Generation
-
-        generation = Generation(self, prompts, top_ks, top_ps, temperatures, seed, no_repeat_ngram_size)
-        if output_scores:
-            generation.scores = []
-        lines = generation.run(sequence_length, eos_ids, streamer, stopping_criteria_list)
-        pad = eos_ids[0] if eos_ids else 0
-        width = max(len(line) for line in lines)
-        out = torch.full((self.batch_size, width), pad, dtype=torch.long)
-        for i, line in enumerate(lines):
-            out[i, : len(line)] = torch.tensor(line, dtype=torch.long)
+        eos_ids = self._eos_ids(eos_token_id if eos_token_id is not None else configured.eos_token_id)
+        generation = Generation(self.session, prompts, top_ks, top_ps, temperatures, seed, no_repeat_ngram_size,
+                                global_top_k=configured.global_top_k, output_scores=output_scores)
+        new_tokens = generation.run(sequence_length - prompts.width, eos_ids, streamer, stopping_criteria_list)
+        out = torch.from_numpy(prompts.layout(new_tokens, eos_ids[0] if eos_ids else 0))
         if output_scores:
             return out, [torch.from_numpy(s) for s in generation.scores]
         return out
 
     def _eos_ids(self, eos_token_id: Any) -> list[int]:
-        ids = eos_token_id if eos_token_id is not None else self.dims.eos_token_id
+        ids = eos_token_id if eos_token_id is not None else self.config.get("eos_token_id")
         if ids is None:
             return []
         return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
-
-    def generation_config(self) -> GenerationConfig | None:
-        return self.neuron_config.on_device_generation
 
     # -- save / load -------------------------------------------------------------
     def describe(self) -> dict:
@@ -291,7 +254,3 @@ class DecoderForSampling:
                 raise ValueError(f"{directory} was saved with {key}={saved.get(key)!r}, this model has {mine[key]!r}")
         self.programs.load(directory)
         return self
-
-    # -- used by Generation ------------------------------------------------------
-    def program(self, kind: str, *args: int) -> Program:
-        return self.programs.get(kind, args)

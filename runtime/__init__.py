@@ -2,7 +2,8 @@
 
 Only runtime/pjrt.py imports private jaxlib APIs; importing this package does not import jax.
 """
-from runtime.backend import Backend, Executable, ProgramInfo, XlaBackend, get_backend
+from runtime.backend import Backend, Executable, ProgramInfo, XlaBackend
 from runtime.compile_cache import CompileCache
+from runtime.select import get_backend
 
 __all__ = ["Backend", "CompileCache", "Executable", "ProgramInfo", "XlaBackend", "get_backend"]

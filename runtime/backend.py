@@ -1,6 +1,6 @@
 """The backend interface: compile HloModuleProto bytes, move arrays, run executables.
 
-    backend = get_backend()                       # xla on cpu here; env PYHLO_BACKEND / PYHLO_PLATFORM
+    backend = get_backend()                       # runtime.select; env PYHLO_BACKEND / PYHLO_PLATFORM
     exe = backend.compile(proto.SerializeToString())
     outputs = exe.run({"x": x, "cache": cache})   # named inputs; aliased caches are donated
     result = backend.to_host(outputs[0])
@@ -21,7 +21,6 @@ import numpy as np
 from pyhlo import dtypes
 from pyhlo.schema import hlo_pb2
 
-BACKENDS = ("xla", "neuronx-cc")
 PLATFORMS = ("cpu", "cuda", "neuron")
 
 
@@ -349,23 +348,3 @@ def detect_platform() -> str:
             return platform
     return "cpu"
 
-
-def get_backend(name: str | None = None, platform: str | None = None) -> Backend:
-    """The backend `name` (xla | neuronx-cc) on `platform` (cpu | cuda | neuron).
-
-    Unset arguments come from env PYHLO_BACKEND and PYHLO_PLATFORM, else xla on the
-    best platform present (neuron, then cuda, then cpu).
-    """
-    name = name or os.environ.get("PYHLO_BACKEND") or "xla"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; valid backends: {', '.join(BACKENDS)}")
-    if name == "neuronx-cc":
-        if platform not in (None, "neuron"):
-            raise ValueError(f"the neuronx-cc backend compiles for platform 'neuron', not {platform!r}")
-        from runtime.neuronx_cc import NeuronCCBackend
-
-        return NeuronCCBackend()
-    platform = platform or os.environ.get("PYHLO_PLATFORM") or None
-    if platform is not None and platform not in PLATFORMS:
-        raise ValueError(f"unknown platform {platform!r}; valid platforms: {', '.join(PLATFORMS)}")
-    return XlaBackend(platform)

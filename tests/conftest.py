@@ -6,7 +6,7 @@ import pytest
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """Path of the real SmolLM2-135M-Instruct GGUF, fetched once into the model cache."""
-    from decoders.default_model import default_model_path
+    from decoders.checkpoints.default_model import default_model_path
 
     return default_model_path()
 

@@ -5,7 +5,7 @@ import numpy as np
 
 
 def run_module(proto, *args: np.ndarray) -> list[np.ndarray]:
-    from runtime.backend import get_backend
+    from runtime.select import get_backend
 
     backend = get_backend()
     executable = backend.compile(proto.SerializeToString())

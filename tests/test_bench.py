@@ -110,7 +110,7 @@ def test_disagreeing_tokens_are_noted():
 
 # -- the pieces that touch models -------------------------------------------------------
 def test_permute_rope_rows_undoes_the_loaders_unpermute():
-    from decoders.gguf_checkpoint import unpermute_rope_rows
+    from decoders.checkpoints.gguf import unpermute_rope_rows
 
     weight = np.arange(6 * 8 * 3, dtype=np.float32).reshape(6 * 8, 3)
     assert np.array_equal(bench_peers.permute_rope_rows(unpermute_rope_rows(weight, 6), 6), weight)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decoders.checkpoint import CheckpointError, MissingTensorError, open_checkpoint
+from decoders.checkpoints import CheckpointError, MissingTensorError, open_checkpoint
 
 CONFIG = dict(
     vocab_size=96,

@@ -109,18 +109,20 @@ def test_matvec_kernel_rejects_shapes_it_cannot_run():
 
 def test_decode_block_calls_the_kernels_and_prefill_does_not(tiny_llama):
     from decoders import LlamaForSampling, NeuronConfig
+    from decoders.lowering import CpuKernelLowering
+    from decoders.programs.keys import Block
 
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")
     model = LlamaForSampling.from_pretrained(path, n_positions=128, context_length_estimate=[16])
-    assert model.graph.cpu_kernels and model.graph.weight_layout == "out_in"
-    decode = model.programs.build("block", (1, 128)).module.SerializeToString()
-    prefill = model.programs.build("block", (16, 16)).module.SerializeToString()
+    assert isinstance(model.lowering, CpuKernelLowering) and model.lowering.weight_layout == "out_in"
+    decode = model.programs.build(Block(1, 128)).module.SerializeToString()
+    prefill = model.programs.build(Block(16, 16)).module.SerializeToString()
     assert all(target.encode() in decode for target in cpu_kernels.TARGETS)
     assert not cpu_kernels.referenced_by(prefill)
 
     off = LlamaForSampling.from_pretrained(path, n_positions=128, neuron_config=NeuronConfig(cpu_kernels=False))
-    assert not off.graph.cpu_kernels
-    assert not cpu_kernels.referenced_by(off.programs.build("block", (1, 128)).module.SerializeToString())
+    assert not isinstance(off.lowering, CpuKernelLowering)
+    assert not cpu_kernels.referenced_by(off.programs.build(Block(1, 128)).module.SerializeToString())
 
     with pytest.raises(ValueError, match="weight_layout='in_out'"):
         LlamaForSampling.from_pretrained(path, n_positions=128,
@@ -128,7 +130,7 @@ def test_decode_block_calls_the_kernels_and_prefill_does_not(tiny_llama):
 
 
 def test_a_program_calling_the_kernel_fails_clearly_when_kernels_are_off(monkeypatch):
-    from runtime.backend import get_backend
+    from runtime.select import get_backend
 
     def program(scribe):
         return linalg.matvec_kernel(scribe.f32[1, 4].Parameter(parameter_number=0),

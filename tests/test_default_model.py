@@ -5,8 +5,8 @@ import zipfile
 
 import pytest
 
-from decoders import default_model
-from decoders.default_model import FILENAME, WHEEL_MEMBER, ModelFetchError, default_model_path
+from decoders.checkpoints import default_model
+from decoders.checkpoints.default_model import FILENAME, WHEEL_MEMBER, ModelFetchError, default_model_path
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from decoders.checkpoint import open_checkpoint
-from decoders.gguf_cache import ConvertedGGUF
-from decoders.gguf_checkpoint import GGUFCheckpoint
+from decoders.checkpoints import open_checkpoint
+from decoders.checkpoints.gguf import GGUFCheckpoint
+from decoders.checkpoints.gguf_cache import ConvertedGGUF
 
 
 def test_second_open_reads_the_converted_copy_with_identical_tensors(smollm2_gguf, tmp_path, monkeypatch):

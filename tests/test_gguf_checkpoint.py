@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from decoders.checkpoint import CheckpointError, open_checkpoint
-from decoders.gguf_checkpoint import GGUFCheckpoint, unpermute_rope_rows
+from decoders.checkpoints import CheckpointError, open_checkpoint
+from decoders.checkpoints.gguf import GGUFCheckpoint, unpermute_rope_rows
 
 Q = gguf.GGMLQuantizationType
 

@@ -121,7 +121,7 @@ def test_model_lists_every_program_and_memory_totals(tiny_llama, capsys):
 
     model = LlamaForSampling.from_pretrained(path, n_positions=256,
                                              neuron_config=NeuronConfig(whole_model_program=False))
-    names = [model.programs.build(kind, args).name for kind, args in model.eager_programs()]
+    names = [model.programs.build(key).name for key in model.eager_programs()]
     assert "block_n1_s256" in names and "block_n128_s128" in names
     assert f"=== programs ({len(names)}, as model.eager_programs() lists them) ===" in out
     for name in names:
@@ -169,8 +169,8 @@ def test_dump_writes_every_program_of_a_model(tiny_llama, tmp_path, capsys):
     code, _, _ = inspect(capsys, path, "--n-positions", "256", "--dump", out_dir)
     assert code == 0
     model = LlamaForSampling.from_pretrained(path, n_positions=256)
-    for kind, args in model.eager_programs():
-        program = model.programs.build(kind, args)
+    for key in model.eager_programs():
+        program = model.programs.build(key)
         assert hlo_pb2.HloModuleProto.FromString((out_dir / f"{program.name}.pb").read_bytes()) == program.module
         assert (out_dir / f"{program.name}.txt").read_text().startswith(f"HloModule {program.name}")
         assert (out_dir / f"{program.name}.dot").is_file()

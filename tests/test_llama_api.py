@@ -84,13 +84,48 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         LlamaForSampling.from_pretrained(tmp_path / "nope")
 
 
-def test_a_family_feature_the_block_lacks_is_refused(checkpoint):
-    import dataclasses
+def test_a_config_feature_the_pieces_lack_is_refused(checkpoint, tmp_path):
+    import json
+    import shutil
 
-    from decoders.llama import LLAMA
+    copy = tmp_path / "yarn"
+    shutil.copytree(checkpoint, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotSupportedYet, match="rope_scaling type 'yarn' is not supported yet"):
+        LlamaForSampling.from_pretrained(copy, n_positions=128)
 
-    class LayerNormLlama(LlamaForSampling):
-        family = dataclasses.replace(LLAMA, name="layernorm-llama", norm="layer")
 
-    with pytest.raises(NotSupportedYet, match="norm='layer' is not built yet"):
-        LayerNormLlama.from_pretrained(checkpoint, n_positions=128)
+def test_every_neuron_config_option_is_built_or_refused():
+    with pytest.raises(NotSupportedYet, match="group_query_attention"):
+        NeuronConfig(group_query_attention="shard-over-heads")
+    with pytest.raises(NotSupportedYet, match="padding_side='left'"):
+        NeuronConfig(padding_side="left")
+    with pytest.raises(NotSupportedYet, match="per_batch_line"):
+        NeuronConfig(on_device_generation=GenerationConfig(per_batch_line=True))
+    with pytest.raises(NotSupportedYet, match="max_length"):
+        NeuronConfig(on_device_generation=GenerationConfig(max_length=64))
+    with pytest.raises(NotSupportedYet, match="dynamic=False"):
+        NeuronConfig(on_device_generation=GenerationConfig(dynamic=False))
+    assert NeuronConfig(fuse_qkv=False).fuse_qkv is False       # built: three q, k, v weights
+
+
+def test_fuse_qkv_false_gives_the_same_tokens_with_three_weights(model, checkpoint):
+    split = LlamaForSampling.from_pretrained(checkpoint, n_positions=128, context_length_estimate=[16],
+                                             neuron_config=NeuronConfig(fuse_qkv=False)).to_neuron()
+    names = split.programs.build(split.eager_programs()[-2]).param_names
+    assert {"attn.q.weight", "attn.k.weight", "attn.v.weight"} <= set(names) and "attn.qkv.weight" not in names
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    assert torch.equal(split.sample(prompt, sequence_length=30, top_k=1, eos_token_id=[]),
+                       model.sample(prompt, sequence_length=30, top_k=1, eos_token_id=[]))
+
+
+def test_on_device_generation_config_sets_the_sampling_defaults(checkpoint):
+    greedy = GenerationConfig(do_sample=False)
+    model = LlamaForSampling.from_pretrained(checkpoint, n_positions=128, context_length_estimate=[16],
+                                             neuron_config=NeuronConfig(on_device_generation=greedy)).to_neuron()
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    # do_sample=False: greedy whatever the seed, as top_k=1 is
+    assert torch.equal(model.sample(prompt, sequence_length=30, seed=1, eos_token_id=[]),
+                       model.sample(prompt, sequence_length=30, top_k=1, seed=2, eos_token_id=[]))

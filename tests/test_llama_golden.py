@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from decoders import LlamaForSampling
+from decoders.lowering import CpuKernelLowering
+from decoders.programs.keys import Block, ModelStep
 
 N_POSITIONS = 256            # token buckets [128, 256]
 CONTEXT = [16, 64]           # context buckets
@@ -40,8 +42,8 @@ def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels, whole):
 
     hf, path = tiny_llama(variant, "safetensors")
     model = build(path, neuron_config=NeuronConfig(cpu_kernels=kernels, whole_model_program=whole))
-    assert model.graph.cpu_kernels is kernels
-    assert model.whole_model is (kernels if whole is None else whole)   # the default follows the kernels
+    assert isinstance(model.lowering, CpuKernelLowering) is kernels
+    assert model.lowering.whole_model_decode is (kernels if whole is None else whole)   # the default follows the kernels
     prompt = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
     length = 150                                   # 110 new tokens: decode crosses 128 -> 256
     expected, expected_logits = hf_greedy(hf, prompt, length)
@@ -50,6 +52,22 @@ def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels, whole):
     assert torch.equal(tokens, expected)
     assert len(logits) == length - prompt.shape[1]
     for step in range(21):                         # prefill + 20 decode steps
+        assert relative_error(logits[step], expected_logits[step]) < 1e-4, step
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
+def test_attention_and_mlp_biases(tiny_llama, kernels):
+    from decoders import NeuronConfig
+
+    hf, path = tiny_llama("biases", "safetensors")
+    model = build(path, neuron_config=NeuronConfig(cpu_kernels=kernels))
+    assert {"attn.qkv.bias", "attn.out.bias", "mlp.gate_up.bias", "mlp.down.bias"} <= {
+        p.name for p in model.session.builder.layer_params()}
+    prompt = torch.randint(0, 320, (1, 20), generator=torch.Generator().manual_seed(8))
+    expected, expected_logits = hf_greedy(hf, prompt, 60)
+    tokens, logits = model.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[], output_scores=True)
+    assert torch.equal(tokens, expected)
+    for step in range(21):
         assert relative_error(logits[step], expected_logits[step]) < 1e-4, step
 
 
@@ -80,7 +98,7 @@ def test_batch_of_different_prompt_lengths(tiny_llama, lengths):
             assert relative_error(logits[step][i], expected_logits[step][0]) < 1e-4, (i, step)
 
 
-def test_padded_tensor_with_attention_mask_equals_list_of_prompts(tiny_llama):
+def test_padded_tensor_with_attention_mask_gives_the_new_tokens_of_a_list_of_prompts(tiny_llama):
     _, path = tiny_llama("mha", "safetensors")
     model = build(path, batch_size=2)
     a, b = [5, 6, 7, 8, 9, 10], [11, 12, 13]
@@ -88,7 +106,10 @@ def test_padded_tensor_with_attention_mask_equals_list_of_prompts(tiny_llama):
     left = torch.tensor([a, [0, 0, 0] + b])
     mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
     as_tensor = model.sample(left, sequence_length=20, top_k=1, eos_token_id=[], attention_mask=mask)
-    assert torch.equal(as_list, as_tensor)
+    # A padded tensor keeps its layout: the input as given, then 14 new tokens per line.
+    assert as_tensor.shape == (2, 20) and torch.equal(as_tensor[:, :6], left)
+    assert as_tensor[0].tolist() == as_list[0].tolist()
+    assert as_tensor[1, 6:].tolist() == as_list[1, 3:17].tolist()
 
 
 def test_prompt_longer_than_the_largest_context_bucket_is_chunked(tiny_llama):
@@ -147,9 +168,9 @@ def test_whole_model_program_gives_the_same_tokens(tiny_llama, kernels):
 
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
     model = build(path, batch_size=2, neuron_config=NeuronConfig(whole_model_program=True, cpu_kernels=kernels))
-    decode = {(kind, args) for kind, args in model.programs.compiled if kind in ("model_step", "block") and args[0] == 1}
+    decode = {key for key in model.programs.compiled if isinstance(key, (ModelStep, Block)) and key.n_tokens == 1}
     # One decode program with the attention kernel (it reads only the filled slots), else one per token bucket.
-    assert decode == ({("model_step", (1, 256))} if kernels else {("model_step", (1, 128)), ("model_step", (1, 256))})
+    assert decode == ({ModelStep(1, 256)} if kernels else {ModelStep(1, 128), ModelStep(1, 256)})
     prompts = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(7)) for n in (9, 30)]
     tokens = model.sample(prompts, sequence_length=150, top_k=1, eos_token_id=[])
     for i, prompt in enumerate(prompts):

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from decoders import LlamaForSampling
-from decoders.buckets import context_buckets, pick, token_buckets
+from decoders.programs.buckets import context_buckets, pick, token_buckets
+from decoders.programs.keys import Block, ModelStep
 
 
 @pytest.fixture(scope="module", params=[(1, False), (2, False), (1, True), (2, True)],
@@ -33,12 +34,12 @@ def cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
 
 
 def test_no_compiled_step_copies_a_kv_cache(model):
-    steps = [c for (kind, _), c in model.programs.compiled.items() if kind in ("block", "model_step")]
+    steps = [c for key, c in model.programs.compiled.items() if isinstance(key, (Block, ModelStep))]
     assert len(steps) == len(model.context_buckets) + len(model.decode_buckets())
     for compiled in steps:
         text = compiled.executable.hlo_text()
         assert "dynamic-update-slice" in text
-        assert cache_copies(text, math.prod(model.graph.cache_spec("k").dims)) == [], compiled.program.name
+        assert cache_copies(text, math.prod(model.session.builder.cache_spec("k").dims)) == [], compiled.program.name
 
 
 def test_caches_are_donated_and_updated_in_place(model):
@@ -49,7 +50,7 @@ def test_caches_are_donated_and_updated_in_place(model):
 
 
 def test_block_parameters_are_named(model):
-    program = model.programs.build("block", (1, 128))
+    program = model.programs.build(Block(1, 128))
     assert program.param_names[:6] == ["hidden", "positions", "slot", "pad", "cache_k", "cache_v"]
     assert list(program.module.host_program_shape.parameter_names) == program.param_names
     aliased = {e.parameter_number for e in program.module.input_output_alias.entries}

@@ -47,7 +47,7 @@ OUTPUTS = ["sum_all", "sum_pairs", "gather_all_dim0", "gather_pairs_dim1", "scat
 
 def save_replicated_outputs(path: str) -> None:
     """Run `program` on 4 replicas and save output `name` of replica r as `name.r` (subprocess side)."""
-    from runtime.backend import get_backend
+    from runtime.select import get_backend
 
     backend = get_backend()
     executable = backend.compile(compile_py_func(program).SerializeToString(), num_replicas=REPLICAS)

@@ -109,11 +109,11 @@ def test_activations_match_torch(dims, seed, dtype):
 
     def program(scribe):
         a = _param(scribe, dtype, dims)
-        return [nn.gelu(a), nn.gelu(a, approximate="tanh"), nn.silu(a)]
+        return [nn.gelu(a), nn.gelu(a, approximate="tanh"), nn.silu(a), nn.relu(a)]
 
-    gelu, gelu_tanh, silu = run_fn(program, x)
+    gelu, gelu_tanh, silu, relu = run_fn(program, x)
     for out, expected in [(gelu, F.gelu(_torch(x))), (gelu_tanh, F.gelu(_torch(x), approximate="tanh")),
-                          (silu, F.silu(_torch(x)))]:
+                          (silu, F.silu(_torch(x))), (relu, F.relu(_torch(x)))]:
         assert out.dtype == x.dtype
         np.testing.assert_allclose(out.astype(np.float32), _numpy(expected), **TOLERANCE[dtype])
 
@@ -121,8 +121,9 @@ def test_activations_match_torch(dims, seed, dtype):
 def test_unknown_activation_names_the_valid_ones():
     with pytest.raises(ValueError, match="gelu: approximate must be 'none' or 'tanh'"):
         compile_py_func(lambda scribe: nn.gelu(_param(scribe, "f32", (2,)), approximate="erf"))
-    with pytest.raises(ValueError, match="unknown activation 'relu'; valid: silu, gelu, gelu_tanh"):
-        nn.activation_fn("relu")
+    with pytest.raises(ValueError, match="unknown activation 'quick_gelu'; valid: silu, swish, gelu, "):
+        nn.activation_fn("quick_gelu")
+    assert nn.activation_fn("gelu_new") is nn.activation_fn("gelu_pytorch_tanh")
 
 
 @SETTINGS

@@ -15,6 +15,10 @@ VARIANTS = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=64),
     ),
+    # biases on q, k, v, o (attention_bias) and on gate, up, down (mlp_bias), as some Llama
+    # derivatives have them
+    "biases": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                   attention_bias=True, mlp_bias=True),
 }
 
 FORMATS = {
@@ -36,6 +40,8 @@ def make_model(variant: str, seed: int = 0) -> LlamaForCausalLM:
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(4.0)
+    # sample(eos_token_id=[]) never stops; nor may the reference (min_length would ban the EOS id).
+    model.generation_config.eos_token_id = None
     return model
 
 

@@ -225,7 +225,7 @@ def measure_bandwidth(array_mb: int, threads: int, repeats: int = 7) -> dict:
 def weight_bytes(model_path: pathlib.Path, amp: str) -> int:
     """Bytes of weights one decode step reads: every tensor once; a separate input embedding
     is left out (a step reads one row of it), a tied one is the LM head and stays in."""
-    from decoders.checkpoint import open_checkpoint
+    from decoders.checkpoints import open_checkpoint
 
     size = {"f32": 4, "bf16": 2}[amp]
     with open_checkpoint(model_path) as checkpoint:
@@ -238,7 +238,7 @@ def weight_bytes(model_path: pathlib.Path, amp: str) -> int:
 def make_prompts(model_path: pathlib.Path, batch: int, length: int) -> list[list[int]]:
     """`batch` different prompts of `length` tokens: windows of a fixed text, or, when the
     model has no tokenizer, fixed pseudo-random ids."""
-    from decoders.checkpoint import open_checkpoint
+    from decoders.checkpoints import open_checkpoint
 
     with open_checkpoint(model_path) as checkpoint:
         vocab = int(checkpoint.config["vocab_size"])
@@ -392,15 +392,14 @@ class Worker:
 
 
 class PyhloRunner:
-    """Ours: LlamaForSampling, from_pretrained + to_neuron, then greedy sample()."""
+    """Ours: the family's *ForSampling, from_pretrained + to_neuron, then greedy sample()."""
 
     engine = "pyhlo"
 
     def __init__(self, model_path: str, amp: str, batch: int, n_positions: int, **_: Any):
-        from decoders import LlamaForSampling
+        from decoders.families import open_model
 
-        self.model = LlamaForSampling.from_pretrained(model_path, batch_size=batch, n_positions=n_positions,
-                                                      amp=amp)
+        self.model = open_model(model_path, batch_size=batch, n_positions=n_positions, amp=amp)
         self.model.to_neuron()
         programs = self.model.programs
         self.info = {"programs": len(self.model.eager_programs()), "cache_hits": programs.cache_hits,
@@ -666,7 +665,7 @@ def run(args: argparse.Namespace) -> int:
         if not model_path.exists():
             raise FileNotFoundError(f"--model {args.model}: no such file or directory")
     else:
-        from decoders.default_model import default_model_path
+        from decoders.checkpoints.default_model import default_model_path
 
         model_path = default_model_path()
     out = pathlib.Path(args.out)

@@ -197,7 +197,7 @@ def _silent_log():
 # -- dense GGUF files for llama.cpp ----------------------------------------------------
 def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's row order of a q or k projection: the inverse of
-    decoders.gguf_checkpoint.unpermute_rope_rows (HF pairs rows i and i + head_dim/2 of a
+    decoders.checkpoints.gguf.unpermute_rope_rows (HF pairs rows i and i + head_dim/2 of a
     head, llama.cpp rows 2i and 2i+1)."""
     half = weight.shape[0] // n_heads // 2
     by_head = weight.reshape(n_heads, 2, half, *weight.shape[1:])
@@ -207,7 +207,7 @@ def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
 def dense_gguf_path(source: pathlib.Path, amp: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
     """Where the dense copy of `source` lives: keyed by the source's path, size and mtime."""
     if cache_dir is None:
-        from decoders.default_model import default_cache_dir
+        from decoders.checkpoints.default_model import default_cache_dir
 
         cache_dir = default_cache_dir() / "dense"
     stat = source.stat()
@@ -236,7 +236,7 @@ def dense_gguf(source: str | os.PathLike, amp: str, cache_dir: pathlib.Path | No
 def write_dense_gguf(source: pathlib.Path, target: pathlib.Path, amp: str) -> None:
     import gguf
 
-    from decoders.gguf_checkpoint import ARCHITECTURES, GGUFCheckpoint
+    from decoders.checkpoints.gguf import ARCHITECTURES, GGUFCheckpoint
 
     kinds = {"f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
              "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16)}

@@ -281,7 +281,8 @@ def module_report(module_bytes: bytes, name: str | None = None,
 
 def analysis_backend(backend: Any = None) -> Any:
     """A backend that can estimate costs: `backend` (default get_backend()) if it can, else XLA on cpu."""
-    from runtime.backend import XlaBackend, get_backend
+    from runtime.backend import XlaBackend
+    from runtime.select import get_backend
 
     backend = backend if backend is not None else get_backend()
     return backend if hasattr(backend, "cost_analysis") else XlaBackend("cpu")
@@ -393,8 +394,8 @@ def program_reports(model: Any, backend: Any = None) -> list[ModuleReport]:
     """A report of every program `model.eager_programs()` lists (built, not compiled)."""
     analysis = analysis_backend(backend if backend is not None else model.programs.backend)
     reports = []
-    for kind, args in model.eager_programs():
-        program = model.programs.build(kind, args)
+    for key in model.eager_programs():
+        program = model.programs.build(key)
         reports.append(module_report(program.module.SerializeToString(), program.name,
                                      cost=analysis.cost_analysis))
     return reports
@@ -413,32 +414,51 @@ class ModelTotals:
         return self.layer_weight_bytes * self.n_layers + self.shared_weight_bytes
 
 
+def _spec_bytes(spec: Any) -> int:
+    return math.prod(spec.dims) * dtypes.byte_size(spec.dtype)
+
+
 def model_totals(model: Any) -> ModelTotals:
-    """Device memory of the weights (layers + shared) and of the KV caches of every layer."""
-    graph, dims = model.graph, model.dims
-    size = dtypes.byte_size(model.dtype)
-    layer = sum(math.prod(spec.dims) * dtypes.byte_size(spec.dtype) for spec in graph.layer_weight_specs())
-    # Embedding, final norm, and the LM head unless it is the embedding itself.
-    shared = (dims.vocab_size * dims.hidden_size + dims.hidden_size) * size
-    if not dims.tie_word_embeddings:
-        shared += dims.vocab_size * dims.hidden_size * size
-    cache = graph.cache_spec("cache").dims  # (batch, kv_heads, n_positions, head_dim)
-    kv = 2 * dims.n_layers * math.prod(cache) * size
-    formula = (f"2 x {dims.n_layers} layers x batch {cache[0]} x {cache[1]} kv heads x "
-               f"{cache[2]} positions x head_dim {cache[3]} x {size} B")
-    return ModelTotals(dims.n_layers, layer, shared, kv, formula)
+    """Device memory of the declared weights (layers + shared) and of the KV caches of every layer."""
+    builder = model.session.builder
+    n_layers = builder.decoder.n_layers
+    layer = sum(_spec_bytes(builder.spec(p)) for p in builder.layer_params())
+    shared = sum(_spec_bytes(builder.spec(p)) for p in builder.shared_params())
+    cache = builder.cache_spec("cache")   # (batch, kv_heads, n_positions, head_dim)
+    size = dtypes.byte_size(cache.dtype)
+    kv = 2 * n_layers * math.prod(cache.dims) * size
+    formula = (f"2 x {n_layers} layers x batch {cache.dims[0]} x {cache.dims[1]} kv heads x "
+               f"{cache.dims[2]} positions x head_dim {cache.dims[3]} x {size} B")
+    return ModelTotals(n_layers, layer, shared, kv, formula)
+
+
+def format_weights(model: Any) -> str:
+    """Every declared parameter: program name, layout and type, tensor-parallel axis, checkpoint source."""
+    builder = model.session.builder
+    rows = []
+    for where, params in (("layer", builder.layer_params()), ("shared", builder.shared_params())):
+        for param in params:
+            spec = builder.spec(param)
+            rows.append((where, spec.name, f"{spec.dtype}[{','.join(map(str, spec.dims))}]", param.shard.value,
+                         param.source.describe()))
+    return format_table(["", "parameter", "program shape", "shard", "checkpoint ({i}: layer)"], rows)
 
 
 def format_model(model: Any, reports: Sequence[ModuleReport]) -> str:
-    """The model's dimensions, a table of its programs and its memory totals."""
-    d = model.dims
+    """The model's pieces, a table of its programs, its weights and its memory totals."""
+    decoder = model.decoder
+    attention, mlp = decoder.layer.attention, decoder.layer.mlp
+    positions = type(attention.positions).__name__.lower() if attention.positions is not None else "none"
     parts = [
         _header(f"model {model.checkpoint_path} ({model.family.name})"),
-        f"layers {d.n_layers}, hidden {d.hidden_size}, heads {d.n_heads} (kv {d.n_kv_heads}) x head_dim "
-        f"{d.head_dim}, intermediate {d.intermediate_size}, vocab {d.vocab_size}",
+        f"layers {decoder.n_layers}, hidden {attention.hidden}, heads {attention.n_heads} (kv "
+        f"{attention.n_kv_heads}) x head_dim {attention.head_dim}, intermediate {mlp.intermediate}, "
+        f"vocab {decoder.head.vocab_size}",
+        f"{decoder.layer.input_norm.kind} norm, {'gated ' if mlp.gate else ''}{mlp.activation} MLP, {positions} "
+        f"positions, {decoder.layer.residual} residual{', tied LM head' if decoder.tied else ''}",
         f"amp {model.amp}, batch {model.batch_size}, n_positions {model.n_positions}; token buckets "
         f"{', '.join(map(str, model.token_buckets))}; context buckets "
-        f"{', '.join(map(str, model.context_buckets))}",
+        f"{', '.join(map(str, model.context_buckets))}; lowering {model.lowering.name}",
         "",
         _header(f"programs ({len(reports)}, as model.eager_programs() lists them)"),
     ]
@@ -450,6 +470,7 @@ def format_model(model: Any, reports: Sequence[ModuleReport]) -> str:
     parts.append("flops, bytes accessed: XLA's estimate for the unoptimized module.\n"
                  "param bytes: device memory of the inputs (weights and caches included); "
                  "aliased outputs reuse their input's memory.")
+    parts += ["", _header("weights (as the pieces declare them)"), format_weights(model)]
     totals = model_totals(model)
     parts += [
         "",
@@ -458,7 +479,7 @@ def format_model(model: Any, reports: Sequence[ModuleReport]) -> str:
             ("weights", human_bytes(totals.weight_bytes),
              f"{totals.n_layers} layers x {human_bytes(totals.layer_weight_bytes)} + shared "
              f"{human_bytes(totals.shared_weight_bytes)} (embedding, final norm"
-             f"{', tied LM head' if d.tie_word_embeddings else ', LM head'})"),
+             f"{', tied LM head' if decoder.tied else ', LM head'})"),
             ("KV cache", human_bytes(totals.kv_cache_bytes), totals.kv_cache_formula),
             ("total", human_bytes(totals.weight_bytes + totals.kv_cache_bytes), "weights + KV cache"),
         ], right=(1,)),

@@ -18,6 +18,7 @@ from pyhlo.ops.elementwise import (
     erf,
     exp,
     logistic,
+    maximum,
     multiply,
     negate,
     rsqrt,
@@ -97,10 +98,25 @@ def silu(x: HloValue) -> HloValue:
     return convert(multiply(xf, logistic(xf)), x.dtype)
 
 
+def relu(x: HloValue) -> HloValue:
+    """max(x, 0)."""
+    return maximum(x, constant(x.scribe, x.dtype, 0.0))
+
+
+def _gelu_tanh(x: HloValue) -> HloValue:
+    return gelu(x, approximate="tanh")
+
+
+# By the names Hugging Face configs use for them (hidden_act).
 ACTIVATIONS = {
     "silu": silu,
+    "swish": silu,
     "gelu": gelu,
-    "gelu_tanh": lambda x: gelu(x, approximate="tanh"),
+    "gelu_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "relu": relu,
 }
 
 

@@ -1,7 +1,7 @@
-"""The compiled programs of one model: built from the graph, compiled through the cache.
+"""The compiled programs of one model: built by key, compiled through the cache, run by name.
 
-Buckets compile in parallel with a progress bar; programs needed only by rare
-inputs (long-prompt chunks, sampler variants) compile on first use.
+Buckets compile in parallel with a progress bar; programs needed only by rare inputs
+(long-prompt chunks, sampler variants) compile on first use.
 """
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pathlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Mapping
 
-from decoders.graph import GraphBuilder, Program
+from decoders.programs.builder import Program, ProgramBuilder
+from decoders.programs.keys import ProgramKey
 
 log = logging.getLogger("pyhlo")
 
@@ -26,15 +27,17 @@ class CompiledProgram:
     seconds: float
     from_cache: bool
 
-    def arguments(self, values: dict[str, Any]) -> list[Any]:
+    def arguments(self, values: Mapping[str, Any]) -> list[Any]:
         """Arguments in parameter order, from a name -> buffer mapping."""
         return [values[name] for name in self.program.param_names]
 
-    def run(self, args: list[Any]) -> list[Any]:
-        return self.executable.run(args)
+    def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Run with arguments by name (numpy arrays or device buffers, checked); outputs by name."""
+        return dict(zip(self.program.outputs, self.executable.run(self.arguments(values))))
 
     def run_buffers(self, args: list[Any]) -> list[Any]:
-        """Device buffers in parameter order, unchecked (the per-layer hot loop)."""
+        """Device buffers in parameter order, unchecked; outputs in `program.outputs` order
+        (the per-layer hot loop, whose arguments were checked once through run())."""
         return self.executable.run_buffers(args)
 
 
@@ -43,24 +46,16 @@ def _module_hash(program: Program) -> str:
 
 
 class ProgramSet:
-    def __init__(self, graph: GraphBuilder, backend: Any = None, workers: int | None = None):
-        self.graph = graph
-        self._backend = backend
+    def __init__(self, builder: ProgramBuilder, backend: Any, workers: int | None = None):
+        self.builder = builder
+        self.backend = backend
         self.workers = workers or 2
-        self.compiled: dict[tuple[str, tuple], CompiledProgram] = {}
+        self.compiled: dict[ProgramKey, CompiledProgram] = {}
         self.saved: dict[str, tuple[str, pathlib.Path]] = {}
         self.cache_hits = 0
         self.compiler_calls = 0
         self.loaded_from_save = 0
         self._cache = None
-
-    @property
-    def backend(self):
-        if self._backend is None:
-            from runtime.backend import get_backend
-
-            self._backend = get_backend()
-        return self._backend
 
     @property
     def cache(self):
@@ -70,8 +65,8 @@ class ProgramSet:
             self._cache = CompileCache()
         return self._cache
 
-    def build(self, kind: str, args: tuple) -> Program:
-        return getattr(self.graph, kind)(*args)
+    def build(self, key: ProgramKey) -> Program:
+        return key.build(self.builder)
 
     def _compile(self, program: Program) -> CompiledProgram:
         started = time.perf_counter()
@@ -84,26 +79,25 @@ class ProgramSet:
         executable, hit = self.cache.get_or_compile(self.backend, module_bytes)
         return CompiledProgram(program, executable, time.perf_counter() - started, hit)
 
-    def _record(self, key: tuple[str, tuple], compiled: CompiledProgram) -> None:
+    def _record(self, key: ProgramKey, compiled: CompiledProgram) -> None:
         self.compiled[key] = compiled
         if compiled.from_cache:
             self.cache_hits += 1
         else:
             self.compiler_calls += 1
 
-    def get(self, kind: str, args: tuple) -> CompiledProgram:
-        key = (kind, tuple(args))
+    def get(self, key: ProgramKey) -> CompiledProgram:
         if key not in self.compiled:
-            program = self.build(kind, key[1])
+            program = self.build(key)
             log.info("compiling %s on first use", program.name)
             self._record(key, self._compile(program))
         return self.compiled[key]
 
-    def compile_all(self, keys: list[tuple[str, tuple]]) -> None:
+    def compile_all(self, keys: Iterable[ProgramKey]) -> None:
         from tqdm.auto import tqdm
 
         todo = [k for k in dict.fromkeys(keys) if k not in self.compiled]
-        programs = {key: self.build(*key) for key in todo}
+        programs = {key: self.build(key) for key in todo}
         with ThreadPoolExecutor(max_workers=self.workers) as pool, tqdm(
             total=len(todo), desc="compiling", unit="program", disable=None
         ) as bar:

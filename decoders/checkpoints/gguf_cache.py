@@ -13,8 +13,9 @@ import pathlib
 import shutil
 import tempfile
 
-from decoders.checkpoint import Checkpoint, HFCheckpoint
-from decoders.gguf_checkpoint import GGUFCheckpoint, _cache_key, load_cached_tokenizer
+from decoders.checkpoints.base import Checkpoint
+from decoders.checkpoints.gguf import GGUFCheckpoint, _cache_key, load_cached_tokenizer
+from decoders.checkpoints.hf import HFCheckpoint
 
 
 def converted_dir(path: pathlib.Path) -> pathlib.Path | None:

@@ -21,7 +21,7 @@ import pathlib
 import ml_dtypes
 import numpy as np
 
-from decoders.checkpoint import Checkpoint, CheckpointError
+from decoders.checkpoints.base import Checkpoint, CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)

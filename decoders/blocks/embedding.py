@@ -1,0 +1,101 @@
+"""Embedding and LM head pieces.
+
+Embedding: token table rows, plus optional learned positions (GPT-2, OPT with its offset of
+2) and an embedding norm (Bloom). Head: final norm and the vocabulary projection of one
+position per line; with tied embeddings its weight is the token table.
+
+When the LM head is the token table in the same element type, the model keeps one table
+(`Head.params` declares it; the embedding reads its rows, or its columns in [in, out]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decoders.blocks.norm import Norm
+from decoders.blocks.params import Kind, Param, Shard, Source
+from decoders.blocks.values import PieceValues
+from pyhlo.ops import elementwise as ew
+from pyhlo.ops.shape_ops import concatenate, dynamic_slice, reshape, transpose
+from pyhlo.scribe import HloValue
+
+TOKENS = "embed.tokens"
+HEAD_WEIGHT = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class Embedding:
+    tokens: str                       # checkpoint name of the token table [vocab, hidden]
+    vocab_size: int
+    hidden: int
+    positions: str | None = None      # checkpoint name of a learned position table
+    n_positions: int = 0              # its rows
+    position_offset: int = 0          # OPT: position p reads row p + 2
+    norm: Norm | None = None          # Bloom's word_embeddings_layernorm
+
+    def params(self, scope: str = "embed", include_tokens: bool = True) -> list[Param]:
+        declared = []
+        if include_tokens:
+            declared.append(Param(f"{scope}.tokens", Kind.TABLE, (self.vocab_size, self.hidden), Shard.REPLICATED,
+                                  Source((self.tokens,))))
+        if self.positions is not None:
+            declared.append(Param(f"{scope}.positions", Kind.TABLE, (self.n_positions, self.hidden),
+                                  Shard.REPLICATED, Source((self.positions,))))
+        if self.norm is not None:
+            declared += self.norm.params(f"{scope}.norm")
+        return declared
+
+    def __call__(self, values: PieceValues, table: HloValue, ids: HloValue, positions: HloValue | None,
+                 dtype: str) -> HloValue:
+        """Hidden states [b, n, hidden] (dtype) of token ids [b, n]; `table` is the token table
+        [vocab, hidden], or the LM head [hidden, vocab] when it serves as the table."""
+        hidden = ew.convert(_rows(table, ids, self.hidden), dtype)
+        if self.positions is not None:
+            rows = ew.add(positions, self.position_offset) if self.position_offset else positions
+            hidden = ew.add(hidden, ew.convert(_rows(values["positions"], rows, self.hidden), dtype))
+        if self.norm is not None:
+            hidden = self.norm(values.scoped("norm", self.norm), hidden)
+        return hidden
+
+
+def _rows(table: HloValue, ids: HloValue, width: int) -> HloValue:
+    """table[ids] as [b, n, width]: rows of a [rows, width] table, or columns of [width, rows]."""
+    b, n = ids.dims
+    shape = getattr(table.scribe, table.dtype)
+    if table.dims[0] == width and table.dims[1] != width:
+        numbers = dict(offset_dims=[0], collapsed_slice_dims=[1], start_index_map=[1], index_vector_dim=2)
+        columns = shape[width, b, n].Gather(table, ids, gather_dimension_numbers=numbers,
+                                            gather_slice_sizes=[width, 1])
+        return transpose(columns, (1, 2, 0))
+    numbers = dict(offset_dims=[2], collapsed_slice_dims=[0], start_index_map=[0], index_vector_dim=2)
+    return shape[b, n, width].Gather(table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[1, width])
+
+
+@dataclass(frozen=True)
+class Head:
+    """Final norm and LM head. `weight` is the checkpoint name (or alternatives) of the head;
+    None: tied to the embedding's token table, `tied_to`."""
+
+    norm: Norm
+    vocab_size: int
+    hidden: int
+    weight: str | tuple[str, ...] | None
+    tied_to: str = ""
+
+    def params(self) -> list[Param]:
+        source = Source((self.weight if self.weight is not None else self.tied_to,))
+        return [*self.norm.params("final_norm"),
+                Param(HEAD_WEIGHT, Kind.LINEAR, (self.vocab_size, self.hidden), Shard.VOCAB, source, is_head=True)]
+
+    def __call__(self, values: PieceValues, hidden: HloValue, last_index: HloValue) -> HloValue:
+        """f32 logits [b, vocab] of position last_index[i] of each line i (scope: the model's)."""
+        b, n, width = hidden.dims
+        if n == 1:
+            rows = reshape(hidden, (b, width))
+        else:
+            picked = []
+            for i in range(b):
+                index = reshape(dynamic_slice(last_index, [i], [1]), ())
+                picked.append(dynamic_slice(hidden, [i, index, 0], [1, 1, width]))
+            rows = reshape(concatenate(picked, 0), (b, width))
+        normed = self.norm(values.scoped("final_norm", self.norm), rows)
+        return values.linear(normed, "lm_head", out_dtype="f32")

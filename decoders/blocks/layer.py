@@ -1,0 +1,77 @@
+"""Decoder layer: norms, attention and MLP wired sequentially (Llama, Bloom) or in parallel
+(GPT-NeoX, GPT-J); and `Decoder`, the whole model as pieces."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decoders.blocks.attention import Attention
+from decoders.blocks.embedding import HEAD_WEIGHT, TOKENS, Embedding, Head
+from decoders.blocks.mlp import MLP
+from decoders.blocks.norm import Norm
+from decoders.blocks.params import Param
+from decoders.blocks.step import Step
+from decoders.blocks.values import PieceValues
+from pyhlo.ops import elementwise as ew
+from pyhlo.scribe import HloValue
+
+RESIDUALS = ("sequential", "parallel")
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    """sequential: h += attn(norm1(h)); h += mlp(norm2(h)).
+    parallel:   h += attn(norm1(h)) + mlp(norm2(h)), or mlp(norm1(h)) when post_norm is None."""
+
+    input_norm: Norm
+    attention: Attention
+    mlp: MLP
+    post_norm: Norm | None
+    residual: str = "sequential"
+
+    def __post_init__(self) -> None:
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}")
+        if self.post_norm is None and self.residual != "parallel":
+            raise ValueError("a sequential layer needs a post-attention norm")
+
+    def params(self) -> list[Param]:
+        """Every parameter of one layer, in program order; names are the same in every layer."""
+        declared = self.input_norm.params("input_norm") + self.attention.params("attn")
+        if self.post_norm is not None:
+            declared += self.post_norm.params("post_norm")
+        return declared + self.mlp.params("mlp")
+
+    def __call__(self, values: dict[str, HloValue], lowering, hidden: HloValue, step: Step,
+                 cache_k: HloValue, cache_v: HloValue) -> tuple[HloValue, HloValue, HloValue]:
+        layer = PieceValues(values, lowering, "", [])
+        x = self.input_norm(layer.scoped("input_norm", self.input_norm), hidden)
+        attended, cache_k, cache_v = self.attention(layer.scoped("attn", self.attention), x, step, cache_k, cache_v)
+        mlp = layer.scoped("mlp", self.mlp)
+        if self.residual == "parallel":
+            second = x if self.post_norm is None else self.post_norm(layer.scoped("post_norm", self.post_norm), hidden)
+            return ew.add(ew.add(hidden, attended), self.mlp(mlp, second)), cache_k, cache_v
+        hidden = ew.add(hidden, attended)
+        x = self.post_norm(layer.scoped("post_norm", self.post_norm), hidden)
+        return ew.add(hidden, self.mlp(mlp, x)), cache_k, cache_v
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """A whole decoder LLM as pieces: what a family description produces from a config."""
+
+    embedding: Embedding
+    layer: DecoderLayer
+    head: Head
+    n_layers: int
+
+    @property
+    def tied(self) -> bool:
+        return self.head.weight is None
+
+    def shared_params(self, one_table: bool) -> list[Param]:
+        """Parameters outside the layers: the embedding's, the final norm and the LM head.
+        `one_table`: the LM head serves as the token table too (tied, same element type)."""
+        return self.embedding.params(include_tokens=not one_table) + self.head.params()
+
+    def token_table(self, one_table: bool) -> str:
+        return HEAD_WEIGHT if one_table else TOKENS

@@ -1,0 +1,65 @@
+"""MLP piece: gated (Llama: down(act(gate) * up)) or plain (GPT-NeoX, Bloom: down(act(up))).
+
+A mixture-of-experts MLP is another piece with the same call: x in, x out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decoders.blocks.params import Kind, Param, Shard, Source
+from decoders.blocks.values import PieceValues
+from pyhlo.ops import elementwise as ew
+from pyhlo.ops import nn
+from pyhlo.ops.shape_ops import slice_along
+from pyhlo.scribe import HloValue
+
+
+@dataclass(frozen=True)
+class MLP:
+    """Checkpoint prefixes of the linears ({i}: layer), e.g. "model.layers.{i}.mlp.up_proj";
+    `gate` None makes a plain MLP."""
+
+    up: str
+    down: str
+    hidden: int
+    intermediate: int
+    gate: str | None = None
+    activation: str = "silu"
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        nn.activation_fn(self.activation)   # an unknown name fails here, with the valid ones
+
+    def params(self, scope: str) -> list[Param]:
+        hidden, intermediate = self.hidden, self.intermediate
+        suffixes = ("weight", "bias") if self.bias else ("weight",)
+        declared = []
+        for suffix in suffixes:
+            shape = (intermediate, hidden) if suffix == "weight" else (intermediate,)
+            kind = Kind.LINEAR if suffix == "weight" else Kind.VECTOR
+            if self.gate is not None:
+                declared.append(Param(f"{scope}.gate_up.{suffix}", kind, (2 * intermediate, *shape[1:]),
+                                      Shard.COLUMN, Source((f"{self.gate}.{suffix}", f"{self.up}.{suffix}")),
+                                      segments=(intermediate, intermediate)))
+            else:
+                declared.append(Param(f"{scope}.up.{suffix}", kind, shape, Shard.COLUMN,
+                                      Source((f"{self.up}.{suffix}",))))
+        declared.append(Param(f"{scope}.down.weight", Kind.LINEAR, (hidden, intermediate), Shard.ROW,
+                              Source((f"{self.down}.weight",))))
+        if self.bias:
+            # Added once, after the row-parallel product is summed over devices.
+            declared.append(Param(f"{scope}.down.bias", Kind.VECTOR, (hidden,), Shard.REPLICATED,
+                                  Source((f"{self.down}.bias",))))
+        return declared
+
+    def __call__(self, values: PieceValues, x: HloValue) -> HloValue:
+        act = nn.activation_fn(self.activation)
+        if self.gate is None:
+            inner = act(values.linear(x, "up"))
+        else:
+            gate_up = values.linear(x, "gate_up")
+            width = gate_up.dims[-1] // 2
+            last = len(gate_up.dims) - 1
+            inner = ew.multiply(act(slice_along(gate_up, last, 0, width)),
+                                slice_along(gate_up, last, width, 2 * width))
+        return values.linear(inner, "down")

@@ -1,0 +1,125 @@
+"""The one declaration of a parameter: its name, shape, tensor-parallel axis and checkpoint source.
+
+Every piece of the decoder (norm, attention, MLP, embedding, head) declares its weights as
+`Param`s. The program builder turns them into program parameters (through the lowering,
+which picks the layout and element type), the loader reads them from a checkpoint with
+their `Source`, the inspect tool lists them, and tensor parallelism shards them along
+their `Shard` axis. Shapes are logical and torch-like: a linear weight is [out, in].
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+
+class Shard(enum.Enum):
+    """How tensor parallelism splits a parameter over devices."""
+
+    COLUMN = "column"          # linear weights split along `out` (and their biases)
+    ROW = "row"                # linear weights split along `in`; outputs are summed (all-reduce)
+    REPLICATED = "replicated"  # every device holds all of it (norms, output biases)
+    VOCAB = "vocab"            # split along the vocabulary (LM head rows)
+
+
+class Kind(enum.Enum):
+    LINEAR = "linear"    # [out, in]; the lowering chooses [in, out] or [out, in] for the program
+    VECTOR = "vector"    # [n]: norm weights and biases
+    TABLE = "table"      # [rows, width]: embedding tables, read by row
+
+
+Transform = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a parameter comes from in a checkpoint.
+
+    `names` are tensor name templates ({i} is the layer index); each entry is one name or a
+    tuple of alternatives, the first present being read (e.g. ("lm_head.weight",
+    "embed_out.weight")). Several entries are concatenated along axis 0, then `transforms`
+    apply in order.
+    """
+
+    names: tuple[str | tuple[str, ...], ...]
+    transforms: tuple[Transform, ...] = ()
+
+    def resolve(self, layer: int | None, present: Callable[[str], bool]) -> list[str]:
+        """The tensor names to read for `layer`."""
+        resolved = []
+        for entry in self.names:
+            options = (entry,) if isinstance(entry, str) else entry
+            names = [option.format(i=layer) for option in options]
+            # As HF's loader does, a checkpoint of the base model may lack the prefix
+            # ("h.0.mlp..." for "transformer.h.0.mlp...").
+            names += [n.split(".", 1)[1] for n in names if "." in n]
+            resolved.append(next((n for n in names if present(n)), names[0]))
+        return resolved
+
+    def describe(self) -> str:
+        parts = [n if isinstance(n, str) else " | ".join(n) for n in self.names]
+        text = " + ".join(parts)
+        for transform in self.transforms:
+            text += f" -> {getattr(transform, 'label', transform.__name__)}"
+        return text
+
+
+@dataclass(frozen=True)
+class Param:
+    """A parameter of a piece: `name` is its program parameter name within a layer (or the
+    model's shared parameters)."""
+
+    name: str
+    kind: Kind
+    shape: tuple[int, ...]
+    shard: Shard
+    source: Source
+    # A weight fused along `out` from parts (q|k|v, gate|up): sizes of the parts, which
+    # tensor parallelism shards one by one (a fused block cannot be split by plain columns).
+    segments: tuple[int, ...] = ()
+    # The LM head: its element type is the lowering's head type, not the amp type.
+    is_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.segments and sum(self.segments) != self.shape[0]:
+            raise ValueError(f"{self.name}: segments {self.segments} do not add up to {self.shape[0]}")
+
+
+def labelled(label: str, transform: Transform) -> Transform:
+    transform.label = label  # type: ignore[attr-defined]
+    return transform
+
+
+def per_head_qkv(n_heads: int, head_dim: int) -> Transform:
+    """[heads x (q, k, v) x head_dim, ...] (GPT-NeoX, Bloom) -> [q | k | v, ...]."""
+
+    def reorder(array: np.ndarray) -> np.ndarray:
+        rest = array.shape[1:]
+        return array.reshape(n_heads, 3, head_dim, *rest).swapaxes(0, 1).reshape(array.shape)
+
+    return labelled(f"per-head qkv ({n_heads} heads) to q|k|v", reorder)
+
+
+def rows(start: int, stop: int) -> Transform:
+    """Rows start:stop (one part of a fused weight)."""
+    return labelled(f"rows {start}:{stop}", lambda array: array[start:stop])
+
+
+def transposed() -> Transform:
+    """[in, out] (GPT-2's Conv1D) -> [out, in]."""
+    return labelled("transpose", lambda array: array.T)
+
+
+def read(param: Param, checkpoint, layer: int | None) -> np.ndarray:
+    """The parameter's array, in its logical shape, as stored (f32 for floats)."""
+    names = param.source.resolve(layer, checkpoint.__contains__)
+    parts = [checkpoint.get(name) for name in names]
+    array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    for transform in param.source.transforms:
+        array = transform(array)
+    if tuple(array.shape) != param.shape:
+        raise ValueError(f"{param.name}: {' + '.join(names)} gives shape {tuple(array.shape)}, "
+                         f"expected {param.shape}")
+    return array

@@ -1,0 +1,175 @@
+"""How a platform runs the decoder's products and attention: chosen once per model.
+
+The pieces (decoders/blocks/) say *what* to compute; a `Lowering` says *how* on the
+platform at hand:
+
+- `XlaLowering`: plain HLO (XLA's dot and attention), for any backend: XLA:CPU without
+  pyhlo's kernels, GPUs, NeuronCores. The weight layout is the one XLA:CPU streams fastest
+  for the element type and batch size (measured: f32 [in, out]; bf16/f16 at batch 1 [out, in]).
+- `CpuKernelLowering`: XLA:CPU with pyhlo's kernels (runtime/kernels/): products with few
+  activation rows (decode steps at small batch sizes) on the matrix-vector kernel, decode
+  attention reading the cache in place, weights [out, in], decode steps as one unrolled
+  program and, as the attention kernel reads only the filled slots, one decode program.
+
+`choose_lowering()` is the only place that looks at the platform. Tensor parallelism adds
+a sharded lowering here (an all-reduce after every ROW-sharded product, the LM head's
+argmax across vocabulary shards), reading each parameter's declared `Shard`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from decoders.blocks.params import Kind, Param
+from decoders.config import NeuronConfig
+from pyhlo.dtypes import numpy_dtype
+from pyhlo.ops import elementwise as ew
+from pyhlo.ops.attention import decode_attention_kernel
+from pyhlo.ops.linalg import matmul, matmul_transposed, matvec_kernel
+from pyhlo.ops.nn import expand_last
+from pyhlo.scribe import HloValue
+
+log = logging.getLogger("pyhlo")
+
+# Up to this many activation rows (by weight type) a product is bound by reading the
+# weights and the kernel, reading them once for all rows, beats XLA's dot; beyond it
+# XLA's matrix-matrix dot is faster (measured on a [49152, 576] head: f32 1.5x faster
+# at 1 row, 1.5x at 4, slower at 8; bf16 20x at 1 row, 2.7x at 2, 1.5x at 4).
+MATVEC_KERNEL_MAX_ROWS = {"f32": 4, "bf16": 4}
+
+
+@dataclass(frozen=True)
+class XlaLowering:
+    """Plain HLO. `dtype` is the amp type of weights, activations and caches."""
+
+    dtype: str
+    # "in_out": linear weights [in, out]; "out_in": torch's own [out, in].
+    weight_layout: str = "in_out"
+    # The LM head's element type: f32 unless the products make the amp type fast.
+    head_dtype: str = "f32"
+    # Decode steps as one unrolled program (True) or embed, block per layer, head (False).
+    whole_model_decode: bool = False
+
+    name = "xla"
+
+    def __post_init__(self) -> None:
+        if self.weight_layout not in ("in_out", "out_in"):
+            raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {self.weight_layout!r}")
+
+    # -- parameters ---------------------------------------------------------------
+    def param_dtype(self, param: Param) -> str:
+        return self.head_dtype if param.is_head else self.dtype
+
+    def param_dims(self, param: Param) -> tuple[int, ...]:
+        if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
+            return tuple(reversed(param.shape))
+        return param.shape
+
+    def arrange(self, param: Param, array: np.ndarray) -> np.ndarray:
+        """A checkpoint array in the program's layout and element type, contiguous."""
+        if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
+            array = array.T
+        return np.ascontiguousarray(array, dtype=numpy_dtype(self.param_dtype(param)))
+
+    # -- products and attention ----------------------------------------------------
+    def linear(self, x: HloValue, weight: HloValue, param: Param, bias: HloValue | None = None,
+               out_dtype: str | None = None) -> HloValue:
+        """x @ weight (+ bias). bf16/f16 products accumulate into f32 (XLA:CPU's fast form
+        for them, and the accurate one), then return to `out_dtype` or x's type."""
+        accumulate = "f32" if weight.dtype != "f32" else None
+        product = (matmul if self.weight_layout == "in_out" else matmul_transposed)(
+            ew.convert(x, weight.dtype), weight, out_dtype=out_dtype or accumulate)
+        return self._finish(product, bias, out_dtype or x.dtype)
+
+    @staticmethod
+    def _finish(product: HloValue, bias: HloValue | None, dtype: str) -> HloValue:
+        if bias is not None:
+            product = ew.add(product, expand_last(ew.convert(bias, product.dtype), product.dims))
+        return ew.convert(product, dtype)
+
+    def decode_attention(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, slot: HloValue,
+                         pad: HloValue, scale: float) -> HloValue | None:
+        """Attention of one new token per line, when this lowering has a form of its own;
+        None: the piece's generic attention."""
+        return None
+
+    def decode_buckets(self, token_buckets: list[int], plain_attention: bool) -> list[int]:
+        """Cache lengths to build decode programs for."""
+        return list(token_buckets)
+
+
+@dataclass(frozen=True)
+class CpuKernelLowering(XlaLowering):
+    """XLA:CPU with pyhlo's matrix-vector and decode attention kernels."""
+
+    weight_layout: str = "out_in"
+    whole_model_decode: bool = True
+
+    name = "xla-cpu-kernels"
+
+    def __post_init__(self) -> None:
+        if self.weight_layout != "out_in" or self.dtype not in ("f32", "bf16") \
+                or self.head_dtype not in ("f32", "bf16"):
+            raise ValueError("pyhlo's CPU kernels need weight_layout='out_in' and f32 or bf16 weights, got "
+                             f"{self.weight_layout!r} and {self.dtype}/{self.head_dtype}")
+
+    def linear(self, x: HloValue, weight: HloValue, param: Param, bias: HloValue | None = None,
+               out_dtype: str | None = None) -> HloValue:
+        if int(np.prod(x.dims[:-1])) <= MATVEC_KERNEL_MAX_ROWS[weight.dtype]:
+            return self._finish(matvec_kernel(ew.convert(x, "f32"), weight), bias, out_dtype or x.dtype)
+        return super().linear(x, weight, param, bias, out_dtype)
+
+    def decode_attention(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, slot: HloValue,
+                         pad: HloValue, scale: float) -> HloValue | None:
+        return decode_attention_kernel(ew.convert(q, "f32"), cache_k, cache_v, slot, pad, scale)
+
+    def decode_buckets(self, token_buckets: list[int], plain_attention: bool) -> list[int]:
+        # The kernel reads only the filled slots, so one program serves every length; attention
+        # with a bias or a window (which the kernel does not take) keeps one per bucket.
+        return [token_buckets[-1]] if plain_attention else list(token_buckets)
+
+
+def preferred_weight_layout(dtype: str, batch_size: int) -> str:
+    """The weight layout whose matrix-vector products stream fastest on XLA:CPU's own dot:
+    f32 [in, out] at every batch size; bf16 and f16 at batch 1 only [out, in]."""
+    return "out_in" if dtype in ("bf16", "f16") and batch_size == 1 else "in_out"
+
+
+def _cpu_kernel_obstacles(neuron_config: NeuronConfig, backend: Any, dtype: str) -> list[str]:
+    reasons = []
+    if getattr(backend, "platform", None) != "cpu":
+        reasons.append(f"the backend is {backend!r}, not XLA:CPU")
+    if dtype not in ("f32", "bf16"):
+        reasons.append(f"amp {dtype} (the kernel reads f32 or bf16 weights)")
+    if neuron_config.weight_layout == "in_out":
+        reasons.append("weight_layout='in_out' (the kernel reads [out, in] weights)")
+    if not reasons:
+        from runtime import cpu_kernels
+
+        if not cpu_kernels.register():
+            reasons.append("the kernels are off (PYHLO_CPU_KERNELS=0, or they did not build: see the warning)")
+    return reasons
+
+
+def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch_size: int) -> XlaLowering:
+    """The lowering for this backend and configuration.
+
+    NeuronConfig.cpu_kernels None (the default) uses pyhlo's CPU kernels where they can run:
+    XLA:CPU, f32 or bf16 weights, [out, in] layout, a C++ compiler to build them, and
+    PYHLO_CPU_KERNELS not 0. True insists (an error says what is missing); False is off.
+    NeuronConfig.whole_model_program None unrolls decode steps where that is faster (with
+    the kernels: it saves the launch of one block program per layer, about 37 us each).
+    """
+    wanted = neuron_config.cpu_kernels
+    whole = neuron_config.whole_model_program
+    if wanted is not False:
+        reasons = _cpu_kernel_obstacles(neuron_config, backend, dtype)
+        if reasons and wanted:
+            raise ValueError("NeuronConfig.cpu_kernels=True, but " + "; ".join(reasons))
+        if not reasons:
+            return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole)
+    layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
+    return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole))

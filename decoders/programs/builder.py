@@ -1,0 +1,198 @@
+"""The PyHLO programs of a decoder, written from its pieces and the platform's lowering.
+
+Every program declares its parameters as named specs (`ParamSpec`) and names its outputs,
+so callers bind arguments and read results by name, never by a positional order kept by
+hand. Parameter specs of weights come from the pieces' declarations (`Param`), laid out
+and typed by the lowering.
+
+- embed:      token ids (and positions) -> hidden states
+- block:      one decoder layer (reused by every layer with that layer's weights); writes
+              the new keys and values into the KV caches in place (aliased) and attends over
+              the first `n_attend` slots
+- lm_head:    final norm + vocabulary projection of one position per line -> f32 logits
+- model_step: all of it unrolled in one program; layer i's parameters are `layer{i}.NAME`
+- greedy / sampler: the next token of every line, on the device
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decoders.blocks.layer import Decoder
+from decoders.blocks.params import Param
+from decoders.blocks.step import Step
+from decoders.blocks.values import PieceValues
+from decoders.lowering import XlaLowering
+from pyhlo import Scribe, compile_py_func
+from pyhlo.ops import sampling
+from pyhlo.ops.shape_ops import reshape
+from pyhlo.schema import hlo_pb2
+from pyhlo.scribe import HloValue
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """One HLO module with its named parameters and outputs."""
+
+    name: str
+    module: hlo_pb2.HloModuleProto
+    params: tuple[ParamSpec, ...]
+    outputs: tuple[str, ...]
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+
+def _program(name: str, specs: list[ParamSpec], outputs: list[str], body) -> Program:
+    """Write a module whose entry takes `specs` and returns body(params) as named outputs."""
+
+    def entry(scribe: Scribe):
+        params = {spec.name: getattr(scribe, spec.dtype)[spec.dims].Parameter(parameter_number=i,
+                                                                                parameter_name=spec.name)
+                  for i, spec in enumerate(specs)}
+        results = body(params)
+        return [results[o] for o in outputs]
+
+    entry.__name__ = name
+    return Program(name, compile_py_func(entry, name=name), tuple(specs), tuple(outputs))
+
+
+def layer_prefix(layer: int) -> str:
+    return f"layer{layer}."
+
+
+@dataclass(frozen=True)
+class ProgramBuilder:
+    decoder: Decoder
+    batch_size: int
+    cache_len: int          # n_positions: every layer's cache holds this many positions
+    lowering: XlaLowering
+
+    @property
+    def dtype(self) -> str:
+        return self.lowering.dtype
+
+    @property
+    def one_table(self) -> bool:
+        """Tied embeddings stored once: the LM head table also serves as the token table."""
+        return self.decoder.tied and self.lowering.head_dtype == self.dtype
+
+    # -- parameter specs --------------------------------------------------------------
+    def spec(self, param: Param, prefix: str = "") -> ParamSpec:
+        return ParamSpec(prefix + param.name, self.lowering.param_dtype(param), self.lowering.param_dims(param))
+
+    def layer_params(self) -> list[Param]:
+        return self.decoder.layer.params()
+
+    def shared_params(self) -> list[Param]:
+        return self.decoder.shared_params(self.one_table)
+
+    def cache_spec(self, name: str) -> ParamSpec:
+        attention = self.decoder.layer.attention
+        return ParamSpec(name, self.dtype, (self.batch_size, attention.n_kv_heads, self.cache_len,
+                                            attention.head_dim))
+
+    def _step_specs(self, n_tokens: int) -> list[ParamSpec]:
+        b = self.batch_size
+        return [ParamSpec("positions", "s32", (b, n_tokens)), ParamSpec("slot", "s32", ()),
+                ParamSpec("pad", "s32", (b,))]
+
+    def _embed_specs(self, n_tokens: int) -> list[ParamSpec]:
+        specs = [ParamSpec("token_ids", "s32", (self.batch_size, n_tokens))]
+        if self.decoder.embedding.positions is not None:
+            specs.append(ParamSpec("positions", "s32", (self.batch_size, n_tokens)))
+        table = self.decoder.token_table(self.one_table)
+        embedding = [p for p in self.shared_params() if p.name.startswith("embed.") or p.name == table]
+        return specs + [self.spec(p) for p in embedding]
+
+    # -- bodies -------------------------------------------------------------------------
+    def _embed(self, p: dict[str, HloValue]) -> HloValue:
+        embedding = self.decoder.embedding
+        values = PieceValues(p, self.lowering, "embed", embedding.params(include_tokens=not self.one_table))
+        return embedding(values, p[self.decoder.token_table(self.one_table)], p["token_ids"], p.get("positions"),
+                         self.dtype)
+
+    def _layer(self, p: dict[str, HloValue], n_tokens: int, n_attend: int) -> dict[str, HloValue]:
+        step = Step(p["positions"], p["slot"], p["pad"], n_tokens, n_attend)
+        hidden, cache_k, cache_v = self.decoder.layer(p, self.lowering, p["hidden"], step, p["cache_k"],
+                                                      p["cache_v"])
+        cache_k.set_alias_to(p["cache_k"], must=True)
+        cache_v.set_alias_to(p["cache_v"], must=True)
+        return {"hidden": hidden, "cache_k": cache_k, "cache_v": cache_v}
+
+    def _head(self, p: dict[str, HloValue]) -> HloValue:
+        values = PieceValues(p, self.lowering, "", self.decoder.head.params())
+        return self.decoder.head(values, p["hidden"], p["last_index"])
+
+    # -- programs ------------------------------------------------------------------------
+    def embed(self, n_tokens: int) -> Program:
+        return _program(f"embed_n{n_tokens}", self._embed_specs(n_tokens), ["hidden"],
+                        lambda p: {"hidden": self._embed(p)})
+
+    def block(self, n_tokens: int, n_attend: int) -> Program:
+        d, b = self.decoder, self.batch_size
+        specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, d.embedding.hidden)), *self._step_specs(n_tokens),
+                 self.cache_spec("cache_k"), self.cache_spec("cache_v"),
+                 *(self.spec(p) for p in self.layer_params())]
+        return _program(f"block_n{n_tokens}_s{n_attend}", specs, ["hidden", "cache_k", "cache_v"],
+                        lambda p: self._layer(p, n_tokens, n_attend))
+
+    def lm_head(self, n_tokens: int) -> Program:
+        b = self.batch_size
+        specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, self.decoder.head.hidden)),
+                 ParamSpec("last_index", "s32", (b,)), *(self.spec(p) for p in self.decoder.head.params())]
+        return _program(f"lm_head_n{n_tokens}", specs, ["logits"], lambda p: {"logits": self._head(p)})
+
+    def model_step(self, n_tokens: int, n_attend: int) -> Program:
+        """The whole model unrolled into one program: token ids -> logits, every layer's
+        caches updated in place. Parameters of layer i are named `layer{i}.NAME`."""
+        d, b = self.decoder, self.batch_size
+        per_layer = [self.cache_spec("cache_k"), self.cache_spec("cache_v"),
+                     *(self.spec(p) for p in self.layer_params())]
+        embed = self._embed_specs(n_tokens)
+        names = {s.name for s in embed}
+        specs = [embed[0], *self._step_specs(n_tokens), ParamSpec("last_index", "s32", (b,)),
+                 *[s for s in embed[1:] if s.name != "positions"],
+                 *(self.spec(p) for p in self.decoder.head.params() if p.name not in names),
+                 *(ParamSpec(layer_prefix(i) + s.name, s.dtype, s.dims) for i in range(d.n_layers) for s in per_layer)]
+        outputs = ["logits"] + [f"{layer_prefix(i)}{c}" for i in range(d.n_layers) for c in ("cache_k", "cache_v")]
+
+        def body(p):
+            hidden = self._embed(p)
+            results = {}
+            for i in range(d.n_layers):
+                prefix = layer_prefix(i)
+                layer = {s.name: p[prefix + s.name] for s in per_layer}
+                out = self._layer({**p, **layer, "hidden": hidden}, n_tokens, n_attend)
+                hidden = out["hidden"]
+                results[prefix + "cache_k"], results[prefix + "cache_v"] = out["cache_k"], out["cache_v"]
+            results["logits"] = self._head({**p, "hidden": hidden})
+            return results
+
+        return _program(f"model_n{n_tokens}_s{n_attend}", specs, outputs, body)
+
+    def greedy(self) -> Program:
+        b, v = self.batch_size, self.decoder.head.vocab_size
+        return _program("greedy", [ParamSpec("logits", "f32", (b, v))], ["tokens"],
+                        lambda p: {"tokens": reshape(sampling.greedy(p["logits"]), (b, 1))})
+
+    def sampler(self, k_max: int) -> Program:
+        b, v = self.batch_size, self.decoder.head.vocab_size
+        specs = [ParamSpec("logits", "f32", (b, v)), ParamSpec("top_k", "s32", (b,)),
+                 ParamSpec("top_p", "f32", (b,)), ParamSpec("temperature", "f32", (b,)),
+                 ParamSpec("rng_state", "u32", (2, 2))]
+
+        def body(p):
+            tokens, state = sampling.sample(p["logits"], p["top_k"], p["top_p"], p["temperature"],
+                                            p["rng_state"], k_max=k_max)
+            state.set_alias_to(p["rng_state"])
+            return {"tokens": reshape(tokens, (b, 1)), "rng_state": state}
+
+        return _program(f"sample_k{k_max}", specs, ["tokens", "rng_state"], body)

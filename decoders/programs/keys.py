@@ -1,0 +1,75 @@
+"""Typed keys of the programs a model is built from; each knows how to build itself.
+
+    ProgramSet.get(Block(n_tokens=1, n_attend=256))    # compiled on first use
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from decoders.programs.builder import Program, ProgramBuilder
+
+
+@dataclass(frozen=True)
+class Embed:
+    """Token ids [b, n] -> hidden states."""
+
+    n_tokens: int
+
+    def build(self, builder: ProgramBuilder) -> Program:
+        return builder.embed(self.n_tokens)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One decoder layer over n_tokens per line, attending to n_attend cache slots; every
+    layer runs it with its own weights and caches."""
+
+    n_tokens: int
+    n_attend: int
+
+    def build(self, builder: ProgramBuilder) -> Program:
+        return builder.block(self.n_tokens, self.n_attend)
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """Final norm and vocabulary projection of one position per line -> f32 logits."""
+
+    n_tokens: int
+
+    def build(self, builder: ProgramBuilder) -> Program:
+        return builder.lm_head(self.n_tokens)
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """The whole model unrolled: token ids -> logits, every layer's caches updated."""
+
+    n_tokens: int
+    n_attend: int
+
+    def build(self, builder: ProgramBuilder) -> Program:
+        return builder.model_step(self.n_tokens, self.n_attend)
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """Logits -> the most likely token of every line."""
+
+    def build(self, builder: ProgramBuilder) -> Program:
+        return builder.greedy()
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Logits -> a token drawn with top-k (at most k_max), top-p and temperature per line."""
+
+    k_max: int
+
+    def build(self, builder: ProgramBuilder) -> Program:
+        return builder.sampler(self.k_max)
+
+
+ProgramKey = Embed | Block | LMHead | ModelStep | Greedy | Sampler

@@ -1,0 +1,127 @@
+"""One call of sample(): prefill, then token-by-token decode, on a Session.
+
+Lines are left-padded so that every line writes the same cache slot at each step. The new
+token ids go straight from the sampler into the next step on the device; the host
+downloads only the ids (for EOS, streamers, stopping criteria), and logits only when
+no_repeat_ngram_size or output_scores ask for them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from decoders.session.inputs import Prompts
+from decoders.session.session import Session
+
+
+def _rng_state(seed: int | None) -> np.ndarray:
+    entropy = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
+    return np.random.SeedSequence(entropy).generate_state(4, dtype=np.uint32).reshape(2, 2)
+
+
+def banned_ngram_tokens(tokens: list[int], n: int) -> set[int]:
+    """Tokens that would complete an n-gram already present in `tokens` (HF semantics)."""
+    if len(tokens) < n:
+        return set()
+    prefix = tuple(tokens[len(tokens) - n + 1:]) if n > 1 else ()
+    banned = set()
+    for start in range(len(tokens) - n + 1):
+        if tuple(tokens[start:start + n - 1]) == prefix:
+            banned.add(tokens[start + n - 1])
+    return banned
+
+
+class Generation:
+    def __init__(self, session: Session, prompts: Prompts, top_k: list, top_p: list, temperature: list,
+                 seed: int | None, no_repeat_ngram_size: int | None, global_top_k: int | None = None,
+                 output_scores: bool = False):
+        self.session = session
+        self.backend = session.backend
+        self.prompts = prompts
+        self.no_repeat_ngram_size = no_repeat_ngram_size
+        self.scores: list[np.ndarray] | None = [] if output_scores else None
+        self.pads = prompts.pads()
+        self.sampling_inputs: dict[str, Any] = {}
+        if all(int(k) == 1 for k in top_k):
+            self.sampler = session.sampler(None)
+            return
+        vocab = session.builder.decoder.head.vocab_size
+        wanted = max(int(k) for k in top_k)
+        k_max = min(vocab, global_top_k or max(64, 1 << (wanted - 1).bit_length()))
+        if wanted > k_max:
+            raise ValueError(f"top_k {wanted} exceeds global_top_k {k_max}")
+        self.sampler = session.sampler(k_max)
+        self.sampling_inputs = {
+            "top_k": self.backend.to_device(np.asarray(top_k, np.int32)),
+            "top_p": self.backend.to_device(np.asarray(top_p, np.float32)),
+            "temperature": self.backend.to_device(np.asarray(temperature, np.float32)),
+            "rng_state": self.backend.to_device(_rng_state(seed)),
+        }
+
+    def _next_tokens(self, logits: Any, lines: list[list[int]]) -> Any:
+        if self.scores is not None:
+            self.scores.append(np.array(self.backend.to_host(logits), copy=True))
+        if self.no_repeat_ngram_size:
+            host = np.array(self.backend.to_host(logits), copy=True)
+            for i, line in enumerate(lines):
+                banned = list(banned_ngram_tokens(line, self.no_repeat_ngram_size))
+                host[i, banned] = -np.inf
+            logits = self.backend.to_device(host)
+        outputs = self.sampler.run({"logits": logits, **self.sampling_inputs})
+        if "rng_state" in outputs:
+            self.sampling_inputs["rng_state"] = outputs["rng_state"]
+        return outputs["tokens"]
+
+    def run(self, new_tokens: int, eos_ids: list[int], streamer: Any, stopping_criteria: Any) -> list[list[int]]:
+        """Up to `new_tokens` new tokens per line (fewer where every line has stopped)."""
+        import torch
+
+        session, prompts = self.session, self.prompts
+        lines = [list(line) for line in prompts.lines]     # prompt + new tokens, for n-gram bans
+        generated: list[list[int]] = [[] for _ in lines]
+        done = [False] * session.batch_size
+        if streamer is not None:
+            streamer.put(torch.as_tensor(prompts.as_given(), dtype=torch.long))
+        if new_tokens < 1:
+            return generated
+        slot = prompts.longest  # where the next drawn token goes
+        logits = session.forward(prompts.left_padded(), 0, self.pads)
+        for step in range(new_tokens):
+            tokens_device = self._next_tokens(logits, lines)
+            tokens = np.asarray(self.backend.to_host(tokens_device)).reshape(-1)
+            for i, token in enumerate(tokens):
+                if not done[i]:
+                    lines[i].append(int(token))
+                    generated[i].append(int(token))
+                    done[i] = int(token) in eos_ids
+            if streamer is not None:
+                streamer.put(torch.tensor(tokens.reshape(-1, 1), dtype=torch.long))
+            done = self._check_stopping(stopping_criteria, generated, done, eos_ids)
+            if all(done) or step + 1 == new_tokens:
+                break
+            # The token just drawn goes at `slot`; its logits give the next one.
+            logits = session.forward(tokens_device, slot, self.pads, n_tokens=1)
+            slot += 1
+        if streamer is not None:
+            streamer.end()
+        return generated
+
+    def _check_stopping(self, criteria: Any, generated: list[list[int]], done: list[bool],
+                        eos_ids: list[int]) -> list[bool]:
+        if not criteria:
+            return done
+        import torch
+
+        ids = torch.from_numpy(self.prompts.layout(generated, eos_ids[0] if eos_ids else 0))
+        for criterion in criteria:
+            verdict = criterion(ids, None)
+            if isinstance(verdict, torch.Tensor):
+                flags = verdict.reshape(-1).tolist()
+                if len(flags) == 1:
+                    flags = flags * len(generated)
+            else:
+                flags = [bool(verdict)] * len(generated)
+            done = [d or bool(f) for d, f in zip(done, flags)]
+        return done

@@ -1,0 +1,204 @@
+"""Session: the compiled programs, the weights and the KV caches of one model on its device,
+and the one way to run the model over them.
+
+    session.forward(token_ids, slot=s, pads=p)   # logits (on the device) of each line's last token
+
+`forward` writes the tokens' keys and values at cache slots s .. s + n - 1 of every line
+(lines are left-padded: line i's real tokens start at slot pads[i]) and picks the programs:
+one token per line is a decode step (the whole model in one program, or embed, a block
+program per layer and the LM head), more is prefill in context-bucket chunks. sample(),
+the model's forward() and an HF generate() adapter are clients of it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from decoders.blocks.params import read
+from decoders.programs import buckets as bucketing
+from decoders.programs.builder import ProgramBuilder, layer_prefix
+from decoders.programs.compiled import ProgramSet
+from decoders.programs.keys import Block, Embed, Greedy, LMHead, ModelStep, ProgramKey, Sampler
+from runtime.kv_cache import KVCache
+
+log = logging.getLogger("pyhlo")
+
+
+class Session:
+    def __init__(self, builder: ProgramBuilder, backend: Any, token_buckets: list[int],
+                 context_buckets: list[int], workers: int | None = None):
+        self.builder = builder
+        self.backend = backend
+        self.programs = ProgramSet(builder, backend, workers)
+        self.token_buckets = token_buckets
+        self.context_buckets = context_buckets
+        self.shared: dict[str, Any] | None = None
+        self.layers: list[dict[str, Any]] | None = None
+        self.kv_cache: KVCache | None = None
+        self._pads: np.ndarray | None = None
+        self._pad_buffer = None
+
+    @property
+    def lowering(self):
+        return self.builder.lowering
+
+    @property
+    def batch_size(self) -> int:
+        return self.builder.batch_size
+
+    @property
+    def n_positions(self) -> int:
+        return self.token_buckets[-1]
+
+    @property
+    def loaded(self) -> bool:
+        return self.layers is not None
+
+    # -- programs -----------------------------------------------------------------------
+    def decode_buckets(self) -> list[int]:
+        """The cache lengths decode programs are built for."""
+        return self.lowering.decode_buckets(self.token_buckets, self.builder.decoder.layer.attention.plain)
+
+    def eager_programs(self) -> list[ProgramKey]:
+        """What to_neuron() compiles: prefill per context bucket (embed, one block program for
+        every layer, LM head), decode per decode bucket (the whole model in one program, or the
+        same three pieces), and the greedy sampler."""
+        keys: list[ProgramKey] = [Greedy()]
+        if self.lowering.whole_model_decode:
+            keys += [ModelStep(1, s) for s in self.decode_buckets()]
+        else:
+            keys += [Embed(1), LMHead(1)] + [Block(1, s) for s in self.decode_buckets()]
+        for c in self.context_buckets:
+            keys += [Embed(c), Block(c, c), LMHead(c)]
+        return keys
+
+    def compile(self) -> None:
+        self.programs.compile_all(self.eager_programs())
+
+    def sampler(self, k_max: int | None) -> Any:
+        """The greedy program (k_max None) or the top-k/top-p sampler for up to k_max candidates."""
+        return self.programs.get(Greedy() if k_max is None else Sampler(k_max))
+
+    # -- weights and caches ---------------------------------------------------------------
+    def load_weights(self, checkpoint: Any) -> None:
+        """Read every declared parameter from the checkpoint into the device, one layer at a time."""
+        from tqdm.auto import tqdm
+
+        lowering, to_device = self.lowering, self.backend.to_device
+        self.shared = {p.name: to_device(lowering.arrange(p, read(p, checkpoint, None)))
+                       for p in self.builder.shared_params()}
+        declared = self.builder.layer_params()
+        n_layers = self.builder.decoder.n_layers
+        self.layers = [
+            {p.name: to_device(lowering.arrange(p, read(p, checkpoint, i))) for p in declared}
+            for i in tqdm(range(n_layers), total=n_layers, desc="loading weights", unit="layer", disable=None)
+        ]
+        cache = self.builder.cache_spec("cache")
+        self.kv_cache = KVCache(self.backend, n_layers, cache.dims, cache.dtype)
+
+    # -- running ---------------------------------------------------------------------------
+    def pad_buffer(self, pads: np.ndarray) -> Any:
+        """pads on the device, uploaded once per distinct value."""
+        if self._pads is None or not np.array_equal(self._pads, pads):
+            self._pads = np.array(pads, dtype=np.int32)
+            self._pad_buffer = self.backend.to_device(self._pads)
+        return self._pad_buffer
+
+    @staticmethod
+    def positions(pads: np.ndarray, n_tokens: int, slot: int) -> np.ndarray:
+        """Positions of n_tokens written at `slot`: slot minus each line's left padding."""
+        slots = slot + np.arange(n_tokens, dtype=np.int32)[None, :]
+        return np.maximum(slots - pads[:, None], 0).astype(np.int32)
+
+    def forward(self, token_ids: Any, slot: int, pads: np.ndarray, n_tokens: int | None = None) -> Any:
+        """f32 logits [batch, vocab] (a device buffer) of the last of the tokens written at
+        `slot`. token_ids: [batch, n] as numpy, or a device buffer (give n_tokens then)."""
+        if not self.loaded:
+            raise RuntimeError("call model.to_neuron() first: the weights are not on the device")
+        if n_tokens is None:
+            n_tokens = int(np.shape(token_ids)[1])
+        if slot < 0 or slot + n_tokens > self.n_positions:
+            raise ValueError(f"cache slots {slot}..{slot + n_tokens - 1} are outside the cache of "
+                             f"n_positions {self.n_positions}")
+        pads = np.asarray(pads, dtype=np.int32)
+        if n_tokens == 1:
+            n_attend = bucketing.pick(self.decode_buckets(), slot + 1)
+            return self._run(token_ids, 1, n_attend, slot, pads, 0)
+        return self._prefill(np.asarray(token_ids, dtype=np.int32), slot, pads)
+
+    def _prefill(self, ids: np.ndarray, start: int, pads: np.ndarray) -> Any:
+        """Prefill in chunks of the context buckets; logits of the last token."""
+        length = ids.shape[1]
+        largest = self.context_buckets[-1]
+        done = 0
+        while True:
+            remaining = length - done
+            size = bucketing.pick(self.context_buckets, remaining) if remaining <= largest else largest
+            # A chunk that would run past the cache starts earlier, rewriting the same values;
+            # when those are not at hand (a prefill that continues a cache), one token at a time.
+            at = min(start + done, self.n_positions - size)
+            if at < start:
+                return self._one_by_one(ids[:, done:], start + done, pads)
+            chunk = np.zeros((self.batch_size, size), np.int32)
+            part = ids[:, at - start: at - start + size]
+            chunk[:, : part.shape[1]] = part
+            n_attend = size if at == 0 else bucketing.pick(self.token_buckets, at + size)
+            last = at + size >= start + length
+            logits = self._run(chunk, size, n_attend, at, pads, start + length - 1 - at if last else size - 1)
+            if last:
+                return logits
+            done = at - start + size
+
+    def _one_by_one(self, ids: np.ndarray, slot: int, pads: np.ndarray) -> Any:
+        for j in range(ids.shape[1]):
+            n_attend = bucketing.pick(self.decode_buckets(), slot + j + 1)
+            logits = self._run(np.ascontiguousarray(ids[:, j:j + 1]), 1, n_attend, slot + j, pads, 0)
+        return logits
+
+    def _run(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, pads: np.ndarray,
+             last_index: int) -> Any:
+        step = {"positions": self.backend.to_device(self.positions(pads, n_tokens, slot)),
+                "slot": self.backend.to_device(np.int32(slot)), "pad": self.pad_buffer(pads),
+                "last_index": self.backend.to_device(np.full((self.batch_size,), last_index, np.int32)),
+                "token_ids": token_ids}
+        if self.lowering.whole_model_decode and n_tokens == 1:
+            return self._run_whole(step, n_tokens, n_attend)
+        embed = self.programs.get(Embed(n_tokens))
+        hidden = embed.run({**step, **self.shared})["hidden"]
+        hidden = self._run_layers(hidden, step, n_tokens, n_attend)
+        head = self.programs.get(LMHead(n_tokens))
+        return head.run({**step, "hidden": hidden, **self.shared})["logits"]
+
+    def _run_layers(self, hidden: Any, step: dict[str, Any], n_tokens: int, n_attend: int) -> Any:
+        block = self.programs.get(Block(n_tokens, n_attend))
+        cache = self.kv_cache
+        # Checked once through the named path; the other layers reuse the same order.
+        first = block.run({**self.layers[0], **step, "hidden": hidden,
+                           "cache_k": cache.keys[0], "cache_v": cache.values[0]})
+        hidden, cache.keys[0], cache.values[0] = first["hidden"], first["cache_k"], first["cache_v"]
+        names = block.program.param_names
+        at_hidden, at_k, at_v = names.index("hidden"), names.index("cache_k"), names.index("cache_v")
+        out_hidden, out_k, out_v = (block.program.outputs.index(n) for n in ("hidden", "cache_k", "cache_v"))
+        for layer in range(1, len(self.layers)):
+            weights = self.layers[layer]
+            args = [weights[name] if name in weights else step.get(name) for name in names]
+            args[at_hidden], args[at_k], args[at_v] = hidden, cache.keys[layer], cache.values[layer]
+            outputs = block.run_buffers(args)
+            hidden, cache.keys[layer], cache.values[layer] = outputs[out_hidden], outputs[out_k], outputs[out_v]
+        return hidden
+
+    def _run_whole(self, step: dict[str, Any], n_tokens: int, n_attend: int) -> Any:
+        program = self.programs.get(ModelStep(n_tokens, n_attend))
+        cache = self.kv_cache
+        values = {**step, **self.shared}
+        for layer, weights in enumerate(self.layers):
+            prefix = layer_prefix(layer)
+            values.update({prefix + name: buffer for name, buffer in weights.items()})
+            values[prefix + "cache_k"], values[prefix + "cache_v"] = cache.keys[layer], cache.values[layer]
+        outputs = program.run(values)
+        for layer in range(len(self.layers)):
+            prefix = layer_prefix(layer)
+            cache.keys[layer], cache.values[layer] = outputs[prefix + "cache_k"], outputs[prefix + "cache_v"]
+        return outputs["logits"]
