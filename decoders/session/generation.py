@@ -69,7 +69,7 @@ class Generation:
                 banned = list(banned_ngram_tokens(line, self.no_repeat_ngram_size))
                 host[i, banned] = -np.inf
             logits = self.backend.to_device(host)
-        outputs = self.sampler.run({"logits": logits, **self.sampling_inputs})
+        outputs = self.sampler.run_checked_once({"logits": logits, **self.sampling_inputs})
         if "rng_state" in outputs:
             self.sampling_inputs["rng_state"] = outputs["rng_state"]
         return outputs["tokens"]

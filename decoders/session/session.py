@@ -159,6 +159,8 @@ class Session:
 
     def _run(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, pads: np.ndarray,
              last_index: int) -> Any:
+        if isinstance(token_ids, np.ndarray):
+            token_ids = self.backend.to_device(np.ascontiguousarray(token_ids, dtype=np.int32))
         step = {"positions": self.backend.to_device(self.positions(pads, n_tokens, slot)),
                 "slot": self.backend.to_device(np.int32(slot)), "pad": self.pad_buffer(pads),
                 "last_index": self.backend.to_device(np.full((self.batch_size,), last_index, np.int32)),
@@ -197,7 +199,7 @@ class Session:
             prefix = layer_prefix(layer)
             values.update({prefix + name: buffer for name, buffer in weights.items()})
             values[prefix + "cache_k"], values[prefix + "cache_v"] = cache.keys[layer], cache.values[layer]
-        outputs = program.run(values)
+        outputs = program.run_checked_once(values)
         for layer in range(len(self.layers)):
             prefix = layer_prefix(layer)
             cache.keys[layer], cache.values[layer] = outputs[prefix + "cache_k"], outputs[prefix + "cache_v"]
