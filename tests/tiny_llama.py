@@ -34,7 +34,12 @@ def make_model(variant: str, seed: int = 0) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
                          **VARIANTS[variant])
-    model = LlamaForCausalLM(config).eval()
+    return as_reference(LlamaForCausalLM(config))
+
+
+def as_reference(model):
+    """A random HF model made a good reference: clear-cut greedy choices, no EOS."""
+    model.eval()
     # Random init gives near-uniform logits; larger weights make greedy choices clear-cut.
     with torch.no_grad():
         for p in model.parameters():
