@@ -115,7 +115,12 @@ def test_activations_match_torch(dims, seed, dtype):
     for out, expected in [(gelu, F.gelu(_torch(x))), (gelu_tanh, F.gelu(_torch(x), approximate="tanh")),
                           (silu, F.silu(_torch(x))), (relu, F.relu(_torch(x)))]:
         assert out.dtype == x.dtype
-        np.testing.assert_allclose(out.astype(np.float32), _numpy(expected), **TOLERANCE[dtype])
+        np.testing.assert_allclose(out.astype(np.float32), _numpy(expected), **ACTIVATION_TOLERANCE[dtype])
+
+
+# XLA:CPU's f32 logistic and erf are within about 1.3e-6 absolute of float64 over [-30, 30]
+# (e.g. silu(-8.7) = -1.48e-3 off by 1.1e-6): more than TOLERANCE's 1e-6 on small outputs.
+ACTIVATION_TOLERANCE = {**TOLERANCE, "f32": dict(rtol=1e-5, atol=2e-6)}
 
 
 def test_unknown_activation_names_the_valid_ones():
