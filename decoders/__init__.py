@@ -3,19 +3,40 @@
     decoders/
       config.py      NeuronConfig, GenerationConfig (transformers-neuronx's names)
       model.py       DecoderForSampling: from_pretrained, to_neuron, sample, forward, save, load
-      families/      one short description per family (Llama, GPT-NeoX, Bloom) over the pieces
+      auto.py        NeuronAutoModelForCausalLM: the family class picked by the checkpoint's model_type
+      hf_adapter.py  HuggingFaceGenerationModelAdapter: HF generate() over a compiled model
+      families/      one short description per family (Llama, Mistral, Mixtral, Qwen2, GPT-NeoX,
+                     Bloom, GPT-2, OPT, GPT-J)
       description.py what a family description is: Family, config reading, rotary tables
-      blocks/        the pieces: norm, attention, MLP, embedding, head, layer wiring; each
+      blocks/        the pieces: norm, attention, MLP, mixture of experts, embedding, head, layer wiring; each
                      declares its parameters once (params.py: name, shape, shard axis, source)
       lowering.py    how the platform runs products and attention (plain XLA, CPU kernels)
       programs/      typed program keys, the builder writing them, buckets, the compiled set
       session/       Session (programs + weights + KV caches), the sampling loop, input checks
       checkpoints/   HF directories (safetensors, sharded, .bin), GGUF files, the default model
 """
+from decoders.auto import NeuronAutoModelForCausalLM
 from decoders.config import GenerationConfig, NeuronConfig, NotSupportedYet
 from decoders.families.bloom import BloomForSampling
+from decoders.families.gpt2 import GPT2ForSampling, GPT2ForSamplingWithContextBroadcasting
 from decoders.families.gpt_neox import GPTNeoXForSampling
+from decoders.families.gptj import GPTJForSampling
 from decoders.families.llama import LlamaForSampling
+from decoders.families.mistral import MistralForSampling
+from decoders.families.mixtral import MixtralForSampling
+from decoders.families.opt import OPTForSampling
+from decoders.families.qwen2 import Qwen2ForSampling
 
-__all__ = ["BloomForSampling", "GPTNeoXForSampling", "LlamaForSampling", "NeuronConfig", "GenerationConfig",
-           "NotSupportedYet"]
+__all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",
+           "GPTNeoXForSampling", "GenerationConfig", "HuggingFaceGenerationModelAdapter", "LlamaForSampling",
+           "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM", "NeuronConfig",
+           "NotSupportedYet", "OPTForSampling", "Qwen2ForSampling"]
+
+
+def __getattr__(name: str):
+    # The adapter subclasses transformers' PreTrainedModel: transformers is imported on first use only.
+    if name == "HuggingFaceGenerationModelAdapter":
+        from decoders.hf_adapter import HuggingFaceGenerationModelAdapter
+
+        return HuggingFaceGenerationModelAdapter
+    raise AttributeError(f"module 'decoders' has no attribute {name!r}")

@@ -7,6 +7,7 @@ NotSupportedYet instead of being silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,16 +37,21 @@ class GenerationConfig:
     """Sampling parameters used on the device (transformers-neuronx's GenerationConfig).
 
     top_k=0 means no top-k filter; global_top_k bounds the candidates considered on
-    the device (None: the whole vocabulary when needed).
+    the device (None: the whole vocabulary when needed), and every top_k must fit in it.
+    With per_batch_line=True, top_k, top_p and temperature may be lists with one value
+    per batch line (a single value is used for every line). Settings are inputs of the
+    compiled sampler (dynamic=True): model.update_generation_config() changes them for
+    later sample() calls without compiling anything.
     """
 
     max_length: int | None = None
     do_sample: bool = False
-    top_k: int = 50
-    top_p: float = 1.0
-    top_p_min_tokens: int = 1
-    temperature: float = 1.0
+    top_k: int | list[int] = 50
+    top_p: float | list[float] = 1.0
+    top_p_min_tokens: int | list[int] = 1
+    temperature: float | list[float] = 1.0
     dynamic: bool = True
+    deterministic: bool = False
     per_batch_line: bool = False
     global_top_k: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -53,16 +59,41 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_length is not None and self.max_length < 1:
             raise ValueError(f"GenerationConfig.max_length must be >= 1, got {self.max_length}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"GenerationConfig.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise ValueError(f"GenerationConfig.top_p must be in (0, 1], got {self.top_p}")
-        if not float(self.temperature) > 0.0:
-            raise ValueError(f"GenerationConfig.temperature must be > 0, got {self.temperature}")
-        if self.top_p_min_tokens != 1:
+        for name in ("top_k", "top_p", "temperature", "top_p_min_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                if not self.per_batch_line:
+                    raise ValueError(f"GenerationConfig.{name} is a list: one value per batch line needs "
+                                     "per_batch_line=True")
+                if not value:
+                    raise ValueError(f"GenerationConfig.{name} is an empty list: give one value per batch line")
+                setattr(self, name, list(value))
+        for k in self.values("top_k"):
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+                raise ValueError(f"GenerationConfig.top_k must be an int >= 0 (0 = off), got {k!r}")
+        for p in self.values("top_p"):
+            if not 0.0 < float(p) <= 1.0:
+                raise ValueError(f"GenerationConfig.top_p must be in (0, 1], got {p}")
+        for t in self.values("temperature"):
+            if not float(t) > 0.0:
+                raise ValueError(f"GenerationConfig.temperature must be > 0, got {t}")
+        for name, kind in (("top_k", int), ("top_p", float), ("temperature", float)):
+            value = getattr(self, name)
+            setattr(self, name, [kind(v) for v in value] if isinstance(value, list) else kind(value))
+        if any(m != 1 for m in self.values("top_p_min_tokens")):
             raise NotSupportedYet("GenerationConfig.top_p_min_tokens other than 1 is not supported yet")
-        if self.global_top_k is not None and self.global_top_k < 1:
-            raise ValueError(f"GenerationConfig.global_top_k must be >= 1, got {self.global_top_k}")
+        if self.global_top_k is not None:
+            if isinstance(self.global_top_k, bool) or not isinstance(self.global_top_k, int) or self.global_top_k < 1:
+                raise ValueError(f"GenerationConfig.global_top_k must be an int >= 1, got {self.global_top_k!r}")
+            over = [k for k in self.values("top_k") if k > self.global_top_k]
+            if over:
+                raise ValueError(f"GenerationConfig.top_k {max(over)} exceeds global_top_k {self.global_top_k}: "
+                                 "global_top_k bounds the candidates every line draws from")
+
+    def values(self, name: str) -> list:
+        """The setting `name` as a list (one value, or one per batch line)."""
+        value = getattr(self, name)
+        return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 @dataclass
@@ -124,14 +155,21 @@ class NeuronConfig:
 
     @staticmethod
     def _check_generation(config: Any) -> None:
-        """sample() takes do_sample, top_k, top_p, temperature, global_top_k and eos_token_id
-        from it; the rest is not built yet."""
+        """sample() takes do_sample, top_k, top_p, temperature (per line with per_batch_line),
+        global_top_k and eos_token_id from it; the rest is not built yet."""
         if not isinstance(config, GenerationConfig):
             raise ValueError("NeuronConfig.on_device_generation must be a GenerationConfig or None")
-        for name, built in (("max_length", None), ("per_batch_line", False), ("dynamic", True)):
+        refused = (
+            # The settings are always run-time inputs of the sampler; compile-time constants are not built.
+            ("dynamic", True, "; settings are inputs of the compiled sampler (update_generation_config "
+                              "changes them without compiling)"),
+            ("deterministic", False, "; each draw uses the seeded random state"),
+            ("max_length", None, "; give sample() its sequence_length"),
+        )
+        for name, built, hint in refused:
             if getattr(config, name) != built:
                 raise NotSupportedYet(f"GenerationConfig.{name}={getattr(config, name)!r} is not supported "
-                                      f"yet; use {built!r}")
+                                      f"yet; use {built!r}{hint}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,6 +1,6 @@
 """What a family description is made of: a config reader and the rotary frequency table.
 
-A family (families/llama.py, gpt_neox.py, bloom.py) is a `Family`: the model types it runs and a
+A family (one file in families/) is a `Family`: the model types it runs and a
 `describe(config, fuse_qkv)` function that reads its config keys and returns the pieces
 (`Decoder`) with their checkpoint names.
 """

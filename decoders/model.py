@@ -7,6 +7,7 @@ the weights and the KV caches. sample() and forward() are thin clients of that S
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from decoders.lowering import XlaLowering, choose_lowering
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder
 from decoders.programs.keys import ProgramKey
+from decoders.session.generation import Generation, sampler_bound
 from decoders.session.inputs import check_sampling, parse_prompts, per_line
 from decoders.session.session import Session
 
@@ -55,6 +57,7 @@ class DecoderForSampling:
         self.token_buckets = bucketing.token_buckets(n_positions)
         self.context_buckets = bucketing.context_buckets(self.token_buckets, context_length_estimate)
         self.n_positions = self.token_buckets[-1]
+        self._check_position_table()
         if backend is None:
             from runtime import get_backend
 
@@ -64,6 +67,11 @@ class DecoderForSampling:
         self.session = Session(builder, backend, self.token_buckets, self.context_buckets,
                                workers=self.neuron_config.compilation_worker_count)
         self._tokenizer = None
+        # The on-device generation settings sample() uses now (update_generation_config changes them).
+        self._on_device: GenerationConfig | None = None
+        if self.neuron_config.on_device_generation is not None:
+            self._on_device = self._checked_generation(self.neuron_config.on_device_generation)
+            self.session.sampler_k_max = self._on_device_bound(self._on_device)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, batch_size: int = 1,
@@ -82,6 +90,15 @@ class DecoderForSampling:
                 f"{type(self).__name__} runs {', '.join(self.family.model_types)} checkpoints; "
                 f"{self.checkpoint_path} is model_type {model_type!r}"
             )
+
+    def _check_position_table(self) -> None:
+        """A learned position table must hold every position a sequence can reach."""
+        embedding = self.decoder.embedding
+        if embedding.positions is not None:
+            rows = embedding.n_positions - embedding.position_offset
+            if self.n_positions > rows:
+                raise ValueError(f"n_positions {self.n_positions} exceeds the {rows} positions of the checkpoint's "
+                                 f"learned position table ({embedding.positions}); use n_positions <= {rows}")
 
     # -- what was built ------------------------------------------------------------
     @property
@@ -163,6 +180,52 @@ class DecoderForSampling:
             raise ValueError(f"cache_ids must be {n_tokens} consecutive cache positions, got {ids.tolist()}")
         return int(ids[0])
 
+    # -- on-device generation settings -------------------------------------------
+    def _checked_generation(self, config: GenerationConfig) -> GenerationConfig:
+        """A copy of `config`, its per-line settings checked against the batch size."""
+        NeuronConfig._check_generation(config)
+        config = dataclasses.replace(config)
+        if config.per_batch_line:
+            for name in ("top_k", "top_p", "temperature"):
+                setattr(config, name, per_line(getattr(config, name), self.batch_size, f"GenerationConfig.{name}"))
+        return config
+
+    def _top_ks(self, config: GenerationConfig) -> list[int]:
+        """Per line, the top_k sample() runs by default: 1 without do_sample; 0 (no filter) is
+        the whole vocabulary, or global_top_k when that bounds the candidates."""
+        if not config.do_sample:
+            return [1] * self.batch_size
+        everything = config.global_top_k or self.decoder.head.vocab_size
+        return [int(k) or everything for k in per_line(config.top_k, self.batch_size, "top_k")]
+
+    def _on_device_bound(self, config: GenerationConfig) -> int:
+        """The sampler compiled with the model: global_top_k, else a bound for the configured top_k
+        (later settings up to it need no compiler call; a larger top_k compiles a larger sampler)."""
+        vocab = self.decoder.head.vocab_size
+        if config.global_top_k:
+            return min(vocab, config.global_top_k)
+        wanted = max(self._top_ks(dataclasses.replace(config, do_sample=True)))
+        return sampler_bound([max(wanted, 2)], vocab)
+
+    def update_generation_config(self, generation_config: GenerationConfig) -> None:
+        """Change the on-device generation settings (do_sample, top_k, top_p, temperature,
+        eos_token_id) for later sample() calls, as transformers-neuronx does: they are inputs of
+        the compiled sampler, so nothing is compiled. per_batch_line and global_top_k are fixed
+        when the model is built (a global_top_k of None keeps the built one)."""
+        if self._on_device is None:
+            raise ValueError("update_generation_config() changes NeuronConfig.on_device_generation: build the "
+                             "model with NeuronConfig(on_device_generation=GenerationConfig(...)) first")
+        current = self._on_device
+        if generation_config.per_batch_line != current.per_batch_line:
+            raise ValueError(f"the new GenerationConfig has per_batch_line={generation_config.per_batch_line}, "
+                             f"the model was built with per_batch_line={current.per_batch_line}")
+        if generation_config.global_top_k is None:
+            generation_config = dataclasses.replace(generation_config, global_top_k=current.global_top_k)
+        elif generation_config.global_top_k != current.global_top_k:
+            raise ValueError(f"global_top_k is fixed when the model is built ({current.global_top_k}); "
+                             f"got {generation_config.global_top_k}")
+        self._on_device = self._checked_generation(generation_config)
+
     # -- sampling ----------------------------------------------------------------
     def sample(self, input_ids: Any, sequence_length: int, start_ids: Any = None, top_k: int | list | None = None,
                top_p: float | list | None = None, temperature: float | list | None = None,
@@ -176,11 +239,10 @@ class DecoderForSampling:
         <= sequence_length], each line its input row as given, then its new tokens. Or a list
         of prompts of different lengths: each line its prompt, then its new tokens. Lines
         that end early are right-padded with the EOS id. top_k, top_p and temperature default
-        to NeuronConfig.on_device_generation's, else 50, 1.0 and 1.0.
+        to the on-device generation settings (NeuronConfig.on_device_generation, changed by
+        update_generation_config), else 50, 1.0 and 1.0.
         """
         import torch
-
-        from decoders.session.generation import Generation
 
         self._require_loaded()
         prompts = parse_prompts(input_ids, attention_mask, self.decoder.head.vocab_size, start_ids)
@@ -197,11 +259,10 @@ class DecoderForSampling:
             )
         if prompts.width > sequence_length:
             raise ValueError(f"prompt length {prompts.width} exceeds sequence_length {sequence_length}")
-        on_device = self.neuron_config.on_device_generation
-        if top_k is None and on_device is not None:
-            top_k = (on_device.top_k or self.decoder.head.vocab_size) if on_device.do_sample else 1
+        on_device = self._on_device
         configured = on_device or GenerationConfig()
-        top_k = 50 if top_k is None else top_k
+        if top_k is None:
+            top_k = self._top_ks(on_device) if on_device is not None else 50
         top_ks = per_line(top_k, self.batch_size, "top_k")
         top_ps = per_line(configured.top_p if top_p is None else top_p, self.batch_size, "top_p")
         temperatures = per_line(configured.temperature if temperature is None else temperature,
@@ -211,8 +272,10 @@ class DecoderForSampling:
                                                  or no_repeat_ngram_size < 1):
             raise ValueError(f"no_repeat_ngram_size must be an int >= 1, got {no_repeat_ngram_size!r}")
         eos_ids = self._eos_ids(eos_token_id if eos_token_id is not None else configured.eos_token_id)
+        k_max = sampler_bound(top_ks, self.decoder.head.vocab_size, configured.global_top_k,
+                              self.session.sampler_k_max)
         generation = Generation(self.session, prompts, top_ks, top_ps, temperatures, seed, no_repeat_ngram_size,
-                                global_top_k=configured.global_top_k, output_scores=output_scores)
+                                k_max=k_max, output_scores=output_scores)
         new_tokens = generation.run(sequence_length - prompts.width, eos_ids, streamer, stopping_criteria_list)
         out = torch.from_numpy(prompts.layout(new_tokens, eos_ids[0] if eos_ids else 0))
         if output_scores:

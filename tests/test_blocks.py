@@ -317,7 +317,7 @@ def _fused_attention(**kwargs) -> Attention:
 
 def _attention_checkpoint(att: Attention, rng) -> tuple[dict[str, np.ndarray], FakeCheckpoint]:
     """Random q/k/v/out tensors in HF's layout, and a checkpoint holding them as `att` names them
-    (a fused per-head qkv built from q, k and v for a `qkv` attention)."""
+    (a fused per-head or contiguous qkv built from q, k and v for a `qkv` attention)."""
     hidden, q_size, kv_size = att.hidden, att.q_size, att.kv_size
     t = {"q.weight": _randn(rng, q_size, hidden, scale=0.5), "k.weight": _randn(rng, kv_size, hidden, scale=0.5),
          "v.weight": _randn(rng, kv_size, hidden), "out.weight": _randn(rng, hidden, q_size, scale=0.5)}
@@ -331,6 +331,10 @@ def _attention_checkpoint(att: Attention, rng) -> tuple[dict[str, np.ndarray], F
         for part in ("q", "k", "v"):
             for suffix in suffixes:
                 stored[f"{getattr(att, part).format(i=0)}.{suffix}"] = t[f"{part}.{suffix}"]
+    elif att.qkv_layout == "contiguous":
+        for suffix in suffixes:
+            # GPT-2's c_attn: [q | k | v] along `out`.
+            stored[f"{att.qkv.format(i=0)}.{suffix}"] = np.concatenate([t[f"{part}.{suffix}"] for part in "qkv"])
     else:
         for suffix in suffixes:
             # GPT-NeoX's query_key_value: [heads, (q, k, v), head_dim] along `out`.
@@ -340,6 +344,9 @@ def _attention_checkpoint(att: Attention, rng) -> tuple[dict[str, np.ndarray], F
     stored[f"{att.out.format(i=0)}.weight"] = t["out.weight"]
     if att.out_bias:
         stored[f"{att.out.format(i=0)}.bias"] = t["out.bias"]
+    if att.stored_in_out:
+        # GPT-2's Conv1D keeps weights [in, out].
+        stored = {name: a.T.copy() if name.endswith(".weight") else a for name, a in stored.items()}
     return t, FakeCheckpoint(stored)
 
 
@@ -680,3 +687,191 @@ def test_decoder_layer_rejects_a_sequential_layer_without_post_norm():
         DecoderLayer(layer.input_norm, layer.attention, layer.mlp, None, "sequential")
     with pytest.raises(ValueError, match="residual must be one of"):
         DecoderLayer(layer.input_norm, layer.attention, layer.mlp, layer.input_norm, "serial")
+
+
+# -- Piece options of GPT-2, OPT and GPT-J ---------------------------------------------------------
+
+def _contiguous_attention(**kwargs) -> Attention:
+    p = "transformer.h.{i}.attn"
+    return Attention(out=f"{p}.c_proj", qkv=f"{p}.c_attn", qkv_layout="contiguous", **kwargs)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@LOWERINGS
+def test_attention_contiguous_qkv_stored_in_out(fused, lowering):
+    # GPT-2: c_attn [hidden, q | k | v] and c_proj [in, out] (Conv1D), with biases, no rotary.
+    att = _contiguous_attention(hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, qkv_bias=True, out_bias=True,
+                                stored_in_out=True, fused=fused)
+    _check_attention(att, lowering, seed=30)
+
+
+def test_attention_contiguous_qkv_with_grouped_query_heads():
+    # [q | k | v] of different sizes, stored [out, in] (as Phi-3's qkv_proj), rotary.
+    att = _contiguous_attention(hidden=8, n_heads=4, n_kv_heads=2, head_dim=2, positions=Rotary(_inv_freq(2)))
+    _check_attention(att, OUT_IN, seed=31)
+
+
+def test_attention_split_qkv_stored_in_out():
+    att = _split_attention(hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, qkv_bias=True, stored_in_out=True,
+                           fused=False)
+    _check_attention(att, IN_OUT, seed=32)
+
+
+def test_attention_contiguous_qkv_params():
+    att = _contiguous_attention(hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, qkv_bias=True, out_bias=True,
+                                stored_in_out=True)
+    sources = {p.name: p.source.describe() for p in att.params("attn")}
+    assert sources == {"attn.qkv.weight": "transformer.h.{i}.attn.c_attn.weight -> transpose",
+                       "attn.qkv.bias": "transformer.h.{i}.attn.c_attn.bias",
+                       "attn.out.weight": "transformer.h.{i}.attn.c_proj.weight -> transpose",
+                       "attn.out.bias": "transformer.h.{i}.attn.c_proj.bias"}
+    split = {p.name: p.source.describe() for p in _contiguous_attention(
+        hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, stored_in_out=True, fused=False).params("attn")}
+    assert split["attn.k.weight"] == "transformer.h.{i}.attn.c_attn.weight -> transpose -> rows 8:16"
+
+
+def test_attention_rejects_bad_layout_settings():
+    with pytest.raises(ValueError, match="qkv_layout must be 'per_head' or 'contiguous'"):
+        Attention(out="o", qkv="qkv", hidden=4, n_heads=2, n_kv_heads=2, head_dim=2, qkv_layout="interleaved")
+    with pytest.raises(ValueError, match="stored \\[in, out\\] cannot be fused"):
+        _split_attention(hidden=4, n_heads=2, n_kv_heads=2, head_dim=2, stored_in_out=True)
+
+
+@LOWERINGS
+def test_mlp_weights_stored_in_out(lowering):
+    # GPT-2's c_fc and c_proj (Conv1D) keep their weights [in, out].
+    hidden, inter = 6, 10
+    rng = np.random.default_rng(33)
+    mlp = MLP(up="h.{i}.mlp.c_fc", down="h.{i}.mlp.c_proj", hidden=hidden, intermediate=inter,
+              activation="gelu_tanh", bias=True, stored_in_out=True)
+    t = {"up.weight": _randn(rng, inter, hidden), "up.bias": _randn(rng, inter),
+         "down.weight": _randn(rng, hidden, inter), "down.bias": _randn(rng, hidden)}
+    checkpoint = FakeCheckpoint({"h.0.mlp.c_fc.weight": t["up.weight"].T.copy(), "h.0.mlp.c_fc.bias": t["up.bias"],
+                                 "h.0.mlp.c_proj.weight": t["down.weight"].T.copy(),
+                                 "h.0.mlp.c_proj.bias": t["down.bias"]})
+    params = mlp.params("mlp")
+    x = _randn(rng, 2, 3, hidden)
+    weights = _weights(params, checkpoint, lowering)
+    (out,) = _run({"x": x, **weights}, lambda v: [mlp(PieceValues(v, lowering, "mlp", params), v["x"])])
+    np.testing.assert_allclose(out, ref_mlp(x, t, "gelu_tanh", False, True), **TOL)
+    with pytest.raises(ValueError, match="gated MLP with weights stored"):
+        MLP(up="u", down="d", gate="g", hidden=4, intermediate=6, stored_in_out=True)
+
+
+def test_embedding_projects_a_narrower_token_table():
+    # OPT-350m: token rows `width` wide, project_in to `hidden`, then learned positions (offset 2).
+    rng = np.random.default_rng(34)
+    vocab, width, hidden, n_positions = 11, 4, 6, 10
+    t = {"tok": _randn(rng, vocab, width), "proj.weight": _randn(rng, hidden, width),
+         "pos": _randn(rng, n_positions, hidden)}
+    emb = Embedding("tok", vocab, hidden, positions="pos", n_positions=n_positions, position_offset=2,
+                    projection="proj", width=width)
+    params = emb.params()
+    assert [(p.name, p.shape) for p in params] == [("embed.tokens", (vocab, width)),
+                                                   ("embed.project.weight", (hidden, width)),
+                                                   ("embed.positions", (n_positions, hidden))]
+    ids = rng.integers(0, vocab, (2, 3)).astype(np.int32)
+    positions = np.array([[0, 1, 2], [5, 6, 7]], np.int32)
+    expected = _linear(t["tok"][ids], t["proj.weight"]) + t["pos"][positions + 2]
+    head = Head(None, vocab, hidden, weight=None, tied_to="tok", projection="proj_out", width=width)
+    (head_param,) = [p for p in head.params() if p.name == "lm_head.weight"]
+    for lowering in (IN_OUT, OUT_IN):
+        weights = _weights(params, FakeCheckpoint(t), lowering, None)
+        out = _run_embedding(emb, lowering, {"ids": ids, "positions": positions, **weights}, "embed.tokens")
+        np.testing.assert_allclose(out, expected, **TOL)
+        # Tied and stored once: the head [vocab, width] serves as the table.
+        del weights["embed.tokens"]
+        weights["lm_head.weight"] = lowering.arrange(head_param, read(head_param, FakeCheckpoint(t), None))
+        out = _run_embedding(emb, lowering, {"ids": ids, "positions": positions, **weights}, "lm_head.weight",
+                             include_tokens=False)
+        np.testing.assert_allclose(out, expected, **TOL)
+    with pytest.raises(ValueError, match="needs the token table's width"):
+        Embedding("tok", vocab, hidden, projection="proj")
+
+
+HEAD_CASES = {
+    # GPT-J: final layer norm, a bias on the logits
+    "norm_and_bias": dict(norm=Norm("transformer.ln_f", 6, kind="layer", bias=True, eps=1e-5), bias="lm_head.bias"),
+    # OPT-350m: no final norm, project_out to a narrower head
+    "projection_no_norm": dict(norm=None, projection="model.decoder.project_out", width=4),
+}
+
+
+@pytest.mark.parametrize("case", list(HEAD_CASES))
+@pytest.mark.parametrize("n_tokens", [1, 4])
+@LOWERINGS
+def test_head_options(case, n_tokens, lowering):
+    rng = np.random.default_rng(35 + n_tokens)
+    b, hidden, vocab = 3, 6, 10
+    options = HEAD_CASES[case]
+    width = options.get("width", hidden)
+    head = Head(vocab_size=vocab, hidden=hidden, weight="lm_head.weight", **options)
+    t = {"transformer.ln_f.weight": _randn(rng, hidden) + 1, "transformer.ln_f.bias": _randn(rng, hidden),
+         "model.decoder.project_out.weight": _randn(rng, width, hidden), "lm_head.weight": _randn(rng, vocab, width),
+         "lm_head.bias": _randn(rng, vocab)}
+    params = head.params()
+    names = [p.name for p in params]
+    if case == "norm_and_bias":
+        assert names == ["final_norm.weight", "final_norm.bias", "lm_head.weight", "lm_head.bias"]
+        bias = params[-1]
+        assert bias.shape == (vocab,) and bias.kind is Kind.VECTOR and bias.shard is Shard.VOCAB and bias.is_head
+    else:
+        assert names == ["project_out.weight", "lm_head.weight"] and params[1].shape == (vocab, width)
+    weights = _weights(params, FakeCheckpoint(t), lowering, None)
+    hidden_states = _randn(rng, b, n_tokens, hidden, scale=2.0)
+    last_index = np.array([n_tokens - 1, 0, n_tokens // 2], np.int32)
+
+    def body(v):
+        return [head(PieceValues(v, lowering, "", params), v["hidden"], v["last_index"])]
+
+    (logits,) = _run({"hidden": hidden_states, "last_index": last_index, **weights}, body)
+    rows = hidden_states[np.arange(b), last_index if n_tokens > 1 else 0]
+    if case == "norm_and_bias":
+        rows = ref_norm(rows, t["transformer.ln_f.weight"], t["transformer.ln_f.bias"], "layer", 1e-5)
+        expected = _linear(rows, t["lm_head.weight"], t["lm_head.bias"])
+    else:
+        expected = _linear(_linear(rows, t["model.decoder.project_out.weight"]), t["lm_head.weight"])
+    np.testing.assert_allclose(logits, expected, **TOL)
+
+
+def test_head_rejects_a_projection_without_its_width():
+    with pytest.raises(ValueError, match="needs the head's width"):
+        Head(None, 10, 6, weight=None, projection="project_out")
+
+
+def test_decoder_layer_post_norm():
+    # OPT-350m: h = norm1(h + attn(h)); h = norm2(h + mlp(h)).
+    layer = _layer("post", False)
+    rng = np.random.default_rng(36)
+    t_attn, checkpoint = _attention_checkpoint(layer.attention, rng)
+    hidden, inter, prefix = 8, 12, "gpt_neox.layers.0"
+    norms = {name: (_randn(rng, hidden, scale=0.3) + 1, _randn(rng, hidden, scale=0.3))
+             for name in ("input_layernorm", "post_attention_layernorm")}
+    t_mlp = {"up.weight": _randn(rng, inter, hidden, scale=0.5), "up.bias": _randn(rng, inter),
+             "down.weight": _randn(rng, hidden, inter, scale=0.5), "down.bias": _randn(rng, hidden)}
+    checkpoint.tensors.update({f"{prefix}.{name}.{s}": a for name, (w, b) in norms.items()
+                               for s, a in (("weight", w), ("bias", b))})
+    checkpoint.tensors.update({f"{prefix}.mlp.dense_{n}.{s}": t_mlp[f"{part}.{s}"] for part, n in
+                               (("up", "h_to_4h"), ("down", "4h_to_h")) for s in ("weight", "bias")})
+    weights = _weights(layer.params(), checkpoint, IN_OUT)
+    b, n, slot, cache_len, n_attend = 2, 3, 2, 6, 5
+    pad = np.array([0, 3], np.int32)
+    x = _randn(rng, b, n, hidden)
+    step = _step_inputs(n, slot, pad)
+    cache_k, cache_v = (_randn(rng, b, 2, cache_len, 4) for _ in range(2))
+
+    def body(v):
+        s = Step(v["positions"], v["slot"], v["pad"], n, n_attend)
+        return list(layer(v, IN_OUT, v["hidden"], s, v["cache_k"], v["cache_v"]))
+
+    out, new_k, new_v = _run({"hidden": x, **step, "cache_k": cache_k, "cache_v": cache_v, **weights}, body)
+    attended, ref_k, ref_v = ref_attention(layer.attention, t_attn, x, step["positions"], slot, pad,
+                                           cache_k, cache_v, n_attend)
+    h = ref_norm(x + attended, *norms["input_layernorm"], "layer", 1e-5)
+    expected = ref_norm(h + ref_mlp(h, t_mlp, "gelu", False, True), *norms["post_attention_layernorm"], "layer", 1e-5)
+    real = slot + np.arange(n)[None, :] >= pad[:, None]
+    np.testing.assert_allclose(out[real], expected[real], rtol=1e-5, atol=3e-5)
+    np.testing.assert_allclose(new_k, ref_k, **TOL)
+    np.testing.assert_allclose(new_v, ref_v, **TOL)
+    with pytest.raises(ValueError, match="a post layer needs a post-attention norm"):
+        DecoderLayer(layer.input_norm, layer.attention, layer.mlp, None, "post")

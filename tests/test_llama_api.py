@@ -102,13 +102,14 @@ def test_every_neuron_config_option_is_built_or_refused():
         NeuronConfig(group_query_attention="shard-over-heads")
     with pytest.raises(NotSupportedYet, match="padding_side='left'"):
         NeuronConfig(padding_side="left")
-    with pytest.raises(NotSupportedYet, match="per_batch_line"):
-        NeuronConfig(on_device_generation=GenerationConfig(per_batch_line=True))
+    with pytest.raises(NotSupportedYet, match="deterministic"):
+        NeuronConfig(on_device_generation=GenerationConfig(deterministic=True))
     with pytest.raises(NotSupportedYet, match="max_length"):
         NeuronConfig(on_device_generation=GenerationConfig(max_length=64))
     with pytest.raises(NotSupportedYet, match="dynamic=False"):
         NeuronConfig(on_device_generation=GenerationConfig(dynamic=False))
     assert NeuronConfig(fuse_qkv=False).fuse_qkv is False       # built: three q, k, v weights
+    assert NeuronConfig(on_device_generation=GenerationConfig(per_batch_line=True, top_k=[1, 5]))  # built
 
 
 def test_fuse_qkv_false_gives_the_same_tokens_with_three_weights(model, checkpoint):

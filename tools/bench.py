@@ -397,9 +397,10 @@ class PyhloRunner:
     engine = "pyhlo"
 
     def __init__(self, model_path: str, amp: str, batch: int, n_positions: int, **_: Any):
-        from decoders.families import open_model
+        from decoders import NeuronAutoModelForCausalLM
 
-        self.model = open_model(model_path, batch_size=batch, n_positions=n_positions, amp=amp)
+        self.model = NeuronAutoModelForCausalLM.from_pretrained(model_path, batch_size=batch,
+                                                                n_positions=n_positions, amp=amp)
         self.model.to_neuron()
         programs = self.model.programs
         self.info = {"programs": len(self.model.eager_programs()), "cache_hits": programs.cache_hits,

@@ -48,14 +48,15 @@ def prompt_ids(tokenizer, text: str, chat: bool, system: str | None) -> list[int
 def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
+    from decoders import NeuronAutoModelForCausalLM
     from decoders.checkpoints.default_model import default_model_path
-    from decoders.families import open_model
 
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
     path = args.model or default_model_path()
     started = time.perf_counter()
-    model = open_model(path, batch_size=1, n_positions=args.n_positions, amp=args.amp)
+    model = NeuronAutoModelForCausalLM.from_pretrained(path, batch_size=1, n_positions=args.n_positions,
+                                                       amp=args.amp)
     model.to_neuron()
     tokenizer = model.tokenizer
     ready = time.perf_counter()

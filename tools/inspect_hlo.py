@@ -92,14 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _open_model(target: hlo_report.Target, args: argparse.Namespace):
-    from decoders import NeuronConfig
+    from decoders import NeuronAutoModelForCausalLM, NeuronConfig
     from decoders.checkpoints.default_model import default_model_path
-    from decoders.families import open_model
 
     path = target.path if target.path is not None else default_model_path()
     config = NeuronConfig(whole_model_program=False) if args.per_block else None
-    return open_model(path, batch_size=args.batch_size, n_positions=args.n_positions, amp=args.amp,
-                      context_length_estimate=args.context_length_estimate, neuron_config=config)
+    return NeuronAutoModelForCausalLM.from_pretrained(
+        path, batch_size=args.batch_size, n_positions=args.n_positions, amp=args.amp,
+        context_length_estimate=args.context_length_estimate, neuron_config=config)
 
 
 def _dump(reports: list[hlo_report.ModuleReport], directory: str, formats: list[str]) -> int:

@@ -4,8 +4,9 @@ from decoders.blocks.attention import Alibi, Attention, Rotary
 from decoders.blocks.embedding import Embedding, Head
 from decoders.blocks.layer import Decoder, DecoderLayer
 from decoders.blocks.mlp import MLP
+from decoders.blocks.moe import MoE
 from decoders.blocks.norm import Norm
 from decoders.blocks.params import Kind, Param, Shard, Source
 
-__all__ = ["Alibi", "Attention", "Decoder", "DecoderLayer", "Embedding", "Head", "Kind", "MLP", "Norm",
+__all__ = ["Alibi", "Attention", "Decoder", "DecoderLayer", "Embedding", "Head", "Kind", "MLP", "MoE", "Norm",
            "Param", "Rotary", "Shard", "Source"]

@@ -1,5 +1,6 @@
-"""Attention piece: fused or split QKV (optional biases), rotary (full, partial, interleaved)
-or ALiBi positions, optional sliding window, grouped-query heads, over an in-place KV cache.
+"""Attention piece: fused (per head or contiguous) or split QKV (optional biases), rotary
+(full, partial, interleaved) or ALiBi positions, optional sliding window, grouped-query
+heads, over an in-place KV cache.
 
 Caches are [batch, kv_heads, n_positions, head_dim]; each step writes its new keys and
 values at `step.slot` (one in-place update for the whole batch) and attends over the first
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from decoders.blocks.params import Kind, Param, Shard, Source, per_head_qkv, rows
+from decoders.blocks.params import Kind, Param, Shard, Source, Transform, per_head_qkv, rows, transposed
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
 from pyhlo.ops import elementwise as ew
@@ -51,7 +52,8 @@ class Alibi:
 @dataclass(frozen=True)
 class Attention:
     """Checkpoint prefixes ({i}: layer): `q`, `k`, `v` for split projections (Llama), or `qkv`
-    for one fused per head as [head, (q, k, v), head_dim] (GPT-NeoX, Bloom); `out` the output."""
+    for one fused projection, laid out along `out` per head as [head, (q, k, v), head_dim]
+    (GPT-NeoX, Bloom) or contiguous as [q | k | v] (GPT-2's c_attn); `out` the output."""
 
     out: str
     hidden: int
@@ -68,14 +70,22 @@ class Attention:
     window: int | None = None
     # The program takes q, k and v as one fused weight (NeuronConfig.fuse_qkv) or three.
     fused: bool = True
+    qkv_layout: str = "per_head"       # a fused checkpoint qkv: "per_head" | "contiguous"
+    # Linear weights stored [in, out] (GPT-2's Conv1D), transposed on reading.
+    stored_in_out: bool = False
 
     def __post_init__(self) -> None:
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
-            raise ValueError("Attention needs either q, k and v, or qkv (a fused per-head projection)")
+            raise ValueError("Attention needs either q, k and v, or qkv (a fused projection)")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} kv heads")
-        if self.qkv is not None and self.n_kv_heads != self.n_heads:
+        if self.qkv_layout not in ("per_head", "contiguous"):
+            raise ValueError(f"qkv_layout must be 'per_head' or 'contiguous', got {self.qkv_layout!r}")
+        if self.qkv is not None and self.qkv_layout == "per_head" and self.n_kv_heads != self.n_heads:
             raise ValueError("a per-head fused qkv projection has as many kv heads as heads")
+        if self.stored_in_out and self.qkv is None and self.fused:
+            # Source concatenates parts along axis 0, which is `in` for [in, out] tensors.
+            raise ValueError("split q, k, v weights stored [in, out] cannot be fused; use fused=False")
         if isinstance(self.positions, Rotary) and not 0 < self.positions.rotary_dim <= self.head_dim:
             raise ValueError(f"rotary dimension {self.positions.rotary_dim} must be in 1..head_dim {self.head_dim}")
 
@@ -91,20 +101,29 @@ class Attention:
     def scale(self) -> float:
         return 1.0 / float(np.sqrt(self.head_dim))
 
-    @property
-    def plain(self) -> bool:
-        """Softmax(q k) v with only the causal and padding masks: no bias, no window."""
-        return not isinstance(self.positions, Alibi) and self.window is None
+    def plain(self, cache_len: int) -> bool:
+        """Softmax(q k) v over a cache of `cache_len` slots with only the causal and padding
+        masks: no bias, and no window narrower than the cache."""
+        return not isinstance(self.positions, Alibi) and (self.window is None or self.window >= cache_len)
 
     # -- parameters -----------------------------------------------------------------
+    def _stored(self, suffix: str) -> tuple[Transform, ...]:
+        """Transforms from a stored weight or bias to its [out, in] or [out] form."""
+        return (transposed(),) if self.stored_in_out and suffix == "weight" else ()
+
+    def _fused_qkv(self, suffix: str) -> Source:
+        """The checkpoint's fused qkv (weight or bias) as [q | k | v, ...]."""
+        reorder = (per_head_qkv(self.n_heads, self.head_dim),) if self.qkv_layout == "per_head" else ()
+        return Source((f"{self.qkv}.{suffix}",), self._stored(suffix) + reorder)
+
     def _sources(self, suffix: str) -> dict[str, Source]:
         """Checkpoint sources of q, k and v (weights or biases), in q|k|v order."""
         if self.qkv is None:
-            return {part: Source((f"{getattr(self, part)}.{suffix}",)) for part in ("q", "k", "v")}
-        reorder = per_head_qkv(self.n_heads, self.head_dim)
+            return {part: Source((f"{getattr(self, part)}.{suffix}",), self._stored(suffix)) for part in "qkv"}
+        fused = self._fused_qkv(suffix)
         bounds = {"q": (0, self.q_size), "k": (self.q_size, self.q_size + self.kv_size),
                   "v": (self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)}
-        return {part: Source((f"{self.qkv}.{suffix}",), (reorder, rows(*bounds[part]))) for part in bounds}
+        return {part: Source(fused.names, (*fused.transforms, rows(*bounds[part]))) for part in bounds}
 
     def _qkv_params(self, scope: str, suffix: str) -> list[Param]:
         kind = Kind.LINEAR if suffix == "weight" else Kind.VECTOR
@@ -117,7 +136,7 @@ class Attention:
         if self.qkv is None:
             source = Source(tuple(sources[part].names[0] for part in ("q", "k", "v")))
         else:
-            source = Source((f"{self.qkv}.{suffix}",), (per_head_qkv(self.n_heads, self.head_dim),))
+            source = self._fused_qkv(suffix)
         return [Param(f"{scope}.qkv.{suffix}", kind, (sum(sizes.values()), *trailing), Shard.COLUMN, source,
                       segments=tuple(sizes.values()))]
 
@@ -126,7 +145,7 @@ class Attention:
         if self.qkv_bias:
             declared += self._qkv_params(scope, "bias")
         declared.append(Param(f"{scope}.out.weight", Kind.LINEAR, (self.hidden, self.q_size), Shard.ROW,
-                              Source((f"{self.out}.weight",))))
+                              Source((f"{self.out}.weight",), self._stored("weight"))))
         if self.out_bias:
             declared.append(Param(f"{scope}.out.bias", Kind.VECTOR, (self.hidden,), Shard.REPLICATED,
                                   Source((f"{self.out}.bias",))))
@@ -147,7 +166,7 @@ class Attention:
         cache_k = dynamic_update_slice(cache_k, k, [0, 0, step.slot, 0])
         cache_v = dynamic_update_slice(cache_v, v, [0, 0, step.slot, 0])
         context = None
-        if n == 1 and self.plain:
+        if n == 1 and self.plain(cache_k.dims[2]):
             context = values.lowering.decode_attention(q, cache_k, cache_v, step.slot, step.pad, self.scale)
         if context is None:
             context = self._attend(q, cache_k, cache_v, step)

@@ -1,8 +1,10 @@
 """Embedding and LM head pieces.
 
 Embedding: token table rows, plus optional learned positions (GPT-2, OPT with its offset of
-2) and an embedding norm (Bloom). Head: final norm and the vocabulary projection of one
-position per line; with tied embeddings its weight is the token table.
+2) and an embedding norm (Bloom). Head: an optional final norm and the vocabulary projection
+(optionally with a bias: GPT-J) of one position per line; with tied embeddings its weight is
+the token table. A token table narrower than the layers (OPT-350m's word_embed_proj_dim) is
+projected in by the embedding and out by the head.
 
 When the LM head is the token table in the same element type, the model keeps one table
 (`Head.params` declares it; the embedding reads its rows, or its columns in [in, out]).
@@ -31,12 +33,27 @@ class Embedding:
     n_positions: int = 0              # its rows
     position_offset: int = 0          # OPT: position p reads row p + 2
     norm: Norm | None = None          # Bloom's word_embeddings_layernorm
+    # A token table `width` wide, projected to `hidden` by this linear's weight [hidden, width]
+    # (OPT's project_in); None: the table is `hidden` wide.
+    projection: str | None = None
+    width: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.projection is None) != (self.width is None):
+            raise ValueError("an embedding projection needs the token table's width, and only it does")
+
+    @property
+    def table_width(self) -> int:
+        return self.hidden if self.width is None else self.width
 
     def params(self, scope: str = "embed", include_tokens: bool = True) -> list[Param]:
         declared = []
         if include_tokens:
-            declared.append(Param(f"{scope}.tokens", Kind.TABLE, (self.vocab_size, self.hidden), Shard.REPLICATED,
-                                  Source((self.tokens,))))
+            declared.append(Param(f"{scope}.tokens", Kind.TABLE, (self.vocab_size, self.table_width),
+                                  Shard.REPLICATED, Source((self.tokens,))))
+        if self.projection is not None:
+            declared.append(Param(f"{scope}.project.weight", Kind.LINEAR, (self.hidden, self.table_width),
+                                  Shard.REPLICATED, Source((f"{self.projection}.weight",))))
         if self.positions is not None:
             declared.append(Param(f"{scope}.positions", Kind.TABLE, (self.n_positions, self.hidden),
                                   Shard.REPLICATED, Source((self.positions,))))
@@ -48,7 +65,9 @@ class Embedding:
                  dtype: str) -> HloValue:
         """Hidden states [b, n, hidden] (dtype) of token ids [b, n]; `table` is the token table
         [vocab, hidden], or the LM head [hidden, vocab] when it serves as the table."""
-        hidden = ew.convert(_rows(table, ids, self.hidden), dtype)
+        hidden = ew.convert(_rows(table, ids, self.table_width), dtype)
+        if self.projection is not None:
+            hidden = values.linear(hidden, "project")
         if self.positions is not None:
             rows = ew.add(positions, self.position_offset) if self.position_offset else positions
             hidden = ew.add(hidden, ew.convert(_rows(values["positions"], rows, self.hidden), dtype))
@@ -72,19 +91,37 @@ def _rows(table: HloValue, ids: HloValue, width: int) -> HloValue:
 
 @dataclass(frozen=True)
 class Head:
-    """Final norm and LM head. `weight` is the checkpoint name (or alternatives) of the head;
-    None: tied to the embedding's token table, `tied_to`."""
+    """Final norm (None: none, as OPT-350m) and LM head. `weight` is the checkpoint name (or
+    alternatives) of the head; None: tied to the embedding's token table, `tied_to`. `bias`
+    names the head's bias (GPT-J). `projection` names a linear [width, hidden] between the
+    norm and a head `width` wide (OPT's project_out)."""
 
-    norm: Norm
+    norm: Norm | None
     vocab_size: int
     hidden: int
     weight: str | tuple[str, ...] | None
     tied_to: str = ""
+    bias: str | None = None
+    projection: str | None = None
+    width: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.projection is None) != (self.width is None):
+            raise ValueError("a head projection needs the head's width, and only it does")
 
     def params(self) -> list[Param]:
+        width = self.hidden if self.width is None else self.width
+        declared = self.norm.params("final_norm") if self.norm is not None else []
+        if self.projection is not None:
+            declared.append(Param("project_out.weight", Kind.LINEAR, (width, self.hidden), Shard.REPLICATED,
+                                  Source((f"{self.projection}.weight",))))
         source = Source((self.weight if self.weight is not None else self.tied_to,))
-        return [*self.norm.params("final_norm"),
-                Param(HEAD_WEIGHT, Kind.LINEAR, (self.vocab_size, self.hidden), Shard.VOCAB, source, is_head=True)]
+        declared.append(Param(HEAD_WEIGHT, Kind.LINEAR, (self.vocab_size, width), Shard.VOCAB, source, is_head=True))
+        if self.bias is not None:
+            # In the head's element type: added to its f32 logits.
+            declared.append(Param("lm_head.bias", Kind.VECTOR, (self.vocab_size,), Shard.VOCAB,
+                                  Source((self.bias,)), is_head=True))
+        return declared
 
     def __call__(self, values: PieceValues, hidden: HloValue, last_index: HloValue) -> HloValue:
         """f32 logits [b, vocab] of position last_index[i] of each line i (scope: the model's)."""
@@ -97,5 +134,8 @@ class Head:
                 index = reshape(dynamic_slice(last_index, [i], [1]), ())
                 picked.append(dynamic_slice(hidden, [i, index, 0], [1, 1, width]))
             rows = reshape(concatenate(picked, 0), (b, width))
-        normed = self.norm(values.scoped("final_norm", self.norm), rows)
-        return values.linear(normed, "lm_head", out_dtype="f32")
+        if self.norm is not None:
+            rows = self.norm(values.scoped("final_norm", self.norm), rows)
+        if self.projection is not None:
+            rows = values.linear(rows, "project_out")
+        return values.linear(rows, "lm_head", out_dtype="f32")

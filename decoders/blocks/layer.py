@@ -1,5 +1,6 @@
-"""Decoder layer: norms, attention and MLP wired sequentially (Llama, Bloom) or in parallel
-(GPT-NeoX, GPT-J); and `Decoder`, the whole model as pieces."""
+"""Decoder layer: norms, attention and MLP wired sequentially (Llama, Bloom), in parallel
+(GPT-NeoX, GPT-J) or sequentially with the norms after the residual sums (OPT-350m); and
+`Decoder`, the whole model as pieces."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from decoders.blocks.attention import Attention
 from decoders.blocks.embedding import HEAD_WEIGHT, TOKENS, Embedding, Head
 from decoders.blocks.mlp import MLP
+from decoders.blocks.moe import MoE
 from decoders.blocks.norm import Norm
 from decoders.blocks.params import Param
 from decoders.blocks.step import Step
@@ -14,17 +16,19 @@ from decoders.blocks.values import PieceValues
 from pyhlo.ops import elementwise as ew
 from pyhlo.scribe import HloValue
 
-RESIDUALS = ("sequential", "parallel")
+RESIDUALS = ("sequential", "parallel", "post")
 
 
 @dataclass(frozen=True)
 class DecoderLayer:
     """sequential: h += attn(norm1(h)); h += mlp(norm2(h)).
-    parallel:   h += attn(norm1(h)) + mlp(norm2(h)), or mlp(norm1(h)) when post_norm is None."""
+    parallel:   h += attn(norm1(h)) + mlp(norm2(h)), or mlp(norm1(h)) when post_norm is None.
+    post:       h = norm1(h + attn(h)); h = norm2(h + mlp(h)).
+    norm1 is `input_norm`, norm2 `post_norm`."""
 
     input_norm: Norm
     attention: Attention
-    mlp: MLP
+    mlp: MLP | MoE      # a mixture of experts has the MLP's call
     post_norm: Norm | None
     residual: str = "sequential"
 
@@ -32,7 +36,7 @@ class DecoderLayer:
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}")
         if self.post_norm is None and self.residual != "parallel":
-            raise ValueError("a sequential layer needs a post-attention norm")
+            raise ValueError(f"a {self.residual} layer needs a post-attention norm")
 
     def params(self) -> list[Param]:
         """Every parameter of one layer, in program order; names are the same in every layer."""
@@ -44,14 +48,19 @@ class DecoderLayer:
     def __call__(self, values: dict[str, HloValue], lowering, hidden: HloValue, step: Step,
                  cache_k: HloValue, cache_v: HloValue) -> tuple[HloValue, HloValue, HloValue]:
         layer = PieceValues(values, lowering, "", [])
-        x = self.input_norm(layer.scoped("input_norm", self.input_norm), hidden)
+        input_norm = layer.scoped("input_norm", self.input_norm)
+        x = hidden if self.residual == "post" else self.input_norm(input_norm, hidden)
         attended, cache_k, cache_v = self.attention(layer.scoped("attn", self.attention), x, step, cache_k, cache_v)
         mlp = layer.scoped("mlp", self.mlp)
         if self.residual == "parallel":
             second = x if self.post_norm is None else self.post_norm(layer.scoped("post_norm", self.post_norm), hidden)
             return ew.add(ew.add(hidden, attended), self.mlp(mlp, second)), cache_k, cache_v
         hidden = ew.add(hidden, attended)
-        x = self.post_norm(layer.scoped("post_norm", self.post_norm), hidden)
+        post_norm = layer.scoped("post_norm", self.post_norm)
+        if self.residual == "post":
+            hidden = self.input_norm(input_norm, hidden)
+            return self.post_norm(post_norm, ew.add(hidden, self.mlp(mlp, hidden))), cache_k, cache_v
+        x = self.post_norm(post_norm, hidden)
         return ew.add(hidden, self.mlp(mlp, x)), cache_k, cache_v
 
 

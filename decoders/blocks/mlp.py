@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders.blocks.params import Kind, Param, Shard, Source
+from decoders.blocks.params import Kind, Param, Shard, Source, transposed
 from decoders.blocks.values import PieceValues
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops import nn
@@ -26,9 +26,17 @@ class MLP:
     gate: str | None = None
     activation: str = "silu"
     bias: bool = False
+    # Linear weights stored [in, out] (GPT-2's Conv1D), transposed on reading.
+    stored_in_out: bool = False
 
     def __post_init__(self) -> None:
         nn.activation_fn(self.activation)   # an unknown name fails here, with the valid ones
+        if self.stored_in_out and self.gate is not None:
+            # gate|up is read by concatenating along axis 0, which is `in` for [in, out] tensors.
+            raise ValueError("a gated MLP with weights stored [in, out] is not supported")
+
+    def _source(self, name: str, suffix: str) -> Source:
+        return Source((f"{name}.{suffix}",), (transposed(),) if self.stored_in_out and suffix == "weight" else ())
 
     def params(self, scope: str) -> list[Param]:
         hidden, intermediate = self.hidden, self.intermediate
@@ -42,10 +50,9 @@ class MLP:
                                       Shard.COLUMN, Source((f"{self.gate}.{suffix}", f"{self.up}.{suffix}")),
                                       segments=(intermediate, intermediate)))
             else:
-                declared.append(Param(f"{scope}.up.{suffix}", kind, shape, Shard.COLUMN,
-                                      Source((f"{self.up}.{suffix}",))))
+                declared.append(Param(f"{scope}.up.{suffix}", kind, shape, Shard.COLUMN, self._source(self.up, suffix)))
         declared.append(Param(f"{scope}.down.weight", Kind.LINEAR, (hidden, intermediate), Shard.ROW,
-                              Source((f"{self.down}.weight",))))
+                              self._source(self.down, "weight")))
         if self.bias:
             # Added once, after the row-parallel product is summed over devices.
             declared.append(Param(f"{scope}.down.bias", Kind.VECTOR, (hidden,), Shard.REPLICATED,

@@ -1,13 +1,16 @@
 """Read a llama.cpp GGUF file as a checkpoint with Hugging Face names, config and tokenizer.
 
-A GGUF file differs from a Hugging Face checkpoint in four ways, each undone here:
+A GGUF file differs from a Hugging Face checkpoint in five ways, each undone here:
 
 1. Tensor names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``.
 2. Values: most weights are quantized in blocks (Q4_1, Q8_0 ...); ``get`` dequantizes them
    to float32 with ``gguf.quants.dequantize``.
 3. Shapes: GGUF lists dimensions fastest-varying first, the reverse of numpy's order.
 4. Rotary layout: llama.cpp's converter reorders the rows of the q and k projections
-   (see ``unpermute_rope_rows``).
+   of "llama" files (see ``unpermute_rope_rows``), not of "qwen2" ones.
+5. Experts: a mixture of experts (Mixtral, written as "llama") stacks each expert weight
+   into one tensor [n_expert, ...] (``blk.N.ffn_gate_exps``); it is read as one tensor per
+   expert, with the names of HF's Mixtral checkpoints.
 
 The config is rebuilt from the file's metadata with the keys Hugging Face's LlamaConfig uses.
 Architectures are rows of ``ARCHITECTURES``; adding one is mostly adding data.
@@ -44,6 +47,10 @@ class GGUFArchitecture:
     rope_permuted: dict[str, str]
     # Tensors this loader knows but cannot honour yet -> why.
     unsupported_tensors: dict[str, str]
+    # Per-block GGUF tensors stacked over experts [n_expert, ...] -> HF name ({e}: expert) in the block.
+    expert_tensors: dict[str, str] = dataclasses.field(default_factory=dict)
+    # (model_type, HF architecture) of a file with expert tensors.
+    moe_model: tuple[str, str] | None = None
 
 
 LLAMA = GGUFArchitecture(
@@ -64,6 +71,7 @@ LLAMA = GGUFArchitecture(
         "ffn_down": "mlp.down_proj",
         "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "block_sparse_moe.gate",
     },
     config_keys={
         "hidden_size": ("embedding_length",),
@@ -75,6 +83,8 @@ LLAMA = GGUFArchitecture(
         "rms_norm_eps": ("attention.layer_norm_rms_epsilon",),
         "rope_theta": ("rope.freq_base",),
         "max_position_embeddings": ("context_length",),
+        "num_local_experts": ("expert_count",),
+        "num_experts_per_tok": ("expert_used_count",),
     },
     required_config=(
         "hidden_size",
@@ -89,9 +99,27 @@ LLAMA = GGUFArchitecture(
         "rope_freqs": "per-dimension RoPE frequency factors (Llama 3.1-style rope scaling baked "
         "into a tensor) are not supported yet",
     },
+    # llama.cpp's converter writes Mixtral's experts w1 (gate), w3 (up) and w2 (down) stacked.
+    expert_tensors={
+        "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+        "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+        "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+    },
+    moe_model=("mixtral", "MixtralForCausalLM"),
 )
 
-ARCHITECTURES: dict[str, GGUFArchitecture] = {"llama": LLAMA}
+# Qwen2's converter keeps HF's q and k rows as they are, and writes q, k, v biases.
+QWEN2 = dataclasses.replace(
+    LLAMA,
+    model_type="qwen2",
+    hf_architecture="Qwen2ForCausalLM",
+    block_tensors={k: v for k, v in LLAMA.block_tensors.items() if k != "ffn_gate_inp"},
+    rope_permuted={},
+    expert_tensors={},
+    moe_model=None,
+)
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {"llama": LLAMA, "qwen2": QWEN2}
 
 # tokenizer.ggml.<key> -> HF config key
 TOKEN_ID_KEYS = {
@@ -169,12 +197,22 @@ class GGUFCheckpoint(Checkpoint):
                 f"supported: {', '.join(sorted(ARCHITECTURES))}"
             )
         self._arch_name = arch_name
-        # HF name -> (GGUF tensor, config key of its rotary head count or None)
+        # HF name -> (GGUF tensor, config key of its rotary head count or None, expert index or None)
         self._tensors = {}
         for tensor in reader.tensors:
-            hf_name, rope_heads = self._hf_name(tensor.name)
-            self._tensors[hf_name] = (tensor, rope_heads)
+            for hf_name, rope_heads, expert in self._hf_names(tensor):
+                self._tensors[hf_name] = (tensor, rope_heads, expert)
         self.config = self._config()
+
+    def _hf_names(self, tensor) -> list[tuple[str, str | None, int | None]]:
+        """The HF names a GGUF tensor is read as: one, or one per expert of a stacked tensor."""
+        base, _, suffix = tensor.name.rpartition(".")
+        parts = base.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in self.arch.expert_tensors:
+            template = f"model.layers.{parts[1]}.{self.arch.expert_tensors[parts[2]]}.{suffix}"
+            n_experts = int(tensor.shape[-1])   # GGUF lists dimensions fastest first
+            return [(template.format(e=e), None, e) for e in range(n_experts)]
+        return [(*self._hf_name(tensor.name), None)]
 
     def _hf_name(self, gguf_name: str) -> tuple[str, str | None]:
         arch = self.arch
@@ -192,7 +230,8 @@ class GGUFCheckpoint(Checkpoint):
             raise CheckpointError(
                 f"{self.path}: tensor {gguf_name!r} has no known Hugging Face name for GGUF "
                 f"architecture {self._arch_name!r}; known: "
-                f"{', '.join(sorted(arch.global_tensors))}, blk.N.{{{','.join(sorted(arch.block_tensors))}}}"
+                f"{', '.join(sorted(arch.global_tensors))}, "
+                f"blk.N.{{{','.join(sorted([*arch.block_tensors, *arch.expert_tensors]))}}}"
             )
         rope_heads = arch.rope_permuted.get(key) if table is arch.block_tensors else None
         return f"{prefix}{table[key]}.{suffix}", rope_heads
@@ -211,6 +250,7 @@ class GGUFCheckpoint(Checkpoint):
                 if hf_key in arch.required_config:
                     keys = " or ".join(f"{self._arch_name}.{k}" for k in gguf_keys)
                     raise CheckpointError(f"{self.path}: metadata {keys} is missing (needed for {hf_key})")
+        self._expert_config(config)
         config.setdefault("num_key_value_heads", config["num_attention_heads"])
         config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
         for key in ("rms_norm_eps", "rope_theta"):
@@ -239,6 +279,24 @@ class GGUFCheckpoint(Checkpoint):
         }
         return config
 
+    def _expert_config(self, config: dict) -> None:
+        """A file with stacked expert tensors is a mixture of experts: its model type, and the
+        expert counts it must state."""
+        stacked = {int(tensor.shape[-1]) for tensor, _, expert in self._tensors.values() if expert is not None}
+        if not stacked:
+            for key in ("num_local_experts", "num_experts_per_tok"):
+                config.pop(key, None)
+            return
+        config["model_type"], architecture = self.arch.moe_model
+        config["architectures"] = [architecture]
+        for key, gguf_key in (("num_local_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count")):
+            if key not in config:
+                raise CheckpointError(f"{self.path}: metadata {self._arch_name}.{gguf_key} is missing (needed for {key} "
+                                      "of a mixture of experts)")
+        if stacked != {config["num_local_experts"]}:
+            raise CheckpointError(f"{self.path}: expert tensors stack {sorted(stacked)} experts, "
+                                  f"the metadata says {config['num_local_experts']}")
+
     def _rope_scaling(self) -> dict | None:
         prefix = f"{self._arch_name}.rope.scaling."
         kind = self._metadata.get(prefix + "type")
@@ -266,8 +324,9 @@ class GGUFCheckpoint(Checkpoint):
 
     def shape(self, name: str) -> tuple[int, ...]:
         self._require(name)
-        tensor, _ = self._tensors[name]
-        return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        tensor, _, expert = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        return shape if expert is None else shape[1:]
 
     def quant_type(self, name: str) -> str:
         """The stored GGML type of a tensor, e.g. ``"Q4_1"``."""
@@ -278,15 +337,17 @@ class GGUFCheckpoint(Checkpoint):
         import gguf
 
         shape = self.shape(name)
-        tensor, rope_heads = self._tensors[name]
+        tensor, rope_heads, expert = self._tensors[name]
         kind = tensor.tensor_type
+        # One expert of a stacked tensor: its rows only, never the whole stack.
+        data = tensor.data if expert is None else tensor.data[expert]
         if kind == gguf.GGMLQuantizationType.BF16:
-            array = tensor.data.view(np.uint16).view(ml_dtypes.bfloat16).reshape(shape).copy()
-        elif tensor.data.dtype != np.uint8:
+            array = data.view(np.uint16).view(ml_dtypes.bfloat16).reshape(shape).copy()
+        elif data.dtype != np.uint8:
             # Stored unquantized (F32, F16, F64, I8 ... I64): copy it out of the file mapping.
-            array = np.array(tensor.data).reshape(shape)
+            array = np.array(data).reshape(shape)
         else:
-            array = _dequantize(tensor.data, kind, shape)
+            array = _dequantize(data, kind, shape)
         if rope_heads is not None:
             array = unpermute_rope_rows(array, self.config[rope_heads])
         return array

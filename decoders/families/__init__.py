@@ -1,15 +1,23 @@
 """Model families: each a short description over the shared pieces (decoders/blocks/).
 
-    sampling_class("gpt_neox")     # -> GPTNeoXForSampling
+    sampling_class("gpt_neox")     # -> GPTNeoXForSampling (NeuronAutoModelForCausalLM's lookup)
 """
 from __future__ import annotations
 
 from decoders.families.bloom import BloomForSampling
+from decoders.families.gpt2 import GPT2ForSampling
 from decoders.families.gpt_neox import GPTNeoXForSampling
+from decoders.families.gptj import GPTJForSampling
 from decoders.families.llama import LlamaForSampling
+from decoders.families.mistral import MistralForSampling
+from decoders.families.mixtral import MixtralForSampling
+from decoders.families.opt import OPTForSampling
+from decoders.families.qwen2 import Qwen2ForSampling
 from decoders.model import DecoderForSampling
 
-CLASSES: tuple[type[DecoderForSampling], ...] = (LlamaForSampling, GPTNeoXForSampling, BloomForSampling)
+CLASSES: tuple[type[DecoderForSampling], ...] = (LlamaForSampling, GPTNeoXForSampling, BloomForSampling,
+                                                 GPT2ForSampling, OPTForSampling, GPTJForSampling,
+                                                 MistralForSampling, Qwen2ForSampling, MixtralForSampling)
 
 
 def sampling_class(model_type: str | None) -> type[DecoderForSampling]:
@@ -20,11 +28,3 @@ def sampling_class(model_type: str | None) -> type[DecoderForSampling]:
     known = ", ".join(t for cls in CLASSES for t in cls.family.model_types)
     raise ValueError(f"model_type {model_type!r} is not supported; supported: {known}")
 
-
-def open_model(path, **kwargs) -> DecoderForSampling:
-    """from_pretrained() of the family that runs the checkpoint at `path` (by its model_type)."""
-    from decoders.checkpoints import open_checkpoint
-
-    with open_checkpoint(path) as checkpoint:
-        model_type = checkpoint.config.get("model_type")
-    return sampling_class(model_type).from_pretrained(path, **kwargs)

@@ -1,24 +1,29 @@
 """Llama (Llama 2 and 3, TinyLlama, SmolLM2, ...): RMS norms, SiLU-gated MLP, rotary positions,
-grouped-query attention; optional attention and MLP biases."""
+grouped-query attention; optional attention and MLP biases.
+
+`llama_layout` is the Llama description with the options its relatives change (Mistral,
+Qwen2, Mixtral): attention biases, one sliding window on every layer, another MLP piece.
+"""
 from __future__ import annotations
 
-from decoders.blocks import MLP, Attention, Decoder, DecoderLayer, Embedding, Head, Norm, Rotary
+from decoders.blocks import MLP, Attention, Decoder, DecoderLayer, Embedding, Head, MoE, Norm, Rotary
 from decoders.description import ConfigReader, Family, rope_inverse_frequencies
 from decoders.model import DecoderForSampling
 
 LAYER = "model.layers.{i}."
 
 
-def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
+def llama_layout(config: ConfigReader, fuse_qkv: bool, *, qkv_bias: bool, out_bias: bool,
+                 window: int | None = None, mlp: MLP | MoE | None = None,
+                 default_theta: float = 10000.0) -> Decoder:
+    """A Llama-shaped decoder; `mlp` None: the gated MLP (with biases when config's mlp_bias)."""
     hidden = int(config.get("hidden_size"))
     n_heads = int(config.get("num_attention_heads"))
     head_dim = int(config.get("head_dim", default=hidden // n_heads))
     vocab = int(config.get("vocab_size"))
     eps = float(config.get("rms_norm_eps", default=1e-6))
     rope = config.rope()
-    theta = float(rope.get("rope_theta") or config.get("rope_theta", default=10000.0))
-    attention_bias = bool(config.get("attention_bias", default=False))
-    mlp_bias = bool(config.get("mlp_bias", default=False))
+    theta = float(rope.get("rope_theta") or config.get("rope_theta", default=default_theta))
 
     def norm(name: str) -> Norm:
         return Norm(name, hidden, "rms", eps=eps)
@@ -27,16 +32,22 @@ def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
         out=LAYER + "self_attn.o_proj", q=LAYER + "self_attn.q_proj", k=LAYER + "self_attn.k_proj",
         v=LAYER + "self_attn.v_proj", hidden=hidden, n_heads=n_heads,
         n_kv_heads=int(config.get("num_key_value_heads", default=n_heads)), head_dim=head_dim,
-        qkv_bias=attention_bias, out_bias=attention_bias,
-        positions=Rotary(rope_inverse_frequencies(rope, theta, head_dim)), fused=fuse_qkv)
-    mlp = MLP(up=LAYER + "mlp.up_proj", down=LAYER + "mlp.down_proj", gate=LAYER + "mlp.gate_proj",
-              hidden=hidden, intermediate=int(config.get("intermediate_size")),
-              activation=config.get("hidden_act", default="silu"), bias=mlp_bias)
+        qkv_bias=qkv_bias, out_bias=out_bias, positions=Rotary(rope_inverse_frequencies(rope, theta, head_dim)),
+        window=None if window is None else int(window), fused=fuse_qkv)
+    if mlp is None:
+        mlp = MLP(up=LAYER + "mlp.up_proj", down=LAYER + "mlp.down_proj", gate=LAYER + "mlp.gate_proj",
+                  hidden=hidden, intermediate=int(config.get("intermediate_size")),
+                  activation=config.get("hidden_act", default="silu"), bias=bool(config.get("mlp_bias", default=False)))
     layer = DecoderLayer(norm(LAYER + "input_layernorm"), attention, mlp, norm(LAYER + "post_attention_layernorm"))
     tied = bool(config.get("tie_word_embeddings", default=False))
     embedding = Embedding("model.embed_tokens.weight", vocab, hidden)
     head = Head(norm("model.norm"), vocab, hidden, None if tied else "lm_head.weight", tied_to=embedding.tokens)
     return Decoder(embedding, layer, head, int(config.get("num_hidden_layers")))
+
+
+def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
+    bias = bool(config.get("attention_bias", default=False))
+    return llama_layout(config, fuse_qkv, qkv_bias=bias, out_bias=bias)
 
 
 LLAMA = Family("llama", ("llama",), describe)

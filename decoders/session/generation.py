@@ -22,7 +22,8 @@ def _rng_state(seed: int | None) -> np.ndarray:
 
 
 def banned_ngram_tokens(tokens: list[int], n: int) -> set[int]:
-    """Tokens that would complete an n-gram already present in `tokens` (HF semantics)."""
+    """Tokens that would complete an n-gram already present in `tokens` (HF's
+    NoRepeatNGramLogitsProcessor on one line: every n-gram of the line, the prompt included)."""
     if len(tokens) < n:
         return set()
     prefix = tuple(tokens[len(tokens) - n + 1:]) if n > 1 else ()
@@ -33,10 +34,32 @@ def banned_ngram_tokens(tokens: list[int], n: int) -> set[int]:
     return banned
 
 
+def sampler_bound(top_k: list, vocab: int, global_top_k: int | None = None,
+                  compiled: int | None = None) -> int | None:
+    """The k_max of the sampler that runs these per-line top_k (None: all 1, the greedy program).
+
+    global_top_k fixes it (a larger top_k is an error); else `compiled` (the bound to_neuron()
+    built for the on-device settings) serves if large enough, so that changing those settings
+    compiles nothing; else the next power of two of the largest top_k, at least 64.
+    """
+    wanted = max(int(k) for k in top_k)
+    if wanted == 1:
+        return None
+    if global_top_k:
+        if wanted > global_top_k:
+            raise ValueError(f"top_k {wanted} exceeds global_top_k {global_top_k}: global_top_k bounds the "
+                             "candidates every line draws from")
+        return min(vocab, global_top_k)
+    if compiled is not None and wanted <= compiled:
+        return compiled
+    return min(vocab, max(64, 1 << (wanted - 1).bit_length()))
+
+
 class Generation:
     def __init__(self, session: Session, prompts: Prompts, top_k: list, top_p: list, temperature: list,
-                 seed: int | None, no_repeat_ngram_size: int | None, global_top_k: int | None = None,
+                 seed: int | None, no_repeat_ngram_size: int | None, k_max: int | None = None,
                  output_scores: bool = False):
+        """k_max: the sampler's bound on top_k (sampler_bound()); None runs the greedy program."""
         self.session = session
         self.backend = session.backend
         self.prompts = prompts
@@ -44,15 +67,9 @@ class Generation:
         self.scores: list[np.ndarray] | None = [] if output_scores else None
         self.pads = prompts.pads()
         self.sampling_inputs: dict[str, Any] = {}
-        if all(int(k) == 1 for k in top_k):
-            self.sampler = session.sampler(None)
-            return
-        vocab = session.builder.decoder.head.vocab_size
-        wanted = max(int(k) for k in top_k)
-        k_max = min(vocab, global_top_k or max(64, 1 << (wanted - 1).bit_length()))
-        if wanted > k_max:
-            raise ValueError(f"top_k {wanted} exceeds global_top_k {k_max}")
         self.sampler = session.sampler(k_max)
+        if k_max is None:
+            return
         self.sampling_inputs = {
             "top_k": self.backend.to_device(np.asarray(top_k, np.int32)),
             "top_p": self.backend.to_device(np.asarray(top_p, np.float32)),
@@ -79,12 +96,17 @@ class Generation:
         import torch
 
         session, prompts = self.session, self.prompts
-        lines = [list(line) for line in prompts.lines]     # prompt + new tokens, for n-gram bans
+        # Each output line so far, for n-gram bans: as HF's processor sees the row, a padded
+        # tensor's padding included.
+        heads = prompts.given.tolist() if prompts.given is not None else prompts.lines
+        lines = [[int(t) for t in head] for head in heads]
         generated: list[list[int]] = [[] for _ in lines]
         done = [False] * session.batch_size
         if streamer is not None:
             streamer.put(torch.as_tensor(prompts.as_given(), dtype=torch.long))
         if new_tokens < 1:
+            if streamer is not None:
+                streamer.end()
             return generated
         slot = prompts.longest  # where the next drawn token goes
         logits = session.forward(prompts.left_padded(), 0, self.pads)

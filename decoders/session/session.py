@@ -39,6 +39,9 @@ class Session:
         self.kv_cache: KVCache | None = None
         self._pads: np.ndarray | None = None
         self._pad_buffer = None
+        # The sampler bound of NeuronConfig.on_device_generation, compiled with the rest so that
+        # changing its settings later compiles nothing (None: the sampler is built on first use).
+        self.sampler_k_max: int | None = None
 
     @property
     def lowering(self):
@@ -59,13 +62,16 @@ class Session:
     # -- programs -----------------------------------------------------------------------
     def decode_buckets(self) -> list[int]:
         """The cache lengths decode programs are built for."""
-        return self.lowering.decode_buckets(self.token_buckets, self.builder.decoder.layer.attention.plain)
+        plain = self.builder.decoder.layer.attention.plain(self.n_positions)
+        return self.lowering.decode_buckets(self.token_buckets, plain)
 
     def eager_programs(self) -> list[ProgramKey]:
         """What to_neuron() compiles: prefill per context bucket (embed, one block program for
         every layer, LM head), decode per decode bucket (the whole model in one program, or the
-        same three pieces), and the greedy sampler."""
+        same three pieces), the greedy sampler, and the on-device generation's sampler if any."""
         keys: list[ProgramKey] = [Greedy()]
+        if self.sampler_k_max is not None:
+            keys.append(Sampler(self.sampler_k_max))
         if self.lowering.whole_model_decode:
             keys += [ModelStep(1, s) for s in self.decode_buckets()]
         else:

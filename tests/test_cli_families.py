@@ -1,0 +1,39 @@
+"""`pyhlo generate` and `pyhlo inspect` take any family's checkpoint: the class comes from its model_type."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_families import make_model, save
+from tiny_tokenizer import make_tokenizer
+
+from decoders import NeuronAutoModelForCausalLM
+from tools.cli import main
+
+
+@pytest.fixture(scope="module", params=["gpt_neox", "bloom"])
+def checkpoint(request, tmp_path_factory):
+    directory = save(make_model(request.param), tmp_path_factory.mktemp(request.param))
+    make_tokenizer().save_pretrained(directory)
+    return request.param, directory
+
+
+def test_generate_runs_any_family_and_prints_its_greedy_text(checkpoint, capsys):
+    family, path = checkpoint
+    prompt = "t5 t17 t42 t8"
+    assert main(["generate", "--model", str(path), "--n-positions", "128", "--max-new-tokens", "6", prompt]) == 0
+    printed = capsys.readouterr().out.split()
+    model = NeuronAutoModelForCausalLM.from_pretrained(path, n_positions=128).to_neuron()
+    ids = make_tokenizer()(prompt)["input_ids"]
+    expected = model.sample(torch.tensor([ids]), sequence_length=len(ids) + 6, top_k=1)
+    assert printed == make_tokenizer().decode(expected[0, len(ids):]).split()
+
+
+def test_inspect_shows_the_family_and_its_pieces(checkpoint, capsys):
+    family, path = checkpoint
+    assert main(["inspect", str(path), "--n-positions", "128"]) == 0
+    out = capsys.readouterr().out
+    assert f"({family})" in out
+    pieces = {"gpt_neox": "layer norm, gelu MLP, rotary positions, parallel residual",
+              "bloom": "layer norm, gelu_tanh MLP, alibi positions, sequential residual, tied LM head"}
+    assert pieces[family] in out
+    assert "attn.qkv.weight" in out and "column" in out and "query_key_value" in out
