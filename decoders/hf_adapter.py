@@ -37,10 +37,12 @@ class HuggingFaceGenerationModelAdapter(PreTrainedModel, GenerationMixin):
         if isinstance(config, dict):
             fields = {k: v for k, v in config.items() if k != "model_type"}
             config = AutoConfig.for_model(config["model_type"], **fields)
-        # A copy: the config may be shared with a PyTorch model. The attention runs in the compiled
-        # model; "eager" only keeps PreTrainedModel from checking for an SDPA implementation here.
+        # A copy: the config may be shared with a PyTorch model. Attention and experts run in the
+        # compiled model; "eager" only keeps PreTrainedModel from checking for SDPA or grouped-mm
+        # implementations of its own.
         config = copy.deepcopy(config)
         config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
         super().__init__(config)
         self.model = model
         self.cur_len = 0

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from test_ragged_batches import left_padded
 from tiny_tokenizer import make_tokenizer
 from transformers import (
     AutoConfig,
@@ -29,7 +30,7 @@ from decoders import (
 from decoders.families import CLASSES, sampling_class
 
 TESTS = pathlib.Path(__file__).parent
-LENGTHS = (7, 19, 12)
+LENGTHS = (7, 19, 12)      # left_padded()'s
 
 
 # -- NeuronAutoModelForCausalLM ------------------------------------------------------------------
@@ -102,17 +103,6 @@ def adapter_1(hf_and_path):
     return HuggingFaceGenerationModelAdapter(hf.config, model)
 
 
-def left_padded(lengths=LENGTHS, seed=11):
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros((len(lengths), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(1, 320, (n,), generator=gen)
-        mask[i, width - n:] = 1
-    return ids, mask
-
-
 def both(hf, adapter, *args, seed=None, **kwargs):
     """HF's generate() and the adapter's, with the same arguments (and the same torch seed)."""
     outputs = []
@@ -136,6 +126,18 @@ def test_greedy_generate_gives_hf_output_on_a_left_padded_batch(hf_and_path, ada
     expected, got = both(hf, adapter, ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
                          eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, expected) and (got[0, ids.shape[1] + new0.index(eos) + 1:] == 0).all()
+
+
+@pytest.mark.parametrize("model_type", sorted(REGISTERED))
+def test_every_family_through_the_adapter_gives_hf_generate_output(model_type, tmp_path):
+    hf = tiny_hf_model(model_type)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = NeuronAutoModelForCausalLM.from_pretrained(tmp_path, batch_size=len(LENGTHS), n_positions=128,
+                                                       context_length_estimate=[32]).to_neuron()
+    ids, mask = left_padded()
+    expected, got = both(hf, HuggingFaceGenerationModelAdapter(hf.config, model), ids, attention_mask=mask,
+                         max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
 
 
 def test_sampling_generate_gives_hf_output_with_the_same_seed(hf_and_path, adapter):
