@@ -38,3 +38,19 @@ def tiny_llama(tmp_path_factory):
         return made[(variant, fmt)]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """(hf_model, checkpoint_dir) of a tests/tiny_families.py variant, written once per session."""
+    from tiny_families import make_model, save
+
+    made: dict = {}
+
+    def get(variant: str):
+        if variant not in made:
+            model = make_model(variant)
+            made[variant] = (model, save(model, tmp_path_factory.mktemp(variant)))
+        return made[variant]
+
+    return get

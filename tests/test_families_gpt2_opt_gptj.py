@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_llama_golden import hf_greedy, relative_error
+from test_llama_golden import hf_greedy
 from test_ragged_batches import left_padded
-from tiny_families_gpt2_opt_gptj import make_model, save
+from tiny_families import make_model
 
 from decoders import (
     GPT2ForSampling,
@@ -33,27 +33,14 @@ VARIANTS = pytest.mark.parametrize("variant", list(CLASSES))
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    made = {}
-
-    def get(variant):
-        if variant not in made:
-            model = make_model(variant)
-            made[variant] = (model, save(model, tmp_path_factory.mktemp(variant)))
-        return made[variant]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def built(checkpoint):
+def built(family_checkpoint):
     """Compiled models, one per (variant, kernels, batch size), shared by the tests that only sample."""
     models = {}
 
     def get(variant, kernels, batch_size=1):
         key = (variant, kernels, batch_size)
         if key not in models:
-            models[key] = build(CLASSES[variant], checkpoint(variant)[1], kernels, batch_size)
+            models[key] = build(CLASSES[variant], family_checkpoint(variant)[1], kernels, batch_size)
         return models[key]
 
     return get
@@ -64,42 +51,11 @@ def build(cls, path, kernels, batch_size=1, **kwargs):
                                neuron_config=NeuronConfig(cpu_kernels=kernels), **kwargs).to_neuron()
 
 
-@KERNELS
 @VARIANTS
-def test_logits_and_greedy_tokens_match_hf(checkpoint, built, variant, kernels):
-    hf, _ = checkpoint(variant)
-    model = built(variant, kernels)
-    prompt = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
-    length = 150                                   # 110 new tokens: decode crosses 128 -> 256
-    expected, expected_logits = hf_greedy(hf, prompt, length)
-    tokens, logits = model.sample(prompt, sequence_length=length, top_k=1, eos_token_id=[], output_scores=True)
-    assert torch.equal(tokens, expected)
-    for step in range(21):                         # prefill + 20 decode steps
-        assert relative_error(logits[step], expected_logits[step]) < 1e-4, step
-
-
-@KERNELS
-@VARIANTS
-def test_batch_of_different_prompt_lengths(checkpoint, built, variant, kernels):
-    hf, _ = checkpoint(variant)
-    model = built(variant, kernels, batch_size=2)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 320, (n,), generator=gen) for n in (9, 30)]
-    length = 150
-    tokens, logits = model.sample(prompts, sequence_length=length, top_k=1, eos_token_id=[], output_scores=True)
-    new_tokens = length - 30                       # the longest prompt sets the step count
-    for i, prompt in enumerate(prompts):
-        expected, expected_logits = hf_greedy(hf, prompt[None], len(prompt) + new_tokens)
-        assert tokens[i, : len(prompt) + new_tokens].tolist() == expected[0].tolist(), i
-        for step in range(21):
-            assert relative_error(logits[step][i], expected_logits[step][0]) < 1e-4, (i, step)
-
-
-@VARIANTS
-def test_left_padded_batch_through_attention_mask_gives_hf_generate_output(checkpoint, built, variant):
+def test_left_padded_batch_through_attention_mask_gives_hf_generate_output(family_checkpoint, built, variant):
     # HF counts positions from the mask (its cumsum), as we count them from each line's first
     # real token: learned positions (GPT-2, OPT with its offset) and rotary ones (GPT-J) agree.
-    hf, _ = checkpoint(variant)
+    hf, _ = family_checkpoint(variant)
     model = built(variant, True, batch_size=2)
     ids, mask = left_padded(lengths=(9, 30))
     expected = hf.generate(ids, attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False,
@@ -108,8 +64,8 @@ def test_left_padded_batch_through_attention_mask_gives_hf_generate_output(check
     assert torch.equal(out, expected)
 
 
-def test_context_broadcasting_continues_each_prompt_several_times(checkpoint):
-    hf, path = checkpoint("gpt2")
+def test_context_broadcasting_continues_each_prompt_several_times(family_checkpoint):
+    hf, path = family_checkpoint("gpt2")
     model = build(GPT2ForSamplingWithContextBroadcasting, path, True, batch_size=6, prompt_batch_size=2)
     prompts = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(5))
     length = 60
@@ -128,19 +84,19 @@ def test_context_broadcasting_continues_each_prompt_several_times(checkpoint):
         model.sample(prompts[:1], sequence_length=length)
 
 
-def test_context_broadcasting_needs_a_batch_that_is_a_multiple_of_the_prompts(checkpoint):
-    _, path = checkpoint("gpt2")
+def test_context_broadcasting_needs_a_batch_that_is_a_multiple_of_the_prompts(family_checkpoint):
+    _, path = family_checkpoint("gpt2")
     with pytest.raises(ValueError, match="batch_size 5 must be a multiple of prompt_batch_size 2"):
         GPT2ForSamplingWithContextBroadcasting.from_pretrained(path, batch_size=5, prompt_batch_size=2)
     with pytest.raises(ValueError, match="prompt_batch_size must be an int >= 1"):
         GPT2ForSamplingWithContextBroadcasting.from_pretrained(path, batch_size=2, prompt_batch_size=0)
 
 
-def test_checkpoint_names_without_the_base_prefix(checkpoint, tmp_path):
+def test_checkpoint_names_without_the_base_prefix(family_checkpoint, tmp_path):
     # GPT-2's own checkpoint names its tensors "h.0.attn.c_attn.weight", not "transformer.h.0...".
     from safetensors.torch import load_file, save_file
 
-    hf, path = checkpoint("gpt2")
+    hf, path = family_checkpoint("gpt2")
     tensors = load_file(path / "model.safetensors")
     save_file({name.removeprefix("transformer."): t for name, t in tensors.items()}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
@@ -177,8 +133,8 @@ def test_unsupported_config_switches_are_refused_by_name(family, key, value):
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "opt"])
-def test_n_positions_beyond_the_learned_position_table_is_refused(checkpoint, variant):
-    _, path = checkpoint(variant)
+def test_n_positions_beyond_the_learned_position_table_is_refused(family_checkpoint, variant):
+    _, path = family_checkpoint(variant)
     rows = make_model(variant).config.max_position_embeddings
     with pytest.raises(ValueError, match=f"n_positions {rows + 1} exceeds the {rows} positions"):
         CLASSES[variant].from_pretrained(path, n_positions=rows + 1, context_length_estimate=[16])

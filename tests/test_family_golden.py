@@ -1,4 +1,5 @@
-"""GPT-NeoX and Bloom against HF transformers' own models on the same tiny random weights.
+"""Every family but Llama (tests/test_llama_golden.py) against HF transformers' own model on
+the same tiny random weights (tests/tiny_families.py), the class picked by model_type.
 
 Logits within 1e-4 (relative to the largest logit) over prefill and 20 decode steps,
 identical greedy tokens over 110 new tokens crossing the 128 -> 256 token bucket, at batch 1
@@ -9,37 +10,25 @@ from __future__ import annotations
 import pytest
 import torch
 from test_llama_golden import hf_greedy, relative_error
-from tiny_families import make_model, save
+from tiny_families import VARIANTS
 
-from decoders import BloomForSampling, GPTNeoXForSampling, NeuronConfig
+from decoders import NeuronAutoModelForCausalLM, NeuronConfig
 
-CLASSES = {"gpt_neox": GPTNeoXForSampling, "gpt_neox_sequential": GPTNeoXForSampling, "bloom": BloomForSampling}
 KERNELS = pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
+ALL_VARIANTS = pytest.mark.parametrize("variant", list(VARIANTS))
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    made = {}
-
-    def get(variant):
-        if variant not in made:
-            model = make_model(variant)
-            made[variant] = (model, save(model, tmp_path_factory.mktemp(variant)))
-        return made[variant]
-
-    return get
-
-
-def build(cls, path, kernels, batch_size=1):
-    return cls.from_pretrained(path, batch_size=batch_size, n_positions=256, context_length_estimate=[16, 64],
-                               neuron_config=NeuronConfig(cpu_kernels=kernels)).to_neuron()
+def build(path, kernels, batch_size=1):
+    return NeuronAutoModelForCausalLM.from_pretrained(
+        path, batch_size=batch_size, n_positions=256, context_length_estimate=[16, 64],
+        neuron_config=NeuronConfig(cpu_kernels=kernels)).to_neuron()
 
 
 @KERNELS
-@pytest.mark.parametrize("variant", list(CLASSES))
-def test_logits_and_greedy_tokens_match_hf(checkpoint, variant, kernels):
-    hf, path = checkpoint(variant)
-    model = build(CLASSES[variant], path, kernels)
+@ALL_VARIANTS
+def test_logits_and_greedy_tokens_match_hf(family_checkpoint, variant, kernels):
+    hf, path = family_checkpoint(variant)
+    model = build(path, kernels)
     prompt = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
     length = 150                                   # 110 new tokens: decode crosses 128 -> 256
     expected, expected_logits = hf_greedy(hf, prompt, length)
@@ -50,10 +39,10 @@ def test_logits_and_greedy_tokens_match_hf(checkpoint, variant, kernels):
 
 
 @KERNELS
-@pytest.mark.parametrize("variant", ["gpt_neox", "bloom"])
-def test_batch_of_different_prompt_lengths(checkpoint, variant, kernels):
-    hf, path = checkpoint(variant)
-    model = build(CLASSES[variant], path, kernels, batch_size=2)
+@ALL_VARIANTS
+def test_batch_of_different_prompt_lengths(family_checkpoint, variant, kernels):
+    hf, path = family_checkpoint(variant)
+    model = build(path, kernels, batch_size=2)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 320, (n,), generator=gen) for n in (9, 30)]
     length = 150

@@ -1,32 +1,85 @@
-"""Tiny random GPT-NeoX and Bloom checkpoints written by HF transformers."""
+"""Tiny random checkpoints of every family but Llama (tests/tiny_llama.py), written by HF
+transformers: vocab 320, hidden 64 (Bloom 96), 2 layers, 512 positions, so a 150-token
+sequence crosses the 128 -> 256 token bucket."""
 from __future__ import annotations
 
 import pathlib
 
 import torch
 from tiny_llama import as_reference
-from transformers import BloomConfig, BloomForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import (
+    BloomConfig,
+    BloomForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTJConfig,
+    GPTJForCausalLM,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-SHAPE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2)
+NEOX_SHAPE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=160, max_position_embeddings=512)
+# GPT-2's and GPT-J's default BOS/EOS id, 50256, lies outside the tiny vocabulary.
+GPT_SHAPE = dict(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2)
+OPT_SHAPE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=160,
+                 max_position_embeddings=512)
+LLAMA_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+WINDOW = 48                  # a 150-token sequence crosses it
 
 VARIANTS = {
     # parallel residual, rotary on a quarter of each head, untied head
-    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(
-        **SHAPE, num_attention_heads=4, intermediate_size=160, max_position_embeddings=512,
-        rotary_pct=0.25, use_parallel_residual=True)),
+    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**NEOX_SHAPE, rotary_pct=0.25, use_parallel_residual=True)),
     # sequential residual, rotary on half of each head, tanh GELU
     "gpt_neox_sequential": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(
-        **SHAPE, num_attention_heads=4, intermediate_size=160, max_position_embeddings=512,
-        rotary_pct=0.5, use_parallel_residual=False, hidden_act="gelu_new")),
+        **NEOX_SHAPE, rotary_pct=0.5, use_parallel_residual=False, hidden_act="gelu_new")),
     # ALiBi, embedding layer norm, tied head; 6 heads: ALiBi's slopes for a head count that
     # is not a power of two
-    "bloom": lambda: BloomForCausalLM(BloomConfig(**{**SHAPE, "hidden_size": 96}, n_head=6)),
+    "bloom": lambda: BloomForCausalLM(BloomConfig(vocab_size=320, hidden_size=96, n_layer=2, n_head=6)),
+    # Conv1D weights [in, out], a contiguous fused c_attn, learned positions, tied head
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(**GPT_SHAPE)),
+    # norms before the residual branches, a final norm
+    "opt": lambda: OPTForCausalLM(OPTConfig(**OPT_SHAPE)),
+    # OPT-350m's shape: norms after the residual sums, no final norm, a token table narrower
+    # than the layers (project_in / project_out)
+    "opt_post_norm": lambda: OPTForCausalLM(OPTConfig(**OPT_SHAPE, do_layer_norm_before=False,
+                                                      word_embed_proj_dim=32)),
+    # parallel residual under one norm, interleaved rotary on 8 of 16 features, head with a bias
+    "gptj": lambda: GPTJForCausalLM(GPTJConfig(**GPT_SHAPE, rotary_dim=8)),
+    # sliding window on every layer, untied head
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**LLAMA_SHAPE, sliding_window=WINDOW,
+                                                        tie_word_embeddings=False)),
+    # Mistral v0.2 on: no window
+    "mistral_full": lambda: MistralForCausalLM(MistralConfig(**LLAMA_SHAPE, sliding_window=None)),
+    # q, k, v biases, head tied to the embedding (as Qwen2.5-0.5B), no window
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**LLAMA_SHAPE, tie_word_embeddings=True, rope_theta=1e6)),
+    # untied head, sliding window on every layer (max_window_layers=0)
+    "qwen2_window": lambda: Qwen2ForCausalLM(Qwen2Config(**LLAMA_SHAPE, tie_word_embeddings=False,
+                                                         use_sliding_window=True, sliding_window=WINDOW,
+                                                         max_window_layers=0)),
+    # 4 experts, top 2
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 
 def make_model(variant: str, seed: int = 0):
     torch.manual_seed(seed)
-    return as_reference(VARIANTS[variant]())
+    model = as_reference(VARIANTS[variant]())
+    with torch.no_grad():
+        # HF initialises biases to 0; random ones check that they are read and added.
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn_like(p))
+    return model
 
 
 def save(model, directory: pathlib.Path) -> pathlib.Path:
