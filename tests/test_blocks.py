@@ -629,6 +629,22 @@ def _layer(residual: str, shared_norm: bool) -> DecoderLayer:
     return DecoderLayer(norm, att, mlp, post, residual)
 
 
+def _run_layer(layer, weights, rng, x_dims, slot, pad, n_attend, cache_len=6):
+    """Run `layer` (plain lowering, [in, out]) over random hidden states and caches with 2 kv
+    heads of 4; returns the inputs and (hidden, cache_k, cache_v) out."""
+    b, n, _ = x_dims
+    x = _randn(rng, *x_dims)
+    step = _step_inputs(n, slot, pad)
+    cache_k, cache_v = (_randn(rng, b, 2, cache_len, 4) for _ in range(2))
+
+    def body(v):
+        s = Step(v["positions"], v["slot"], v["pad"], n, n_attend)
+        return list(layer(v, IN_OUT, v["hidden"], s, v["cache_k"], v["cache_v"]))
+
+    outputs = _run({"hidden": x, **step, "cache_k": cache_k, "cache_v": cache_v, **weights}, body)
+    return x, step, cache_k, cache_v, outputs
+
+
 @pytest.mark.parametrize("residual, shared_norm", [("sequential", False), ("parallel", False), ("parallel", True)])
 def test_decoder_layer(residual, shared_norm):
     layer = _layer(residual, shared_norm)
@@ -650,17 +666,10 @@ def test_decoder_layer(residual, shared_norm):
     assert ("post_norm.weight" in names) != shared_norm and len(names) == len(set(names))
     weights = _weights(params, checkpoint, IN_OUT)
 
-    b, n, slot, cache_len, n_attend = 2, 3, 2, 6, 5
+    b, n, slot, n_attend = 2, 3, 2, 5
     pad = np.array([0, 3], np.int32)
-    x = _randn(rng, b, n, hidden)
-    step = _step_inputs(n, slot, pad)
-    cache_k, cache_v = (_randn(rng, b, 2, cache_len, 4) for _ in range(2))
-
-    def body(v):
-        s = Step(v["positions"], v["slot"], v["pad"], n, n_attend)
-        return list(layer(v, IN_OUT, v["hidden"], s, v["cache_k"], v["cache_v"]))
-
-    out, new_k, new_v = _run({"hidden": x, **step, "cache_k": cache_k, "cache_v": cache_v, **weights}, body)
+    x, step, cache_k, cache_v, (out, new_k, new_v) = _run_layer(layer, weights, rng, x_dims=(b, n, hidden),
+                                                                 slot=slot, pad=pad, n_attend=n_attend)
 
     def norm(name, h):
         return ref_norm(h, *norms[name], "layer", 1e-5)
@@ -854,17 +863,10 @@ def test_decoder_layer_post_norm():
     checkpoint.tensors.update({f"{prefix}.mlp.dense_{n}.{s}": t_mlp[f"{part}.{s}"] for part, n in
                                (("up", "h_to_4h"), ("down", "4h_to_h")) for s in ("weight", "bias")})
     weights = _weights(layer.params(), checkpoint, IN_OUT)
-    b, n, slot, cache_len, n_attend = 2, 3, 2, 6, 5
+    b, n, slot, n_attend = 2, 3, 2, 5
     pad = np.array([0, 3], np.int32)
-    x = _randn(rng, b, n, hidden)
-    step = _step_inputs(n, slot, pad)
-    cache_k, cache_v = (_randn(rng, b, 2, cache_len, 4) for _ in range(2))
-
-    def body(v):
-        s = Step(v["positions"], v["slot"], v["pad"], n, n_attend)
-        return list(layer(v, IN_OUT, v["hidden"], s, v["cache_k"], v["cache_v"]))
-
-    out, new_k, new_v = _run({"hidden": x, **step, "cache_k": cache_k, "cache_v": cache_v, **weights}, body)
+    x, step, cache_k, cache_v, (out, new_k, new_v) = _run_layer(layer, weights, rng, x_dims=(b, n, hidden),
+                                                                 slot=slot, pad=pad, n_attend=n_attend)
     attended, ref_k, ref_v = ref_attention(layer.attention, t_attn, x, step["positions"], slot, pad,
                                            cache_k, cache_v, n_attend)
     h = ref_norm(x + attended, *norms["input_layernorm"], "layer", 1e-5)
