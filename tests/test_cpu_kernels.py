@@ -147,3 +147,18 @@ def test_build_reports_a_missing_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("PYHLO_KERNEL_DIR", str(tmp_path))
     with pytest.raises(cpu_kernels.KernelBuildError, match="failed"):
         cpu_kernels.build(compiler="false")
+
+
+def test_kernel_calls_keep_row_major_layouts():
+    """XLA may otherwise lay a kernel's [2, n] result out column-major (seen feeding an
+    all-gather along n) and read the kernel's rows as columns."""
+    from pyhlo import compile_py_func
+
+    def program(scribe):
+        return linalg.matvec_kernel(scribe.f32[2, 8].Parameter(parameter_number=0),
+                                    scribe.f32[6, 8].Parameter(parameter_number=1))
+
+    module = compile_py_func(program)
+    (call,) = [i for c in module.computations for i in c.instructions if i.opcode == "custom-call"]
+    assert call.constrain_layout and list(call.shape.layout.minor_to_major) == [1, 0]
+    assert [list(s.layout.minor_to_major) for s in call.operand_shapes_with_layout] == [[1, 0], [1, 0]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyhlo import dtypes
+from pyhlo.ops.custom_call import ffi_call
 from pyhlo.ops.elementwise import add, constant, convert, multiply, select
 from pyhlo.ops.linalg import dot_general
 from pyhlo.ops.nn import softmax
@@ -77,5 +78,4 @@ def decode_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValu
             f"and pad[b]; got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, v {v.dtype}{list(v.dims)}, "
             f"slot {slot.dtype}{list(slot.dims)}, pad {pad.dtype}{list(pad.dims)}")
     factor = constant(q.scribe, "f32", float(scale))
-    return q.shape.CustomCall(q, k, v, slot, pad, factor, custom_call_target=target,
-                              custom_call_api_version=4, backend_config=b"{}")
+    return ffi_call(q.shape, [q, k, v, slot, pad, factor], target)

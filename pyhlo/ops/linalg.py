@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from pyhlo.ops.custom_call import ffi_call
 from pyhlo.scribe import HloValue
 from pyhlo.shape_inference import HloShapeError
 
@@ -44,4 +45,4 @@ def matvec_kernel(x: HloValue, w: HloValue, target: str = "pyhlo_matvec") -> Hlo
         raise HloShapeError(f"matvec_kernel: need f32 x[..., k] and f32/bf16 w[n, k], got "
                             f"{x.dtype}{list(x.dims)} and {w.dtype}{list(w.dims)}")
     shape = x.scribe.f32[(*x.dims[:-1], w.dims[0])]
-    return shape.CustomCall(x, w, custom_call_target=target, custom_call_api_version=4, backend_config=b"{}")
+    return ffi_call(shape, [x, w], target)
