@@ -10,7 +10,9 @@
       description.py what a family description is: Family, config reading, rotary tables
       blocks/        the pieces: norm, attention, MLP, mixture of experts, embedding, head, layer wiring; each
                      declares its parameters once (params.py: name, shape, shard axis, source)
-      lowering.py    how the platform runs products and attention (plain XLA, CPU kernels)
+      lowering.py    how the platform runs products and attention (plain XLA, CPU kernels,
+                     tensor parallelism's collectives)
+      sharding.py    which part of each declared weight a device holds under tensor parallelism
       programs/      typed program keys, the builder writing them, buckets, the compiled set
       session/       Session (programs + weights + KV caches), the sampling loop, input checks
       checkpoints/   HF directories (safetensors, sharded, .bin), GGUF files, the default model

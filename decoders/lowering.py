@@ -23,11 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from decoders.blocks.params import Kind, Param
+from decoders import sharding
+from decoders.blocks.params import Kind, Param, Shard
 from decoders.config import NeuronConfig
 from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.attention import decode_attention_kernel
+from pyhlo.ops.collectives import all_gather, all_reduce_sum
 from pyhlo.ops.linalg import matmul, matmul_transposed, matvec_kernel
 from pyhlo.ops.nn import expand_last
 from pyhlo.scribe import HloValue
@@ -52,6 +54,10 @@ class XlaLowering:
     head_dtype: str = "f32"
     # Decode steps as one unrolled program (True) or embed, block per layer, head (False).
     whole_model_decode: bool = False
+    # Tensor parallelism: every program runs on this many replicas, each holding its part of
+    # every sharded parameter (decoders/sharding.py); ROW products are summed over replicas
+    # (all-reduce) and the vocabulary-sharded LM head's logits gathered.
+    tp_degree: int = 1
 
     name = "xla"
 
@@ -64,15 +70,22 @@ class XlaLowering:
         return self.head_dtype if param.is_head else self.dtype
 
     def param_dims(self, param: Param) -> tuple[int, ...]:
+        """One device's part of the parameter, in the program's layout."""
+        shape = sharding.local_shape(param, self.tp_degree)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
-            return tuple(reversed(param.shape))
-        return param.shape
+            return tuple(reversed(shape))
+        return shape
 
-    def arrange(self, param: Param, array: np.ndarray) -> np.ndarray:
-        """A checkpoint array in the program's layout and element type, contiguous."""
+    def arrange(self, param: Param, array: np.ndarray, rank: int = 0) -> np.ndarray:
+        """Replica `rank`'s part of a checkpoint array in the program's layout and element type."""
+        array = sharding.shard(param, array, self.tp_degree, rank)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
             array = array.T
         return np.ascontiguousarray(array, dtype=numpy_dtype(self.param_dtype(param)))
+
+    @property
+    def replica_groups(self) -> list[list[int]]:
+        return [list(range(self.tp_degree))]
 
     # -- products and attention ----------------------------------------------------
     def linear(self, x: HloValue, weight: HloValue, param: Param, bias: HloValue | None = None,
@@ -82,12 +95,16 @@ class XlaLowering:
         accumulate = "f32" if weight.dtype != "f32" else None
         product = (matmul if self.weight_layout == "in_out" else matmul_transposed)(
             ew.convert(x, weight.dtype), weight, out_dtype=out_dtype or accumulate)
-        return self._finish(product, bias, out_dtype or x.dtype)
+        return self._finish(product, param, bias, out_dtype or x.dtype)
 
-    @staticmethod
-    def _finish(product: HloValue, bias: HloValue | None, dtype: str) -> HloValue:
+    def _finish(self, product: HloValue, param: Param, bias: HloValue | None, dtype: str) -> HloValue:
+        """Sum a ROW product over replicas, add the bias, gather a VOCAB product's parts."""
+        if self.tp_degree > 1 and param.shard is Shard.ROW:
+            product = all_reduce_sum(product, self.replica_groups)
         if bias is not None:
             product = ew.add(product, expand_last(ew.convert(bias, product.dtype), product.dims))
+        if self.tp_degree > 1 and param.shard is Shard.VOCAB:
+            product = all_gather(product, -1, self.replica_groups)
         return ew.convert(product, dtype)
 
     def decode_attention(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, slot: HloValue,
@@ -119,7 +136,7 @@ class CpuKernelLowering(XlaLowering):
     def linear(self, x: HloValue, weight: HloValue, param: Param, bias: HloValue | None = None,
                out_dtype: str | None = None) -> HloValue:
         if int(np.prod(x.dims[:-1])) <= MATVEC_KERNEL_MAX_ROWS[weight.dtype]:
-            return self._finish(matvec_kernel(ew.convert(x, "f32"), weight), bias, out_dtype or x.dtype)
+            return self._finish(matvec_kernel(ew.convert(x, "f32"), weight), param, bias, out_dtype or x.dtype)
         return super().linear(x, weight, param, bias, out_dtype)
 
     def decode_attention(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, slot: HloValue,
@@ -154,7 +171,8 @@ def _cpu_kernel_obstacles(neuron_config: NeuronConfig, backend: Any, dtype: str)
     return reasons
 
 
-def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch_size: int) -> XlaLowering:
+def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch_size: int,
+                    tp_degree: int = 1) -> XlaLowering:
     """The lowering for this backend and configuration.
 
     NeuronConfig.cpu_kernels None (the default) uses pyhlo's CPU kernels where they can run:
@@ -170,6 +188,7 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
         if reasons and wanted:
             raise ValueError("NeuronConfig.cpu_kernels=True, but " + "; ".join(reasons))
         if not reasons:
-            return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole)
+            return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole,
+                                     tp_degree=tp_degree)
     layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
-    return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole))
+    return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), tp_degree=tp_degree)

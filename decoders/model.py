@@ -42,8 +42,8 @@ class DecoderForSampling:
                  neuron_config: NeuronConfig | None = None, backend: Any = None):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if tp_degree != 1:
-            raise NotSupportedYet(f"tp_degree={tp_degree} is not supported yet; use tp_degree=1")
+        if not isinstance(tp_degree, int) or tp_degree < 1:
+            raise ValueError(f"tp_degree must be an int >= 1, got {tp_degree!r}")
         self.tp_degree = tp_degree
         self.dtype = element_type_of_amp(amp)
         self.amp = amp
@@ -62,7 +62,8 @@ class DecoderForSampling:
             from runtime import get_backend
 
             backend = get_backend()
-        lowering = choose_lowering(self.neuron_config, backend, self.dtype, batch_size)
+        lowering = choose_lowering(self.neuron_config, backend, self.dtype, batch_size, tp_degree)
+        self.decoder.sharded(tp_degree)          # heads that do not split fail here, naming the fix
         builder = ProgramBuilder(self.decoder, batch_size, self.n_positions, lowering)
         self.session = Session(builder, backend, self.token_buckets, self.context_buckets,
                                workers=self.neuron_config.compilation_worker_count)
@@ -165,7 +166,7 @@ class DecoderForSampling:
             pads = np.asarray(per_line(np.asarray(start_ids).reshape(-1).tolist(), self.batch_size, "start_ids"),
                               np.int32)
         logits = self.session.forward(ids, slot, pads)
-        return torch.from_numpy(np.array(self.session.backend.to_host(logits), copy=True))
+        return torch.from_numpy(np.array(self.session.placement.host(logits), copy=True))
 
     def _first_slot(self, cache_ids: Any, n_tokens: int) -> int:
         if cache_ids is None:
@@ -292,7 +293,7 @@ class DecoderForSampling:
     def describe(self) -> dict:
         return {
             "format": SAVE_FORMAT, "class": type(self).__name__, "amp": self.amp,
-            "batch_size": self.batch_size, "n_positions": self.token_buckets,
+            "batch_size": self.batch_size, "n_positions": self.token_buckets, "tp_degree": self.tp_degree,
             "context_length_estimate": self.context_buckets,
             "neuron_config": self.neuron_config.to_dict(),
         }
@@ -312,7 +313,7 @@ class DecoderForSampling:
             raise ValueError(f"{directory} has no pyhlo_model.json: it was not written by model.save()")
         saved = json.loads(manifest.read_text())
         mine = self.describe()
-        for key in ("class", "amp", "batch_size", "n_positions"):
+        for key in ("class", "amp", "batch_size", "n_positions", "tp_degree"):
             if saved.get(key) != mine[key]:
                 raise ValueError(f"{directory} was saved with {key}={saved.get(key)!r}, this model has {mine[key]!r}")
         self.programs.load(directory)

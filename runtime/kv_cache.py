@@ -1,7 +1,8 @@
-"""KV caches: one key and one value buffer per layer, kept on the device.
+"""KV caches: one key and one value buffer per layer, kept on the device (on every replica
+under tensor parallelism, each with its share of the KV heads).
 
-Programs update them in place (the cache parameter is aliased to an output), so
-after each call the caller swaps in the returned buffers; the old ones are donated.
+Programs update them in place (the cache parameter is aliased to an output), so after each
+call the caller swaps in the returned buffers; the old ones are donated.
 """
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from pyhlo.dtypes import byte_size, numpy_dtype
 
 
 class KVCache:
-    def __init__(self, backend: Any, n_layers: int, dims: tuple[int, ...], dtype: str):
-        self.backend = backend
-        self.dims = tuple(dims)
+    def __init__(self, placement: Any, n_layers: int, dims: tuple[int, ...], dtype: str):
+        self.dims = tuple(dims)          # one device's cache
         self.dtype = dtype
+        self.replicas = placement.replicas
         zeros = np.zeros(self.dims, dtype=numpy_dtype(dtype))
         # Zeros, not garbage: masked slots get weight 0, and 0 * NaN would still be NaN.
-        self.keys = [backend.to_device(zeros) for _ in range(n_layers)]
-        self.values = [backend.to_device(zeros) for _ in range(n_layers)]
+        self.keys = [placement.put(zeros) for _ in range(n_layers)]
+        self.values = [placement.put(zeros) for _ in range(n_layers)]
 
     @property
     def n_layers(self) -> int:
@@ -28,4 +29,5 @@ class KVCache:
 
     @property
     def byte_size(self) -> int:
-        return 2 * self.n_layers * int(np.prod(self.dims)) * byte_size(self.dtype)
+        """Bytes over every layer and replica."""
+        return 2 * self.n_layers * self.replicas * int(np.prod(self.dims)) * byte_size(self.dtype)

@@ -8,7 +8,7 @@ values at `step.slot` (one in-place update for the whole batch) and attends over
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -18,8 +18,10 @@ from decoders.blocks.values import PieceValues
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops import nn
 from pyhlo.ops.attention import attention
+from pyhlo.ops.collectives import replica_id
 from pyhlo.ops.shape_ops import (
     broadcast,
+    dynamic_slice,
     dynamic_update_slice,
     get_tuple_element,
     iota,
@@ -73,6 +75,9 @@ class Attention:
     qkv_layout: str = "per_head"       # a fused checkpoint qkv: "per_head" | "contiguous"
     # Linear weights stored [in, out] (GPT-2's Conv1D), transposed on reading.
     stored_in_out: bool = False
+    # One device's share under tensor parallelism: n_heads (and n_kv_heads, or one replicated
+    # KV head) of this many devices' worth; declarations (params) are the whole model's.
+    tp_degree: int = 1
 
     def __post_init__(self) -> None:
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
@@ -131,21 +136,22 @@ class Attention:
         sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
         sources = self._sources(suffix)
         if not self.fused:
-            return [Param(f"{scope}.{part}.{suffix}", kind, (sizes[part], *trailing), Shard.COLUMN, sources[part])
+            return [Param(f"{scope}.{part}.{suffix}", kind, (sizes[part], *trailing), Shard.COLUMN, sources[part],
+                          unit=self.head_dim)
                     for part in ("q", "k", "v")]
         if self.qkv is None:
             source = Source(tuple(sources[part].names[0] for part in ("q", "k", "v")))
         else:
             source = self._fused_qkv(suffix)
         return [Param(f"{scope}.qkv.{suffix}", kind, (sum(sizes.values()), *trailing), Shard.COLUMN, source,
-                      segments=tuple(sizes.values()))]
+                      segments=tuple(sizes.values()), unit=self.head_dim)]
 
     def params(self, scope: str) -> list[Param]:
         declared = self._qkv_params(scope, "weight")
         if self.qkv_bias:
             declared += self._qkv_params(scope, "bias")
         declared.append(Param(f"{scope}.out.weight", Kind.LINEAR, (self.hidden, self.q_size), Shard.ROW,
-                              Source((f"{self.out}.weight",), self._stored("weight"))))
+                              Source((f"{self.out}.weight",), self._stored("weight")), unit=self.head_dim))
         if self.out_bias:
             declared.append(Param(f"{scope}.out.bias", Kind.VECTOR, (self.hidden,), Shard.REPLICATED,
                                   Source((f"{self.out}.bias",))))
@@ -211,9 +217,29 @@ class Attention:
         b, n, s = step.batch_size, step.n_tokens, step.n_attend
         scribe = step.slot.scribe
         dims = (b, self.n_heads, n, s)
-        slopes = nn.alibi_slopes(self.n_heads)
+        everyone = nn.alibi_slopes(self.n_heads * self.tp_degree)
+        slopes = ew.constant(scribe, "f32", everyone, everyone.shape)
+        if self.tp_degree > 1:
+            # This replica's heads: a block of the whole model's, picked by its replica id.
+            first = ew.multiply(ew.convert(replica_id(scribe), "s32"), self.n_heads)
+            slopes = dynamic_slice(slopes, [first], [self.n_heads])
         key_positions = ew.subtract(iota(scribe, "f32", dims, 3), broadcast(ew.convert(step.pad, "f32"), dims, [0]))
-        return ew.multiply(broadcast(ew.constant(scribe, "f32", slopes, (self.n_heads,)), dims, [1]), key_positions)
+        return ew.multiply(broadcast(slopes, dims, [1]), key_positions)
+
+    def sharded(self, tp_degree: int) -> Attention:
+        """One device's share of the heads over `tp_degree` devices (as decoders/sharding.py
+        splits the weights): n_heads / tp_degree query heads, and n_kv_heads / tp_degree KV
+        heads or, when there are fewer KV heads than devices, one replicated KV head."""
+        if tp_degree == 1:
+            return self
+        if self.n_heads % tp_degree:
+            raise ValueError(f"{self.n_heads} attention heads cannot be split over tp_degree {tp_degree}; "
+                             f"use a tp_degree that divides {self.n_heads}")
+        if self.n_kv_heads % tp_degree and tp_degree % self.n_kv_heads:
+            raise ValueError(f"{self.n_kv_heads} KV heads cannot be split or replicated over tp_degree "
+                             f"{tp_degree}; use a tp_degree that divides {self.n_kv_heads} or a multiple of it")
+        kv = self.n_kv_heads // tp_degree if self.n_kv_heads % tp_degree == 0 else 1
+        return replace(self, n_heads=self.n_heads // tp_degree, n_kv_heads=kv, tp_degree=tp_degree)
 
     def _attend(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, step: Step) -> HloValue:
         """Attention over the first n_attend slots of the just-updated caches.

@@ -3,7 +3,7 @@
 `Decoder`, the whole model as pieces."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from decoders.blocks.attention import Attention
 from decoders.blocks.embedding import HEAD_WEIGHT, TOKENS, Embedding, Head
@@ -76,6 +76,12 @@ class Decoder:
     @property
     def tied(self) -> bool:
         return self.head.weight is None
+
+    def sharded(self, tp_degree: int) -> Decoder:
+        """The pieces as one device of `tp_degree` runs them (its share of the attention heads);
+        parameter declarations stay the whole model's."""
+        layer = replace(self.layer, attention=self.layer.attention.sharded(tp_degree))
+        return replace(self, layer=layer)
 
     def shared_params(self, one_table: bool) -> list[Param]:
         """Parameters outside the layers: the embedding's, the final norm and the LM head.

@@ -81,6 +81,9 @@ class Param:
     segments: tuple[int, ...] = ()
     # The LM head: its element type is the lowering's head type, not the amp type.
     is_head: bool = False
+    # Tensor parallelism splits the sharded axis in whole units of this many rows (head_dim
+    # for attention projections: a head is never split).
+    unit: int = 1
 
     def __post_init__(self) -> None:
         if self.segments and sum(self.segments) != self.shape[0]:

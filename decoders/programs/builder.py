@@ -80,9 +80,19 @@ class ProgramBuilder:
         return self.lowering.dtype
 
     @property
+    def tp_degree(self) -> int:
+        return self.lowering.tp_degree
+
+    @property
+    def device_decoder(self) -> Decoder:
+        """The pieces as one device runs them (its share of the heads under tensor parallelism)."""
+        return self.decoder.sharded(self.tp_degree)
+
+    @property
     def one_table(self) -> bool:
-        """Tied embeddings stored once: the LM head table also serves as the token table."""
-        return self.decoder.tied and self.lowering.head_dtype == self.dtype
+        """Tied embeddings stored once: the LM head table also serves as the token table (not
+        under tensor parallelism, where the head is split by vocabulary and the table is not)."""
+        return self.decoder.tied and self.lowering.head_dtype == self.dtype and self.tp_degree == 1
 
     # -- parameter specs --------------------------------------------------------------
     def spec(self, param: Param, prefix: str = "") -> ParamSpec:
@@ -95,7 +105,8 @@ class ProgramBuilder:
         return self.decoder.shared_params(self.one_table)
 
     def cache_spec(self, name: str) -> ParamSpec:
-        attention = self.decoder.layer.attention
+        """One device's KV cache of one layer."""
+        attention = self.device_decoder.layer.attention
         return ParamSpec(name, self.dtype, (self.batch_size, attention.n_kv_heads, self.cache_len,
                                             attention.head_dim))
 
@@ -121,8 +132,8 @@ class ProgramBuilder:
 
     def _layer(self, p: dict[str, HloValue], n_tokens: int, n_attend: int) -> dict[str, HloValue]:
         step = Step(p["positions"], p["slot"], p["pad"], n_tokens, n_attend)
-        hidden, cache_k, cache_v = self.decoder.layer(p, self.lowering, p["hidden"], step, p["cache_k"],
-                                                      p["cache_v"])
+        hidden, cache_k, cache_v = self.device_decoder.layer(p, self.lowering, p["hidden"], step, p["cache_k"],
+                                                             p["cache_v"])
         cache_k.set_alias_to(p["cache_k"], must=True)
         cache_v.set_alias_to(p["cache_v"], must=True)
         return {"hidden": hidden, "cache_k": cache_k, "cache_v": cache_v}

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from decoders.programs.builder import Program, ProgramBuilder
 from decoders.programs.keys import ProgramKey
+from runtime.placement import Replicas
 
 log = logging.getLogger("pyhlo")
 
@@ -32,14 +33,27 @@ class CompiledProgram:
         """Arguments in parameter order, from a name -> buffer mapping."""
         return [values[name] for name in self.program.param_names]
 
+    @property
+    def replicas(self) -> int:
+        return getattr(self.executable, "num_replicas", 1)
+
+    def _run_replicated(self, args: list[Any]) -> list[Any]:
+        """Every replica runs with its own buffer of each `Replicas` argument (the same array
+        for the others); output i comes back as Replicas."""
+        per_replica = [[a[r] if isinstance(a, Replicas) else a for a in args] for r in range(self.replicas)]
+        outputs = self.executable.run_replicated(per_replica)
+        return [Replicas(out[i] for out in outputs) for i in range(len(outputs[0]))]
+
     def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Run with arguments by name (numpy arrays or device buffers, checked); outputs by name."""
-        return dict(zip(self.program.outputs, self.executable.run(self.arguments(values))))
+        args = self.arguments(values)
+        outputs = self._run_replicated(args) if self.replicas > 1 else self.executable.run(args)
+        return dict(zip(self.program.outputs, outputs))
 
     def run_checked_once(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """run(), whose checks only the first call pays: later calls must pass device buffers of
         the same shapes (a decode step's arguments: weights, caches, step inputs)."""
-        if not self.checked:
+        if not self.checked or self.replicas > 1:
             self.checked = True
             return self.run(values)
         return dict(zip(self.program.outputs, self.executable.run_buffers(self.arguments(values))))
@@ -47,6 +61,8 @@ class CompiledProgram:
     def run_buffers(self, args: list[Any]) -> list[Any]:
         """Device buffers in parameter order, unchecked; outputs in `program.outputs` order
         (the per-layer hot loop, whose arguments were checked once through run())."""
+        if self.replicas > 1:
+            return self._run_replicated(args)
         return self.executable.run_buffers(args)
 
 
@@ -58,6 +74,7 @@ class ProgramSet:
     def __init__(self, builder: ProgramBuilder, backend: Any, workers: int | None = None):
         self.builder = builder
         self.backend = backend
+        self.replicas = builder.tp_degree
         self.workers = workers or 2
         self.compiled: dict[ProgramKey, CompiledProgram] = {}
         self.saved: dict[str, tuple[str, pathlib.Path]] = {}
@@ -82,10 +99,10 @@ class ProgramSet:
         module_bytes = program.module.SerializeToString()
         saved = self.saved.get(program.name)
         if saved is not None and saved[0] == _module_hash(program):
-            executable = self.backend.deserialize(saved[1].read_bytes(), module_bytes)
+            executable = self.backend.deserialize(saved[1].read_bytes(), module_bytes, num_replicas=self.replicas)
             self.loaded_from_save += 1
             return CompiledProgram(program, executable, time.perf_counter() - started, True)
-        executable, hit = self.cache.get_or_compile(self.backend, module_bytes)
+        executable, hit = self.cache.get_or_compile(self.backend, module_bytes, num_replicas=self.replicas)
         return CompiledProgram(program, executable, time.perf_counter() - started, hit)
 
     def _record(self, key: ProgramKey, compiled: CompiledProgram) -> None:

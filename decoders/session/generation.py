@@ -61,7 +61,7 @@ class Generation:
                  output_scores: bool = False):
         """k_max: the sampler's bound on top_k (sampler_bound()); None runs the greedy program."""
         self.session = session
-        self.backend = session.backend
+        self.placement = session.placement
         self.prompts = prompts
         self.no_repeat_ngram_size = no_repeat_ngram_size
         self.scores: list[np.ndarray] | None = [] if output_scores else None
@@ -71,21 +71,21 @@ class Generation:
         if k_max is None:
             return
         self.sampling_inputs = {
-            "top_k": self.backend.to_device(np.asarray(top_k, np.int32)),
-            "top_p": self.backend.to_device(np.asarray(top_p, np.float32)),
-            "temperature": self.backend.to_device(np.asarray(temperature, np.float32)),
-            "rng_state": self.backend.to_device(_rng_state(seed)),
+            "top_k": self.placement.put(np.asarray(top_k, np.int32)),
+            "top_p": self.placement.put(np.asarray(top_p, np.float32)),
+            "temperature": self.placement.put(np.asarray(temperature, np.float32)),
+            "rng_state": self.placement.put(_rng_state(seed)),
         }
 
     def _next_tokens(self, logits: Any, lines: list[list[int]]) -> Any:
         if self.scores is not None:
-            self.scores.append(np.array(self.backend.to_host(logits), copy=True))
+            self.scores.append(np.array(self.placement.host(logits), copy=True))
         if self.no_repeat_ngram_size:
-            host = np.array(self.backend.to_host(logits), copy=True)
+            host = np.array(self.placement.host(logits), copy=True)
             for i, line in enumerate(lines):
                 banned = list(banned_ngram_tokens(line, self.no_repeat_ngram_size))
                 host[i, banned] = -np.inf
-            logits = self.backend.to_device(host)
+            logits = self.placement.put(host)
         outputs = self.sampler.run_checked_once({"logits": logits, **self.sampling_inputs})
         if "rng_state" in outputs:
             self.sampling_inputs["rng_state"] = outputs["rng_state"]
@@ -112,7 +112,7 @@ class Generation:
         logits = session.forward(prompts.left_padded(), 0, self.pads)
         for step in range(new_tokens):
             tokens_device = self._next_tokens(logits, lines)
-            tokens = np.asarray(self.backend.to_host(tokens_device)).reshape(-1)
+            tokens = np.asarray(self.placement.host(tokens_device)).reshape(-1)
             for i, token in enumerate(tokens):
                 if not done[i]:
                     lines[i].append(int(token))

@@ -22,6 +22,7 @@ from decoders.programs.builder import ProgramBuilder, layer_prefix
 from decoders.programs.compiled import ProgramSet
 from decoders.programs.keys import Block, Embed, Greedy, LMHead, ModelStep, ProgramKey, Sampler
 from runtime.kv_cache import KVCache
+from runtime.placement import Placement, Replicas
 
 log = logging.getLogger("pyhlo")
 
@@ -31,6 +32,8 @@ class Session:
                  context_buckets: list[int], workers: int | None = None):
         self.builder = builder
         self.backend = backend
+        # One device, or one buffer per replica of the tensor-parallel programs.
+        self.placement = Placement(backend, builder.tp_degree)
         self.programs = ProgramSet(builder, backend, workers)
         self.token_buckets = token_buckets
         self.context_buckets = context_buckets
@@ -92,24 +95,39 @@ class Session:
         """Read every declared parameter from the checkpoint into the device, one layer at a time."""
         from tqdm.auto import tqdm
 
-        lowering, to_device = self.lowering, self.backend.to_device
-        self.shared = {p.name: to_device(lowering.arrange(p, read(p, checkpoint, None)))
-                       for p in self.builder.shared_params()}
+        lowering, tp = self.lowering, self.builder.tp_degree
+
+        def place(param, layer):
+            # Read once, then each replica's part: no replica-sized copies of the whole weight.
+            array = read(param, checkpoint, layer)
+            return self.placement.put_each([lowering.arrange(param, array, rank) for rank in range(tp)])
+
+        self.shared = {p.name: place(p, None) for p in self.builder.shared_params()}
         declared = self.builder.layer_params()
         n_layers = self.builder.decoder.n_layers
         self.layers = [
-            {p.name: to_device(lowering.arrange(p, read(p, checkpoint, i))) for p in declared}
+            {p.name: place(p, i) for p in declared}
             for i in tqdm(range(n_layers), total=n_layers, desc="loading weights", unit="layer", disable=None)
         ]
         cache = self.builder.cache_spec("cache")
-        self.kv_cache = KVCache(self.backend, n_layers, cache.dims, cache.dtype)
+        self.kv_cache = KVCache(self.placement, n_layers, cache.dims, cache.dtype)
+
+    def device_bytes(self) -> list[int]:
+        """Bytes of weights and KV caches on each replica, summed from the device buffers."""
+        totals = [0] * self.builder.tp_degree
+        values = [*self.shared.values(), *(v for layer in self.layers for v in layer.values()),
+                  *self.kv_cache.keys, *self.kv_cache.values]
+        for value in values:
+            for replica, buffer in enumerate(value if isinstance(value, Replicas) else [value]):
+                totals[replica] += buffer.nbytes
+        return totals
 
     # -- running ---------------------------------------------------------------------------
     def pad_buffer(self, pads: np.ndarray) -> Any:
         """pads on the device, uploaded once per distinct value."""
         if self._pads is None or not np.array_equal(self._pads, pads):
             self._pads = np.array(pads, dtype=np.int32)
-            self._pad_buffer = self.backend.to_device(self._pads)
+            self._pad_buffer = self.placement.put(self._pads)
         return self._pad_buffer
 
     @staticmethod
@@ -166,10 +184,10 @@ class Session:
     def _run(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, pads: np.ndarray,
              last_index: int) -> Any:
         if isinstance(token_ids, np.ndarray):
-            token_ids = self.backend.to_device(np.ascontiguousarray(token_ids, dtype=np.int32))
-        step = {"positions": self.backend.to_device(self.positions(pads, n_tokens, slot)),
-                "slot": self.backend.to_device(np.int32(slot)), "pad": self.pad_buffer(pads),
-                "last_index": self.backend.to_device(np.full((self.batch_size,), last_index, np.int32)),
+            token_ids = self.placement.put(np.ascontiguousarray(token_ids, dtype=np.int32))
+        put = self.placement.put
+        step = {"positions": put(self.positions(pads, n_tokens, slot)), "slot": put(np.int32(slot)),
+                "pad": self.pad_buffer(pads), "last_index": put(np.full((self.batch_size,), last_index, np.int32)),
                 "token_ids": token_ids}
         if self.lowering.whole_model_decode and n_tokens == 1:
             return self._run_whole(step, n_tokens, n_attend)
