@@ -25,7 +25,26 @@ from runtime.backend import Backend, ProgramInfo
 TARGETS = ("trn1", "inf2", "trn2")
 COMPILER = "neuronx-cc"
 
-_INSTALL_HINT = (
+
+def neuronx_cc_command(pb_path: str, neff_path: str, target: str, flags: Sequence[str] = ()) -> list[str]:
+    """The neuronx-cc command line that compiles the HloModuleProto file pb_path into neff_path.
+
+    The backend and `pyhlo compile` both build their commands here. A replicated
+    (tensor-parallel) program compiles with the same command: one NEFF, which the Neuron
+    runtime loads on each of its NeuronCores.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"unknown Neuron target {target!r}; valid targets: {', '.join(TARGETS)}")
+    return [COMPILER, "compile", "--framework", "XLA", pb_path,
+            "--target", target, "--output", neff_path, *flags]
+
+
+def compiler_path() -> str | None:
+    """Where `neuronx-cc` is on PATH, or None."""
+    return shutil.which(COMPILER)
+
+
+INSTALL_HINT = (
     "neuronx-cc is not on PATH: on a Neuron (trn/inf) host, pip install neuronx-cc "
     "--extra-index-url https://pip.repos.neuron.amazonaws.com (the PyPI package of that "
     "name is only a placeholder); or use get_backend('xla') to compile with XLA through PJRT"
@@ -67,21 +86,31 @@ class NeffArtifact:
 
 class NeuronCCBackend(Backend):
     """Compiles with the `neuronx-cc` command (target from argument, env NEURON_TARGET, else trn1;
-    extra flags from argument or env NEURON_CC_FLAGS)."""
+    extra flags from argument or env NEURON_CC_FLAGS). `cores`: the NeuronCores the programs
+    are compiled for (a tensor-parallel model's replicas); the runtime of the Neuron host that
+    loads the NEFFs provides them, this backend places nothing on them."""
 
     name = "neuronx-cc"
     platform = "neuron"
 
     def __init__(self, target: str | None = None, flags: Sequence[str] | str | None = None,
-                 workdir: str | None = None):
+                 workdir: str | None = None, cores: int = 1):
         self.target = target or os.environ.get("NEURON_TARGET") or "trn1"
         if self.target not in TARGETS:
             raise ValueError(f"unknown Neuron target {self.target!r}; valid targets: {', '.join(TARGETS)}")
+        if not isinstance(cores, int) or cores < 1:
+            raise ValueError(f"cores must be an int >= 1, got {cores!r}")
+        self.cores = cores
         if flags is None:
             flags = os.environ.get("NEURON_CC_FLAGS", "")
         self.flags = shlex.split(flags) if isinstance(flags, str) else list(flags)
         self._workdir = workdir
         self._version: str | None = None
+
+    @property
+    def device_count(self) -> int:
+        """The NeuronCores the programs are compiled for (see `cores`)."""
+        return self.cores
 
     @property
     def workdir(self) -> str:
@@ -93,8 +122,7 @@ class NeuronCCBackend(Backend):
 
     def build_command(self, pb_path: str, neff_path: str) -> list[str]:
         """The neuronx-cc command line that compiles pb_path into neff_path."""
-        return [COMPILER, "compile", "--framework", "XLA", pb_path,
-                "--target", self.target, "--output", neff_path, *self.flags]
+        return neuronx_cc_command(pb_path, neff_path, self.target, self.flags)
 
     def write_module(self, hlo_bytes: bytes) -> str:
         """Write the module to <workdir>/<sha256 prefix>.pb and return the path."""
@@ -106,8 +134,8 @@ class NeuronCCBackend(Backend):
 
     def compile(self, hlo_bytes: bytes, num_replicas: int = 1) -> NeffArtifact:
         info = ProgramInfo.from_bytes(hlo_bytes)
-        if shutil.which(COMPILER) is None:
-            raise RuntimeError(_INSTALL_HINT)
+        if compiler_path() is None:
+            raise RuntimeError(INSTALL_HINT)
         pb_path = self.write_module(hlo_bytes)
         neff_path = pb_path[: -len(".pb")] + ".neff"
         command = self.build_command(pb_path, neff_path)
@@ -141,7 +169,7 @@ class NeuronCCBackend(Backend):
     def compiler_version(self) -> str:
         """`neuronx-cc --version`, or a note that it is not installed."""
         if self._version is None:
-            if shutil.which(COMPILER) is None:
+            if compiler_path() is None:
                 return "neuronx-cc (not installed)"
             done = subprocess.run([COMPILER, "--version"], capture_output=True, text=True)
             self._version = (done.stdout or done.stderr).strip() or "neuronx-cc (unknown version)"

@@ -1,4 +1,4 @@
-"""`pyhlo`: command-line programs over the library (generate, inspect, bench)."""
+"""`pyhlo`: command-line programs over the library (generate, inspect, bench, compile)."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,8 @@ COMMANDS = {
     "generate": ("tools.generate", "generate text with a model (default: SmolLM2-135M-Instruct)"),
     "inspect": ("tools.inspect_hlo", "show what was built: HLO text, op counts, shapes, cost, graphs"),
     "bench": ("tools.bench", "measure speed and memory against HF transformers (and llama.cpp)"),
+    "compile": ("tools.compile_neuron", "write a model's programs (.pb) and the neuronx-cc commands that "
+                                        "compile them for trn1, inf2 or trn2"),
 }
 
 
