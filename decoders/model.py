@@ -63,8 +63,8 @@ class DecoderForSampling:
 
             backend = get_backend()
         lowering = choose_lowering(self.neuron_config, backend, self.dtype, batch_size, tp_degree)
-        self.decoder.sharded(tp_degree)          # heads that do not split fail here, naming the fix
         builder = ProgramBuilder(self.decoder, batch_size, self.n_positions, lowering)
+        builder.check_sharding()                 # heads or rows that do not split fail here, naming the fix
         self.session = Session(builder, backend, self.token_buckets, self.context_buckets,
                                workers=self.neuron_config.compilation_worker_count)
         self._tokenizer = None

@@ -17,8 +17,8 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 # Bloom's tiny model has 6 heads (ALiBi slopes of a head count that is not a power of two):
-# it splits over 2 devices, not 4.
-DEGREES = {"bloom": (1, 2)}
+# over 4 devices they are padded to 8.
+DEGREES: dict = {}
 VARIANTS = ["llama_mha", "llama_gqa", "gpt_neox", "bloom", "gpt2", "opt", "opt_post_norm", "gptj", "mistral",
             "qwen2", "mixtral"]
 
@@ -97,15 +97,61 @@ def test_each_device_holds_its_share_of_weights_and_caches(results, variant):
         run = runs[tp]
         # The device buffers hold exactly what the declarations give one device.
         assert run["device_bytes"] == [run["declared_weight_bytes"] + run["cache_bytes"]] * int(tp), tp
-    if variant not in ("llama_gqa", "mistral", "qwen2", "mixtral"):      # 2 KV heads: replicated over 4 devices
-        for tp in sorted(runs)[1:]:
+    # 2 KV heads are replicated over 4 devices, Bloom's 6 heads padded to 8: not an even split.
+    uneven = {"llama_gqa": "4", "mistral": "4", "qwen2": "4", "mixtral": "4", "bloom": "4"}
+    for tp in sorted(runs)[1:]:
+        if uneven.get(variant) != tp:
             assert runs[tp]["sharded_weight_bytes"] * int(tp) == runs["1"]["sharded_weight_bytes"], tp
             assert runs[tp]["cache_bytes"] * int(tp) == runs["1"]["cache_bytes"], tp
 
 
-def test_heads_that_do_not_split_are_a_clear_error(tiny_llama):
+def test_rows_that_do_not_split_are_a_clear_error(tiny_llama):
     from decoders import LlamaForSampling
 
-    _, path = tiny_llama("gqa_tied_llama3", "safetensors")           # 4 heads, 2 KV heads
-    with pytest.raises(ValueError, match="4 attention heads cannot be split over tp_degree 3"):
+    # 2 KV heads pad to 3 over 3 devices; the MLP's 160 rows do not split, and say so at once.
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    with pytest.raises(ValueError, match="mlp.gate_up.weight: 160 rows of a part cannot be split over tp_degree 3"):
         LlamaForSampling.from_pretrained(path, tp_degree=3)
+
+
+@pytest.mark.parametrize("heads, kv_heads, tp, device_heads, device_kv_heads", [
+    (4, 2, 4, 1, 1),      # KV heads replicated
+    (9, 3, 2, 6, 2),      # SmolLM2 over 2: 3 KV heads padded to 4, query heads to 12
+    (9, 3, 4, 3, 1),
+    (6, 6, 4, 2, 2),      # multi-head, padded to 8
+    (8, 8, 4, 2, 2),
+])
+def test_each_device_gets_whole_kv_groups(heads, kv_heads, tp, device_heads, device_kv_heads):
+    from decoders.blocks import Attention
+
+    attention = Attention(out="o", q="q", k="k", v="v", hidden=heads * 4, n_heads=heads, n_kv_heads=kv_heads,
+                          head_dim=4)
+    device = attention.sharded(tp)
+    assert (device.n_heads, device.n_kv_heads) == (device_heads, device_kv_heads)
+
+
+SMOLLM2 = textwrap.dedent("""
+    import json, sys
+    from decoders import LlamaForSampling
+    tokens = {}
+    for tp in (1, 2):
+        model = LlamaForSampling.from_pretrained(sys.argv[1], n_positions=128, context_length_estimate=[32],
+                                                 tp_degree=tp).to_neuron()
+        ids = model.tokenizer("The three primary colors are")["input_ids"]
+        out = model.sample([ids], sequence_length=len(ids) + 16, top_k=1, eos_token_id=[])
+        tokens[tp] = out[0].tolist()
+        heads = model.session.builder.device_decoder.layer.attention
+        tokens[f"heads{tp}"] = [heads.n_heads, heads.n_kv_heads]
+    print(json.dumps(tokens))
+""")
+
+
+def test_smollm2_over_two_devices_pads_its_heads_and_keeps_its_tokens(smollm2_gguf):
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    done = subprocess.run([sys.executable, "-c", SMOLLM2, str(smollm2_gguf)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["1"] == result["2"]
+    # 9 query heads in 3 KV groups: 3 groups padded to 4, so 6 query and 2 KV heads a device.
+    assert result["heads1"] == [9, 3] and result["heads2"] == [6, 2]

@@ -12,7 +12,17 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from decoders.blocks.params import Kind, Param, Shard, Source, Transform, per_head_qkv, rows, transposed
+from decoders.blocks.params import (
+    Kind,
+    Param,
+    Shard,
+    Source,
+    Transform,
+    padded_groups,
+    per_head_qkv,
+    rows,
+    transposed,
+)
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
 from pyhlo.ops import elementwise as ew
@@ -78,6 +88,8 @@ class Attention:
     # One device's share under tensor parallelism: n_heads (and n_kv_heads, or one replicated
     # KV head) of this many devices' worth; declarations (params) are the whole model's.
     tp_degree: int = 1
+    # The whole model's query heads, padding heads left out (ALiBi's slopes are theirs).
+    total_heads: int = 0
 
     def __post_init__(self) -> None:
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
@@ -137,21 +149,22 @@ class Attention:
         sources = self._sources(suffix)
         if not self.fused:
             return [Param(f"{scope}.{part}.{suffix}", kind, (sizes[part], *trailing), Shard.COLUMN, sources[part],
-                          unit=self.head_dim)
+                          unit=self.head_dim, head_groups=self.n_kv_heads)
                     for part in ("q", "k", "v")]
         if self.qkv is None:
             source = Source(tuple(sources[part].names[0] for part in ("q", "k", "v")))
         else:
             source = self._fused_qkv(suffix)
         return [Param(f"{scope}.qkv.{suffix}", kind, (sum(sizes.values()), *trailing), Shard.COLUMN, source,
-                      segments=tuple(sizes.values()), unit=self.head_dim)]
+                      segments=tuple(sizes.values()), unit=self.head_dim, head_groups=self.n_kv_heads)]
 
     def params(self, scope: str) -> list[Param]:
         declared = self._qkv_params(scope, "weight")
         if self.qkv_bias:
             declared += self._qkv_params(scope, "bias")
         declared.append(Param(f"{scope}.out.weight", Kind.LINEAR, (self.hidden, self.q_size), Shard.ROW,
-                              Source((f"{self.out}.weight",), self._stored("weight")), unit=self.head_dim))
+                              Source((f"{self.out}.weight",), self._stored("weight")), unit=self.head_dim,
+                              head_groups=self.n_kv_heads))
         if self.out_bias:
             declared.append(Param(f"{scope}.out.bias", Kind.VECTOR, (self.hidden,), Shard.REPLICATED,
                                   Source((f"{self.out}.bias",))))
@@ -217,7 +230,9 @@ class Attention:
         b, n, s = step.batch_size, step.n_tokens, step.n_attend
         scribe = step.slot.scribe
         dims = (b, self.n_heads, n, s)
-        everyone = nn.alibi_slopes(self.n_heads * self.tp_degree)
+        everyone = np.zeros(self.n_heads * self.tp_degree, np.float32)      # padding heads: 0
+        real = nn.alibi_slopes(self.total_heads or len(everyone))
+        everyone[: len(real)] = real
         slopes = ew.constant(scribe, "f32", everyone, everyone.shape)
         if self.tp_degree > 1:
             # This replica's heads: a block of the whole model's, picked by its replica id.
@@ -228,18 +243,19 @@ class Attention:
 
     def sharded(self, tp_degree: int) -> Attention:
         """One device's share of the heads over `tp_degree` devices (as decoders/sharding.py
-        splits the weights): n_heads / tp_degree query heads, and n_kv_heads / tp_degree KV
-        heads or, when there are fewer KV heads than devices, one replicated KV head."""
+        splits the weights): the KV heads split, or replicated when fewer than the devices, or
+        padded with zero heads (and their query heads with them) up to a multiple of the
+        devices; the query heads of its KV heads."""
         if tp_degree == 1:
             return self
-        if self.n_heads % tp_degree:
+        groups = padded_groups(self.n_kv_heads, tp_degree)
+        heads = self.n_heads // self.n_kv_heads * groups
+        if heads % tp_degree:
             raise ValueError(f"{self.n_heads} attention heads cannot be split over tp_degree {tp_degree}; "
                              f"use a tp_degree that divides {self.n_heads}")
-        if self.n_kv_heads % tp_degree and tp_degree % self.n_kv_heads:
-            raise ValueError(f"{self.n_kv_heads} KV heads cannot be split or replicated over tp_degree "
-                             f"{tp_degree}; use a tp_degree that divides {self.n_kv_heads} or a multiple of it")
-        kv = self.n_kv_heads // tp_degree if self.n_kv_heads % tp_degree == 0 else 1
-        return replace(self, n_heads=self.n_heads // tp_degree, n_kv_heads=kv, tp_degree=tp_degree)
+        kv = groups // tp_degree if groups % tp_degree == 0 else 1
+        return replace(self, n_heads=heads // tp_degree, n_kv_heads=kv, tp_degree=tp_degree,
+                       total_heads=self.n_heads)
 
     def _attend(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, step: Step) -> HloValue:
         """Attention over the first n_attend slots of the just-updated caches.

@@ -94,6 +94,12 @@ class ProgramBuilder:
         under tensor parallelism, where the head is split by vocabulary and the table is not)."""
         return self.decoder.tied and self.lowering.head_dtype == self.dtype and self.tp_degree == 1
 
+    def check_sharding(self) -> None:
+        """Every parameter splits over tp_degree devices (else a ValueError naming it)."""
+        self.decoder.sharded(self.tp_degree)
+        for param in self.layer_params() + self.shared_params():
+            self.lowering.param_dims(param)
+
     # -- parameter specs --------------------------------------------------------------
     def spec(self, param: Param, prefix: str = "") -> ParamSpec:
         return ParamSpec(prefix + param.name, self.lowering.param_dtype(param), self.lowering.param_dims(param))
