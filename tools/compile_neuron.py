@@ -62,7 +62,7 @@ from typing import Any
 
 from runtime.neuronx_cc import COMPILER, INSTALL_HINT, TARGETS, NeuronCCBackend, compiler_path
 from tools import hlo_report
-from tools.inspect_hlo import _int_list
+from tools.model_options import add_model_arguments
 
 SCRIPT = "compile.sh"
 MANIFEST = "manifest.json"
@@ -94,13 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
                         help="with --compile: commands run at once (default: 4, or fewer CPUs)")
     model = parser.add_argument_group("model")
-    model.add_argument("--batch-size", type=int, default=1, metavar="N", help="batch size (default 1)")
-    model.add_argument("--n-positions", type=int, default=1024, metavar="N",
-                       help="longest sequence; token buckets are powers of two up to it (default 1024)")
-    model.add_argument("--amp", default="f32", choices=["f32", "bf16", "f16"],
-                       help="weights and activations type (default f32)")
-    model.add_argument("--context-length-estimate", type=_int_list, metavar="N[,N]",
-                       help="prefill buckets, e.g. 64,256 (default: half of each token bucket)")
+    add_model_arguments(model)
 
 
 def open_model(args: argparse.Namespace, backend: NeuronCCBackend) -> Any:

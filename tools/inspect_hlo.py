@@ -46,6 +46,7 @@ import argparse
 import sys
 
 from tools import hlo_report
+from tools.model_options import add_model_arguments
 
 
 def _sections(value: str) -> list[str]:
@@ -55,13 +56,6 @@ def _sections(value: str) -> list[str]:
             raise argparse.ArgumentTypeError(
                 f"unknown section {name!r}; choose from {', '.join(hlo_report.SECTIONS)}, all")
     return names
-
-
-def _int_list(value: str) -> list[int]:
-    try:
-        return [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {value!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,13 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--svg", action="store_true", help="with --dump: also render NAME.svg (Graphviz)")
     parser.add_argument("--png", action="store_true", help="with --dump: also render NAME.png (Graphviz)")
     model = parser.add_argument_group("model targets")
-    model.add_argument("--batch-size", type=int, default=1, metavar="N", help="batch size (default 1)")
-    model.add_argument("--n-positions", type=int, default=1024, metavar="N",
-                       help="longest sequence; token buckets are powers of two up to it (default 1024)")
-    model.add_argument("--amp", default="f32", choices=["f32", "bf16", "f16"],
-                       help="weights and activations type (default f32)")
-    model.add_argument("--context-length-estimate", type=_int_list, metavar="N[,N]",
-                       help="prefill buckets, e.g. 64,256 (default: half of each token bucket)")
+    add_model_arguments(model)
     model.add_argument("--per-block", action="store_true",
                        help="one program per decoder block, reused by every layer (block_n*, embed_n*, "
                             "lm_head_n*), instead of the whole model per bucket (model_n*), the default "

@@ -1,0 +1,22 @@
+"""The options that say which model to build, shared by the commands that build one."""
+from __future__ import annotations
+
+import argparse
+
+
+def int_list(value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {value!r}") from None
+
+
+def add_model_arguments(group: argparse._ArgumentGroup) -> None:
+    """--batch-size, --n-positions, --amp and --context-length-estimate."""
+    group.add_argument("--batch-size", type=int, default=1, metavar="N", help="batch size (default 1)")
+    group.add_argument("--n-positions", type=int, default=1024, metavar="N",
+                       help="longest sequence; token buckets are powers of two up to it (default 1024)")
+    group.add_argument("--amp", default="f32", choices=["f32", "bf16", "f16"],
+                       help="weights and activations type (default f32)")
+    group.add_argument("--context-length-estimate", type=int_list, metavar="N[,N]",
+                       help="prefill buckets, e.g. 64,256 (default: half of each token bucket)")
