@@ -68,6 +68,8 @@ class DecoderForSampling:
         self.session = Session(builder, backend, self.token_buckets, self.context_buckets,
                                workers=self.neuron_config.compilation_worker_count)
         self._tokenizer = None
+        # A directory of presharded weights chosen by load(): to_neuron() places those instead.
+        self._presharded: pathlib.Path | None = None
         # The on-device generation settings sample() uses now (update_generation_config changes them).
         self._on_device: GenerationConfig | None = None
         if self.neuron_config.on_device_generation is not None:
@@ -132,7 +134,7 @@ class DecoderForSampling:
         started = time.perf_counter()
         self.session.compile()
         compiled = time.perf_counter()
-        self.session.load_weights(self.checkpoint)
+        self.session.load_weights(self.checkpoint, presharded=self._presharded)
         # The weights live on the device now: drop the checkpoint's file mapping, whose
         # pages would otherwise stay in this process's resident memory.
         self.checkpoint.close()
@@ -298,15 +300,21 @@ class DecoderForSampling:
             "neuron_config": self.neuron_config.to_dict(),
         }
 
-    def save(self, directory: str | os.PathLike) -> None:
-        """Write every compiled program and the configuration to `directory`."""
+    def save(self, directory: str | os.PathLike, sharded_weights: bool = False) -> None:
+        """Write every compiled program and the configuration to `directory`. sharded_weights:
+        also each replica's weights as it holds them (directory/weights/rank{r}.safetensors),
+        which load() then places with no checkpoint reading and no sharding."""
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.programs.save(directory)
-        (directory / "pyhlo_model.json").write_text(json.dumps(self.describe(), indent=2))
+        description = self.describe()
+        if sharded_weights:
+            description["sharded_weights"] = {**self.session.save_weights(directory), "amp": self.amp}
+        (directory / "pyhlo_model.json").write_text(json.dumps(description, indent=2))
 
     def load(self, directory: str | os.PathLike) -> DecoderForSampling:
-        """Use the programs saved by save(); to_neuron() then compiles nothing."""
+        """Use the programs saved by save(), and its presharded weights if it wrote them;
+        to_neuron() then compiles nothing."""
         directory = pathlib.Path(directory)
         manifest = directory / "pyhlo_model.json"
         if not manifest.exists():
@@ -316,5 +324,12 @@ class DecoderForSampling:
         for key in ("class", "amp", "batch_size", "n_positions", "tp_degree"):
             if saved.get(key) != mine[key]:
                 raise ValueError(f"{directory} was saved with {key}={saved.get(key)!r}, this model has {mine[key]!r}")
+        weights = saved.get("sharded_weights")
+        if weights is not None:
+            if weights.get("amp") != self.amp:
+                raise ValueError(f"{directory}: its presharded weights were saved for amp={weights.get('amp')!r}, "
+                                 f"this model has amp={self.amp!r}")
+            self.session.check_presharded(directory, weights)
         self.programs.load(directory)
+        self._presharded = directory if weights is not None else None
         return self

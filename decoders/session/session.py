@@ -12,6 +12,7 @@ the model's forward() and an HF generate() adapter are clients of it.
 from __future__ import annotations
 
 import logging
+import pathlib
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,8 @@ from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder, layer_prefix
 from decoders.programs.compiled import ProgramSet
 from decoders.programs.keys import Block, Embed, Greedy, LMHead, ModelStep, ProgramKey, Sampler
+from decoders.session import presharded as preshards
+from pyhlo.dtypes import numpy_dtype
 from runtime.kv_cache import KVCache
 from runtime.placement import Placement, Replicas
 
@@ -91,16 +94,25 @@ class Session:
         return self.programs.get(Greedy() if k_max is None else Sampler(k_max))
 
     # -- weights and caches ---------------------------------------------------------------
-    def load_weights(self, checkpoint: Any) -> None:
-        """Read every declared parameter from the checkpoint into the device, one layer at a time."""
+    def load_weights(self, checkpoint: Any, presharded: str | pathlib.Path | None = None) -> None:
+        """Place every declared parameter on the device, one layer at a time: read from the
+        checkpoint and arranged for each replica, or, given a directory save_weights() wrote
+        (checked by check_presharded()), each replica's part read as it is from its own file."""
         from tqdm.auto import tqdm
 
         lowering, tp = self.lowering, self.builder.tp_degree
+        if presharded is not None:
+            files = [preshards.RankFile(preshards.rank_file(presharded, r)) for r in range(tp)]
 
-        def place(param, layer):
-            # Read once, then each replica's part: no replica-sized copies of the whole weight.
-            array = read(param, checkpoint, layer)
-            return self.placement.put_each([lowering.arrange(param, array, rank) for rank in range(tp)])
+            def place(param, layer):
+                spec = self.builder.spec(param)
+                name, dtype = preshards.tensor_name(param.name, layer), numpy_dtype(spec.dtype)
+                return self.placement.put_each([f.read(name, dtype, spec.dims) for f in files])
+        else:
+            def place(param, layer):
+                # Read once, then each replica's part: no replica-sized copies of the whole weight.
+                array = read(param, checkpoint, layer)
+                return self.placement.put_each([lowering.arrange(param, array, rank) for rank in range(tp)])
 
         self.shared = {p.name: place(p, None) for p in self.builder.shared_params()}
         declared = self.builder.layer_params()
@@ -111,6 +123,51 @@ class Session:
         ]
         cache = self.builder.cache_spec("cache")
         self.kv_cache = KVCache(self.placement, n_layers, cache.dims, cache.dtype)
+
+    def weights_manifest(self) -> dict:
+        """What presharded weights are made for: a replica's parts depend on these, not on the
+        batch size or the buckets."""
+        lowering = self.lowering
+        return {"files": preshards.FILES, "tp_degree": lowering.tp_degree, "lowering": lowering.name,
+                "weight_layout": lowering.weight_layout, "dtype": lowering.dtype, "head_dtype": lowering.head_dtype}
+
+    def save_weights(self, directory: str | pathlib.Path) -> dict:
+        """Write each replica's weights as it holds them to directory/weights/rank{r}.safetensors;
+        the manifest to keep beside them."""
+        if not self.loaded:
+            raise ValueError("save(..., sharded_weights=True) writes the weights on the device: "
+                             "call model.to_neuron() first")
+        manifest = self.weights_manifest()
+        tensors, values = [], {}
+        declared = [(p, None, self.shared[p.name]) for p in self.builder.shared_params()]
+        declared += [(p, i, weights[p.name]) for i, weights in enumerate(self.layers)
+                     for p in self.builder.layer_params()]
+        for param, layer, value in declared:
+            spec, name = self.builder.spec(param), preshards.tensor_name(param.name, layer)
+            tensors.append((name, numpy_dtype(spec.dtype), tuple(spec.dims)))
+            values[name] = value
+        for rank in range(self.builder.tp_degree):
+            def fetch(name, rank=rank):
+                value = values[name]
+                return self.backend.to_host(value[rank] if isinstance(value, Replicas) else value)
+
+            metadata = {"rank": str(rank), **{k: str(v) for k, v in manifest.items()}}
+            preshards.write(preshards.rank_file(directory, rank), tensors, fetch, metadata)
+        return manifest
+
+    def check_presharded(self, directory: str | pathlib.Path, saved: dict) -> None:
+        """A ValueError naming what differs when weights saved under `saved` (save_weights()'s
+        manifest) are not what this session's programs take."""
+        mine = self.weights_manifest()
+        for key in ("tp_degree", "lowering", "weight_layout", "dtype", "head_dtype"):
+            if saved.get(key) != mine[key]:
+                raise ValueError(f"{directory}: its presharded weights were saved for {key}={saved.get(key)!r}, "
+                                 f"this model has {key}={mine[key]!r}")
+        if saved.get("files") != preshards.FILES:
+            raise ValueError(f"{directory}: unknown presharded weight files {saved.get('files')!r}")
+        for rank in range(self.builder.tp_degree):
+            if not preshards.rank_file(directory, rank).exists():
+                raise ValueError(f"{directory}: {preshards.rank_file(directory, rank)} is missing")
 
     def device_bytes(self) -> list[int]:
         """Bytes of weights and KV caches on each replica, summed from the device buffers."""
