@@ -1,7 +1,7 @@
 """Decoder LLM families, their configuration and the sampling API.
 
     decoders/
-      config.py      NeuronConfig, GenerationConfig (transformers-neuronx's names)
+      config.py      NeuronConfig, GenerationConfig, GQA (transformers-neuronx's names)
       model.py       DecoderForSampling: from_pretrained, to_neuron, sample, forward, save, load
       auto.py        NeuronAutoModelForCausalLM: the family class picked by the checkpoint's model_type
       hf_adapter.py  HuggingFaceGenerationModelAdapter: HF generate() over a compiled model
@@ -18,7 +18,7 @@
       checkpoints/   HF directories (safetensors, sharded, .bin), GGUF files, the default model
 """
 from decoders.auto import NeuronAutoModelForCausalLM
-from decoders.config import GenerationConfig, NeuronConfig, NotSupportedYet
+from decoders.config import GQA, GenerationConfig, NeuronConfig, NotSupportedYet
 from decoders.families.bloom import BloomForSampling
 from decoders.families.gpt2 import GPT2ForSampling, GPT2ForSamplingWithContextBroadcasting
 from decoders.families.gpt_neox import GPTNeoXForSampling
@@ -30,7 +30,7 @@ from decoders.families.opt import OPTForSampling
 from decoders.families.qwen2 import Qwen2ForSampling
 
 __all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",
-           "GPTNeoXForSampling", "GenerationConfig", "HuggingFaceGenerationModelAdapter", "LlamaForSampling",
+           "GPTNeoXForSampling", "GQA", "GenerationConfig", "HuggingFaceGenerationModelAdapter", "LlamaForSampling",
            "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM", "NeuronConfig",
            "NotSupportedYet", "OPTForSampling", "Qwen2ForSampling"]
 

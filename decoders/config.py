@@ -7,6 +7,7 @@ NotSupportedYet instead of being silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,23 @@ def element_type_of_amp(amp: str) -> str:
         return AMP_TYPES[amp]
     except (KeyError, TypeError):
         raise ValueError(f"unknown amp {amp!r}; use one of 'f32', 'bf16', 'f16'") from None
+
+
+class GQA(enum.Enum):
+    """How tensor parallelism shares out the KV heads of grouped-query attention
+    (transformers-neuronx's names and string values). With tp_degree 1 every strategy is the
+    same: one device holds all heads."""
+
+    # Whole KV heads split over the devices, each with its query heads: needs n_kv_heads to
+    # be a multiple of tp_degree (no replication, no padding).
+    SHARD_OVER_HEADS = "shard-over-heads"
+    # Partial KV heads, the caches split by batch line (an all-to-all): not built.
+    SHARD_OVER_BATCH = "shard-over-batch"
+    # Every device holds the KV heads its query heads need: split where they divide, replicated
+    # when fewer than the devices, else padded with zero heads (what None chooses too).
+    REPLICATED_HEADS = "replicated-heads"
+    # Partial KV heads gathered where their query heads are (an all-gather): not built.
+    ALL_GATHER_HEADS = "all-gather-heads"
 
 
 def _not_yet(name: str, value: Any, hint: str = "") -> NotSupportedYet:
@@ -102,7 +120,8 @@ class NeuronConfig:
 
     fuse_qkv: bool = True
     attention_layout: str = "BSH"
-    group_query_attention: str | None = None
+    # A GQA (or its string value); None: GQA.REPLICATED_HEADS's choice.
+    group_query_attention: GQA | str | None = None
     quant: Any = None
     on_device_generation: GenerationConfig | None = None
     padding_side: str = "right"
@@ -124,8 +143,11 @@ class NeuronConfig:
         if self.attention_layout != "BSH":
             raise _not_yet("attention_layout", self.attention_layout, "; use 'BSH'")
         if self.group_query_attention is not None:
-            raise _not_yet("group_query_attention", self.group_query_attention,
-                           " (its strategies shard KV heads for tensor parallelism, not built yet); use None")
+            try:
+                self.group_query_attention = GQA(self.group_query_attention)
+            except ValueError:
+                raise ValueError(f"NeuronConfig.group_query_attention must be None or one of "
+                                 f"{[g.value for g in GQA]}, got {self.group_query_attention!r}") from None
         if self.quant is not None:
             raise _not_yet("quant", self.quant, "; weights run in the amp dtype")
         if self.on_device_generation is not None:
@@ -172,7 +194,10 @@ class NeuronConfig:
                                       f"yet; use {built!r}{hint}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if self.group_query_attention is not None:
+            data["group_query_attention"] = self.group_query_attention.value
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> NeuronConfig:

@@ -25,7 +25,7 @@ import numpy as np
 
 from decoders import sharding
 from decoders.blocks.params import Kind, Param, Shard
-from decoders.config import NeuronConfig
+from decoders.config import GQA, NeuronConfig
 from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.attention import decode_attention_kernel
@@ -58,6 +58,9 @@ class XlaLowering:
     # every sharded parameter (decoders/sharding.py); ROW products are summed over replicas
     # (all-reduce) and the vocabulary-sharded LM head's logits gathered.
     tp_degree: int = 1
+    # How the KV heads are shared out over the replicas (NeuronConfig.group_query_attention;
+    # Attention.sharded): None, the automatic choice.
+    gqa: GQA | None = None
 
     name = "xla"
 
@@ -189,6 +192,7 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
             raise ValueError("NeuronConfig.cpu_kernels=True, but " + "; ".join(reasons))
         if not reasons:
             return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole,
-                                     tp_degree=tp_degree)
+                                     tp_degree=tp_degree, gqa=neuron_config.group_query_attention)
     layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
-    return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), tp_degree=tp_degree)
+    return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), tp_degree=tp_degree,
+                       gqa=neuron_config.group_query_attention)

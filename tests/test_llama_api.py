@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoders import GenerationConfig, LlamaForSampling, NeuronConfig, NotSupportedYet
+from decoders import GQA, GenerationConfig, LlamaForSampling, NeuronConfig, NotSupportedYet
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,13 @@ def test_a_config_feature_the_pieces_lack_is_refused(checkpoint, tmp_path):
 
 
 def test_every_neuron_config_option_is_built_or_refused():
-    with pytest.raises(NotSupportedYet, match="group_query_attention"):
-        NeuronConfig(group_query_attention="shard-over-heads")
+    # built: transformers-neuronx's GQA names or string values (refused per model and tp_degree
+    # where not built; tests/test_tensor_parallel.py)
+    assert NeuronConfig(group_query_attention="shard-over-heads").group_query_attention is GQA.SHARD_OVER_HEADS
+    assert NeuronConfig(group_query_attention=GQA.REPLICATED_HEADS).to_dict()["group_query_attention"] == \
+        "replicated-heads"
+    with pytest.raises(ValueError, match="group_query_attention must be None or one of"):
+        NeuronConfig(group_query_attention="shard-over-everything")
     with pytest.raises(NotSupportedYet, match="padding_side='left'"):
         NeuronConfig(padding_side="left")
     with pytest.raises(NotSupportedYet, match="deterministic"):

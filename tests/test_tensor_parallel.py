@@ -155,3 +155,78 @@ def test_smollm2_over_two_devices_pads_its_heads_and_keeps_its_tokens(smollm2_gg
     assert result["1"] == result["2"]
     # 9 query heads in 3 KV groups: 3 groups padded to 4, so 6 query and 2 KV heads a device.
     assert result["heads1"] == [9, 3] and result["heads2"] == [6, 2]
+
+
+@pytest.mark.parametrize("heads, kv_heads, tp, strategy, device_heads, device_kv_heads", [
+    (4, 2, 2, "SHARD_OVER_HEADS", 2, 1),
+    (8, 4, 2, "SHARD_OVER_HEADS", 4, 2),
+    (4, 2, 4, "REPLICATED_HEADS", 1, 1),     # KV heads replicated, as None chooses
+    (9, 3, 2, "REPLICATED_HEADS", 6, 2),     # padded to 4 KV heads, as None chooses
+    (4, 2, 1, "SHARD_OVER_BATCH", 4, 2),     # one device holds all heads: any strategy
+    (4, 2, 1, "ALL_GATHER_HEADS", 4, 2),
+])
+def test_each_gqa_strategy_gives_each_device_its_heads(heads, kv_heads, tp, strategy, device_heads,
+                                                        device_kv_heads):
+    from decoders import GQA
+    from decoders.blocks import Attention
+
+    attention = Attention(out="o", q="q", k="k", v="v", hidden=heads * 4, n_heads=heads, n_kv_heads=kv_heads,
+                          head_dim=4)
+    device = attention.sharded(tp, GQA[strategy])
+    assert (device.n_heads, device.n_kv_heads) == (device_heads, device_kv_heads)
+
+
+def test_gqa_strategies_that_do_not_fit_name_the_ones_that_work():
+    from decoders import GQA, NotSupportedYet
+    from decoders.blocks import Attention
+
+    def attention(heads, kv_heads):
+        return Attention(out="o", q="q", k="k", v="v", hidden=heads * 4, n_heads=heads, n_kv_heads=kv_heads,
+                         head_dim=4)
+
+    with pytest.raises(ValueError, match=r"SHARD_OVER_HEADS .* 2 KV heads .* tp_degree 4 does not divide them.*"
+                                         r"REPLICATED_HEADS \(or None\) works: 1 query and 1 KV heads a device, "
+                                         r"the 2 KV heads replicated"):
+        attention(4, 2).sharded(4, GQA.SHARD_OVER_HEADS)
+    with pytest.raises(ValueError, match=r"REPLICATED_HEADS \(or None\) works: 6 query and 2 KV heads a device, "
+                                         r"the 3 KV heads padded to 4"):
+        attention(9, 3).sharded(2, GQA.SHARD_OVER_HEADS)
+    for strategy in (GQA.SHARD_OVER_BATCH, GQA.ALL_GATHER_HEADS):
+        with pytest.raises(NotSupportedYet, match=f"GQA.{strategy.name} .*not supported yet; "
+                                                  r"SHARD_OVER_HEADS and REPLICATED_HEADS \(or None\) work"):
+            attention(4, 2).sharded(2, strategy)
+
+
+GQA_RUN = textwrap.dedent("""
+    import json, sys
+    from decoders import GQA, LlamaForSampling, NeuronConfig
+    results = {}
+    for tp, strategy in ((1, None), (2, "shard-over-heads"), (4, GQA.REPLICATED_HEADS), (4, GQA.SHARD_OVER_HEADS)):
+        config = NeuronConfig(group_query_attention=strategy)
+        name = f"{tp} {config.group_query_attention}"
+        try:
+            model = LlamaForSampling.from_pretrained(sys.argv[1], batch_size=1, n_positions=64,
+                                                     context_length_estimate=[16], tp_degree=tp,
+                                                     neuron_config=config).to_neuron()
+        except ValueError as error:
+            results[name] = str(error)
+            continue
+        out = model.sample([[5, 6, 7, 8, 9]], sequence_length=24, top_k=1, eos_token_id=[])
+        heads = model.session.builder.device_decoder.layer.attention
+        results[name] = [out[0].tolist(), heads.n_heads, heads.n_kv_heads]
+    print(json.dumps(results))
+""")
+
+
+def test_gqa_strategies_over_devices_keep_the_tokens(tiny_llama):
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")       # 4 heads, 2 KV heads
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([sys.executable, "-c", GQA_RUN, str(path)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    tokens, _, _ = result["1 None"]
+    assert result["2 GQA.SHARD_OVER_HEADS"] == [tokens, 2, 1]
+    assert result["4 GQA.REPLICATED_HEADS"] == [tokens, 1, 1]
+    assert "tp_degree 4 does not divide them" in result["4 GQA.SHARD_OVER_HEADS"]
+    assert "REPLICATED_HEADS (or None) works" in result["4 GQA.SHARD_OVER_HEADS"]

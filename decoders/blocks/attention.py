@@ -25,6 +25,7 @@ from decoders.blocks.params import (
 )
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
+from decoders.config import GQA, NotSupportedYet
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops import nn
 from pyhlo.ops.attention import attention
@@ -241,13 +242,22 @@ class Attention:
         key_positions = ew.subtract(iota(scribe, "f32", dims, 3), broadcast(ew.convert(step.pad, "f32"), dims, [0]))
         return ew.multiply(broadcast(slopes, dims, [1]), key_positions)
 
-    def sharded(self, tp_degree: int) -> Attention:
+    def sharded(self, tp_degree: int, strategy: GQA | None = None) -> Attention:
         """One device's share of the heads over `tp_degree` devices (as decoders/sharding.py
         splits the weights): the KV heads split, or replicated when fewer than the devices, or
         padded with zero heads (and their query heads with them) up to a multiple of the
-        devices; the query heads of its KV heads."""
+        devices; the query heads of its KV heads. `strategy` (NeuronConfig.group_query_attention):
+        None and GQA.REPLICATED_HEADS are that choice; GQA.SHARD_OVER_HEADS insists on an even
+        split of the KV heads (a ValueError naming what works otherwise)."""
         if tp_degree == 1:
             return self
+        if strategy in (GQA.SHARD_OVER_BATCH, GQA.ALL_GATHER_HEADS):
+            raise NotSupportedYet(f"NeuronConfig.group_query_attention=GQA.{strategy.name} ({strategy.value!r}) "
+                                  f"is not supported yet; {self._working(tp_degree)}")
+        if strategy is GQA.SHARD_OVER_HEADS and self.n_kv_heads % tp_degree:
+            raise ValueError(f"GQA.SHARD_OVER_HEADS splits the {self.n_kv_heads} KV heads over the devices, and "
+                             f"tp_degree {tp_degree} does not divide them (use a tp_degree that divides {self.n_kv_heads}); "
+                             f"{self._working(tp_degree)}")
         groups = padded_groups(self.n_kv_heads, tp_degree)
         heads = self.n_heads // self.n_kv_heads * groups
         if heads % tp_degree:
@@ -256,6 +266,19 @@ class Attention:
         kv = groups // tp_degree if groups % tp_degree == 0 else 1
         return replace(self, n_heads=heads // tp_degree, n_kv_heads=kv, tp_degree=tp_degree,
                        total_heads=self.n_heads)
+
+    def _working(self, tp_degree: int) -> str:
+        """What works for this model over `tp_degree` devices, for an error message."""
+        try:
+            device = self.sharded(tp_degree)
+        except ValueError as error:
+            return f"no strategy works: {error}"
+        groups = padded_groups(self.n_kv_heads, tp_degree)
+        how = ("split" if self.n_kv_heads % tp_degree == 0 else "replicated" if groups == self.n_kv_heads
+               else f"padded to {groups}")
+        names = (["SHARD_OVER_HEADS"] if self.n_kv_heads % tp_degree == 0 else []) + ["REPLICATED_HEADS (or None)"]
+        return (f"{' and '.join(names)} {'work' if len(names) > 1 else 'works'}: {device.n_heads} query and "
+                f"{device.n_kv_heads} KV heads a device, the {self.n_kv_heads} KV heads {how}")
 
     def _attend(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, step: Step) -> HloValue:
         """Attention over the first n_attend slots of the just-updated caches.

@@ -13,6 +13,7 @@ from decoders.blocks.norm import Norm
 from decoders.blocks.params import Param
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
+from decoders.config import GQA
 from pyhlo.ops import elementwise as ew
 from pyhlo.scribe import HloValue
 
@@ -77,10 +78,10 @@ class Decoder:
     def tied(self) -> bool:
         return self.head.weight is None
 
-    def sharded(self, tp_degree: int) -> Decoder:
-        """The pieces as one device of `tp_degree` runs them (its share of the attention heads);
-        parameter declarations stay the whole model's."""
-        layer = replace(self.layer, attention=self.layer.attention.sharded(tp_degree))
+    def sharded(self, tp_degree: int, strategy: GQA | None = None) -> Decoder:
+        """The pieces as one device of `tp_degree` runs them (its share of the attention heads,
+        KV heads shared out by `strategy`); parameter declarations stay the whole model's."""
+        layer = replace(self.layer, attention=self.layer.attention.sharded(tp_degree, strategy))
         return replace(self, layer=layer)
 
     def shared_params(self, one_table: bool) -> list[Param]:

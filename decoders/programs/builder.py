@@ -86,7 +86,7 @@ class ProgramBuilder:
     @property
     def device_decoder(self) -> Decoder:
         """The pieces as one device runs them (its share of the heads under tensor parallelism)."""
-        return self.decoder.sharded(self.tp_degree)
+        return self.decoder.sharded(self.tp_degree, self.lowering.gqa)
 
     @property
     def one_table(self) -> bool:
@@ -96,7 +96,7 @@ class ProgramBuilder:
 
     def check_sharding(self) -> None:
         """Every parameter splits over tp_degree devices (else a ValueError naming it)."""
-        self.decoder.sharded(self.tp_degree)
+        self.decoder.sharded(self.tp_degree, self.lowering.gqa)
         for param in self.layer_params() + self.shared_params():
             self.lowering.param_dims(param)
 
