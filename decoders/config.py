@@ -128,6 +128,8 @@ class NeuronConfig:
     output_all_logits: bool = False
     continuous_batching: Any = None
     cast_logits_dtype: str = "f32"
+    # Flash decoding: the KV cache split along the sequence over the tp_degree devices.
+    shard_over_sequence: bool = False
     compilation_worker_count: int | None = None
     # Decode steps as one unrolled program per bucket (True) or as embed, one decoder-block
     # program reused by every layer, and LM head (False). None: unrolled where that is
@@ -159,6 +161,8 @@ class NeuronConfig:
                            "on the right")
         if self.output_all_logits:
             raise _not_yet("output_all_logits", True)
+        if self.shard_over_sequence:
+            raise _not_yet("shard_over_sequence", True, " (flash decoding); the KV cache is split by heads")
         if self.continuous_batching is not None:
             raise _not_yet("continuous_batching", self.continuous_batching)
         if self.cast_logits_dtype not in ("f32", "float32"):

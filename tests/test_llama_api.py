@@ -98,6 +98,8 @@ def test_a_config_feature_the_pieces_lack_is_refused(checkpoint, tmp_path):
 
 
 def test_every_neuron_config_option_is_built_or_refused():
+    with pytest.raises(NotSupportedYet, match="shard_over_sequence=True .*flash decoding"):
+        NeuronConfig(shard_over_sequence=True)
     # built: transformers-neuronx's GQA names or string values (refused per model and tp_degree
     # where not built; tests/test_tensor_parallel.py)
     assert NeuronConfig(group_query_attention="shard-over-heads").group_query_attention is GQA.SHARD_OVER_HEADS
