@@ -578,6 +578,20 @@ def test_embedding_reads_the_lm_head_columns_as_its_table():
         np.testing.assert_array_equal(out, table[ids])
 
 
+def _run_head(head, params, tensors, lowering, rng, b, n_tokens, hidden):
+    """The head's logits over random hidden states, each line picking another position (the
+    last, the first, the middle); and the rows it should have picked."""
+    weights = _weights(params, FakeCheckpoint(tensors), lowering, None)
+    hidden_states = _randn(rng, b, n_tokens, hidden, scale=2.0)
+    last_index = np.array([n_tokens - 1, 0, n_tokens // 2], np.int32)
+
+    def body(v):
+        return [head(PieceValues(v, lowering, "", params), v["hidden"], v["last_index"])]
+
+    (logits,) = _run({"hidden": hidden_states, "last_index": last_index, **weights}, body)
+    return logits, hidden_states[np.arange(b), last_index if n_tokens > 1 else 0]
+
+
 @pytest.mark.parametrize("n_tokens", [1, 4])
 @LOWERINGS
 def test_head(n_tokens, lowering):
@@ -587,15 +601,7 @@ def test_head(n_tokens, lowering):
                                                                                           "embed_out.weight"))
     t = {"model.norm.weight": _randn(rng, hidden) + 1, "embed_out.weight": _randn(rng, vocab, hidden)}
     params = head.params()
-    weights = _weights(params, FakeCheckpoint(t), lowering, None)
-    hidden_states = _randn(rng, b, n_tokens, hidden, scale=2.0)
-    last_index = np.array([n_tokens - 1, 0, n_tokens // 2], np.int32)
-
-    def body(v):
-        return [head(PieceValues(v, lowering, "", params), v["hidden"], v["last_index"])]
-
-    (logits,) = _run({"hidden": hidden_states, "last_index": last_index, **weights}, body)
-    picked = hidden_states[np.arange(b), last_index if n_tokens > 1 else 0]
+    logits, picked = _run_head(head, params, t, lowering, rng, b, n_tokens, hidden)
     normed = ref_norm(picked, t["model.norm.weight"], None, "rms", 1e-5)
     assert logits.dtype == np.float32 and logits.shape == (b, vocab)
     np.testing.assert_allclose(logits, _linear(normed, t["embed_out.weight"]), **TOL)
@@ -826,15 +832,7 @@ def test_head_options(case, n_tokens, lowering):
         assert bias.shape == (vocab,) and bias.kind is Kind.VECTOR and bias.shard is Shard.VOCAB and bias.is_head
     else:
         assert names == ["project_out.weight", "lm_head.weight"] and params[1].shape == (vocab, width)
-    weights = _weights(params, FakeCheckpoint(t), lowering, None)
-    hidden_states = _randn(rng, b, n_tokens, hidden, scale=2.0)
-    last_index = np.array([n_tokens - 1, 0, n_tokens // 2], np.int32)
-
-    def body(v):
-        return [head(PieceValues(v, lowering, "", params), v["hidden"], v["last_index"])]
-
-    (logits,) = _run({"hidden": hidden_states, "last_index": last_index, **weights}, body)
-    rows = hidden_states[np.arange(b), last_index if n_tokens > 1 else 0]
+    logits, rows = _run_head(head, params, t, lowering, rng, b, n_tokens, hidden)
     if case == "norm_and_bias":
         rows = ref_norm(rows, t["transformer.ln_f.weight"], t["transformer.ln_f.bias"], "layer", 1e-5)
         expected = _linear(rows, t["lm_head.weight"], t["lm_head.bias"])
