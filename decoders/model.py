@@ -325,10 +325,7 @@ class DecoderForSampling:
             if saved.get(key) != mine[key]:
                 raise ValueError(f"{directory} was saved with {key}={saved.get(key)!r}, this model has {mine[key]!r}")
         weights = saved.get("sharded_weights")
-        if weights is not None:
-            if weights.get("amp") != self.amp:
-                raise ValueError(f"{directory}: its presharded weights were saved for amp={weights.get('amp')!r}, "
-                                 f"this model has amp={self.amp!r}")
+        if weights is not None:             # amp and tp_degree were checked above with the programs
             self.session.check_presharded(directory, weights)
         self.programs.load(directory)
         self._presharded = directory if weights is not None else None
