@@ -41,6 +41,6 @@ class Placement:
             return self.backend.to_device(arrays[0])
         return Replicas(self.backend.to_device(a, replica=r) for r, a in enumerate(arrays))
 
-    def host(self, value: Any) -> np.ndarray:
-        """A value on the host (replica 0's, where replicas hold the same)."""
-        return self.backend.to_host(value[0] if isinstance(value, Replicas) else value)
+    def host(self, value: Any, replica: int = 0) -> np.ndarray:
+        """Replica `replica`'s buffer of a value on the host (with one replica: the value's)."""
+        return self.backend.to_host(value[replica] if isinstance(value, Replicas) else value)

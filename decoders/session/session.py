@@ -45,6 +45,9 @@ class Session:
         self.kv_cache: KVCache | None = None
         self._pads: np.ndarray | None = None
         self._pad_buffer = None
+        # The unrolled decode program's names of each layer's weights and caches (load_weights()).
+        self._prefixed_weights: dict[str, Any] = {}
+        self._prefixed_cache_names: list[tuple[str, str]] = []
         # The sampler bound of NeuronConfig.on_device_generation, compiled with the rest so that
         # changing its settings later compiles nothing (None: the sampler is built on first use).
         self.sampler_k_max: int | None = None
@@ -123,6 +126,11 @@ class Session:
         ]
         cache = self.builder.cache_spec("cache")
         self.kv_cache = KVCache(self.placement, n_layers, cache.dims, cache.dtype)
+        # Weights never change once placed: named for the unrolled program once, not every step.
+        self._prefixed_weights = {layer_prefix(i) + name: buffer
+                                  for i, weights in enumerate(self.layers) for name, buffer in weights.items()}
+        self._prefixed_cache_names = [(layer_prefix(i) + "cache_k", layer_prefix(i) + "cache_v")
+                                      for i in range(n_layers)]
 
     def weights_manifest(self) -> dict:
         """What presharded weights are made for: a replica's parts depend on these, not on the
@@ -148,8 +156,7 @@ class Session:
             values[name] = value
         for rank in range(self.builder.tp_degree):
             def fetch(name, rank=rank):
-                value = values[name]
-                return self.backend.to_host(value[rank] if isinstance(value, Replicas) else value)
+                return self.placement.host(values[name], rank)
 
             metadata = {"rank": str(rank), **{k: str(v) for k, v in manifest.items()}}
             preshards.write(preshards.rank_file(directory, rank), tensors, fetch, metadata)
@@ -275,13 +282,11 @@ class Session:
     def _run_whole(self, step: dict[str, Any], n_tokens: int, n_attend: int) -> Any:
         program = self.programs.get(ModelStep(n_tokens, n_attend))
         cache = self.kv_cache
-        values = {**step, **self.shared}
-        for layer, weights in enumerate(self.layers):
-            prefix = layer_prefix(layer)
-            values.update({prefix + name: buffer for name, buffer in weights.items()})
-            values[prefix + "cache_k"], values[prefix + "cache_v"] = cache.keys[layer], cache.values[layer]
+        caches = self._prefixed_cache_names
+        values = {**step, **self.shared, **self._prefixed_weights}
+        for layer, (k, v) in enumerate(caches):
+            values[k], values[v] = cache.keys[layer], cache.values[layer]
         outputs = program.run_checked_once(values)
-        for layer in range(len(self.layers)):
-            prefix = layer_prefix(layer)
-            cache.keys[layer], cache.values[layer] = outputs[prefix + "cache_k"], outputs[prefix + "cache_v"]
+        for layer, (k, v) in enumerate(caches):
+            cache.keys[layer], cache.values[layer] = outputs[k], outputs[v]
         return outputs["logits"]
