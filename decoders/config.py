@@ -37,12 +37,17 @@ class GQA(enum.Enum):
     # Whole KV heads split over the devices, each with its query heads: needs n_kv_heads to
     # be a multiple of tp_degree (no replication, no padding).
     SHARD_OVER_HEADS = "shard-over-heads"
-    # Partial KV heads, the caches split by batch line (an all-to-all): not built.
+    # The caches split by batch line: every device projects all KV heads (the K and V weights
+    # replicated) and keeps its lines; query heads and attention outputs change hands (heads
+    # for lines and back). Needs batch_size and n_heads to be multiples of tp_degree.
     SHARD_OVER_BATCH = "shard-over-batch"
     # Every device holds the KV heads its query heads need: split where they divide, replicated
     # when fewer than the devices, else padded with zero heads (what None chooses too).
     REPLICATED_HEADS = "replicated-heads"
-    # Partial KV heads gathered where their query heads are (an all-gather): not built.
+    # K and V split evenly by features (heads cut across devices), gathered after the product
+    # (an all-gather per layer); each device caches the KV heads of its query heads. Needs
+    # n_heads to be a multiple of tp_degree, and a device's query heads to hold whole KV
+    # groups or to sit inside one.
     ALL_GATHER_HEADS = "all-gather-heads"
 
 
@@ -161,8 +166,6 @@ class NeuronConfig:
                            "on the right")
         if self.output_all_logits:
             raise _not_yet("output_all_logits", True)
-        if self.shard_over_sequence:
-            raise _not_yet("shard_over_sequence", True, " (flash decoding); the KV cache is split by heads")
         if self.continuous_batching is not None:
             raise _not_yet("continuous_batching", self.continuous_batching)
         if self.cast_logits_dtype not in ("f32", "float32"):

@@ -61,6 +61,9 @@ class XlaLowering:
     # How the KV heads are shared out over the replicas (NeuronConfig.group_query_attention;
     # Attention.sharded): None, the automatic choice.
     gqa: GQA | None = None
+    # Flash decoding (NeuronConfig.shard_over_sequence): each replica holds a stretch of every
+    # line's cache slots; attention's partial softmax statistics are combined across them.
+    shard_over_sequence: bool = False
 
     name = "xla"
 
@@ -74,17 +77,24 @@ class XlaLowering:
 
     def param_dims(self, param: Param) -> tuple[int, ...]:
         """One device's part of the parameter, in the program's layout."""
-        shape = sharding.local_shape(param, self.tp_degree)
+        shape = sharding.local_shape(param, self.tp_degree, self.kv_split)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
             return tuple(reversed(shape))
         return shape
 
     def arrange(self, param: Param, array: np.ndarray, rank: int = 0) -> np.ndarray:
         """Replica `rank`'s part of a checkpoint array in the program's layout and element type."""
-        array = sharding.shard(param, array, self.tp_degree, rank)
+        array = sharding.shard(param, array, self.tp_degree, rank, self.kv_split)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
             array = array.T
         return np.ascontiguousarray(array, dtype=numpy_dtype(self.param_dtype(param)))
+
+    @property
+    def kv_split(self) -> str:
+        """How the K and V projections are shared out (decoders/sharding.py)."""
+        if self.shard_over_sequence or self.gqa is GQA.SHARD_OVER_BATCH:
+            return "replicated"
+        return "features" if self.gqa is GQA.ALL_GATHER_HEADS else "heads"
 
     @property
     def replica_groups(self) -> list[list[int]]:
@@ -192,7 +202,8 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
             raise ValueError("NeuronConfig.cpu_kernels=True, but " + "; ".join(reasons))
         if not reasons:
             return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole,
-                                     tp_degree=tp_degree, gqa=neuron_config.group_query_attention)
+                                     tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
+                                     shard_over_sequence=neuron_config.shard_over_sequence)
     layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
     return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), tp_degree=tp_degree,
-                       gqa=neuron_config.group_query_attention)
+                       gqa=neuron_config.group_query_attention, shard_over_sequence=neuron_config.shard_over_sequence)

@@ -8,7 +8,18 @@ devices) is replicated instead: device r holds unit r // (devices / units), so t
 heads a device holds find their KV head beside them (transformers-neuronx's replicated
 KV heads). KV heads that neither split nor replicate evenly (3 over 2 or 4 devices) are
 padded with zero heads, group by group, up to a multiple of the devices; a padding head's
-zero query, key and value add nothing through its zero output-projection columns.
+zero query, key and value add nothing through its zero output-projection columns. Any other
+split that does not divide (a vocabulary of 49153 rows, an MLP 1000 wide, over 4 devices) is
+padded the same way with zero rows up to a multiple of the devices: a padding MLP feature's
+zero input and output weights add nothing, and the LM head masks its padding logits.
+
+How keys and values are shared out (`kv_split`, from the GQA strategy):
+- "heads": as above (GQA.SHARD_OVER_HEADS, GQA.REPLICATED_HEADS);
+- "replicated": every device holds the whole K and V projections (GQA.SHARD_OVER_BATCH and
+  flash decoding, whose caches are split by batch line or by sequence slot instead);
+- "features": K and V split evenly by features, heads cut across devices
+  (GQA.ALL_GATHER_HEADS, which gathers them after the product).
+Under the last two, query heads split evenly, never padded in KV groups.
 """
 from __future__ import annotations
 
@@ -26,37 +37,47 @@ def split_axis(param: Param) -> int | None:
     return 0
 
 
-def indices(param: Param, tp_degree: int, rank: int) -> np.ndarray | None:
+KV_SPLITS = ("heads", "replicated", "features")
+
+
+def indices(param: Param, tp_degree: int, rank: int, kv_split: str = "heads") -> np.ndarray | None:
     """The indices along split_axis(param) that device `rank` of `tp_degree` holds (None: all;
     -1: a row of a padding head, zeros)."""
+    if kv_split not in KV_SPLITS:
+        raise ValueError(f"kv_split must be one of {KV_SPLITS}, got {kv_split!r}")
     axis = split_axis(param)
     if axis is None or tp_degree == 1:
         return None
     length = param.shape[axis]
     segments = param.segments if axis == 0 and param.segments else (length,)
     held, start = [], 0
-    for size in segments:
-        units = size // param.unit
+    for index, size in enumerate(segments):
+        unit = param.unit
+        if kv_split != "heads" and axis == 0 and index in param.kv_segments:
+            if kv_split == "replicated":
+                held.append(start + np.arange(size))
+                start += size
+                continue
+            unit = 1                                                  # "features"
+        units = size // unit
         padded = units
-        if param.head_groups:
-            padded = units // param.head_groups * padded_groups(param.head_groups, tp_degree)
-        if padded % tp_degree == 0:
-            per, first = padded // tp_degree, rank * (padded // tp_degree)
-        elif tp_degree % padded == 0:
-            per, first = 1, rank // (tp_degree // padded)
+        groups = param.head_groups if kv_split == "heads" else 0
+        if groups:
+            padded = units // groups * padded_groups(groups, tp_degree)
+        if groups and padded % tp_degree and tp_degree % padded == 0:
+            per, first = 1, rank // (tp_degree // padded)          # KV heads replicated
         else:
-            raise ValueError(
-                f"{param.name}: {units} {'heads' if param.unit > 1 else 'rows'} of a part cannot be split over "
-                f"tp_degree {tp_degree}; use a tp_degree that divides {units} or that {units} divides")
-        rows = np.arange(first * param.unit, (first + per) * param.unit)
+            per = -(-padded // tp_degree)                             # padded up to a multiple
+            first = rank * per
+        rows = np.arange(first * unit, (first + per) * unit)
         held.append(np.where(rows < size, start + rows, -1))
         start += size
     return np.concatenate(held)
 
 
-def local_shape(param: Param, tp_degree: int) -> tuple[int, ...]:
+def local_shape(param: Param, tp_degree: int, kv_split: str = "heads") -> tuple[int, ...]:
     """The shape of one device's part."""
-    held = indices(param, tp_degree, 0)
+    held = indices(param, tp_degree, 0, kv_split)
     if held is None:
         return param.shape
     shape = list(param.shape)
@@ -64,9 +85,9 @@ def local_shape(param: Param, tp_degree: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def shard(param: Param, array: np.ndarray, tp_degree: int, rank: int) -> np.ndarray:
+def shard(param: Param, array: np.ndarray, tp_degree: int, rank: int, kv_split: str = "heads") -> np.ndarray:
     """Device `rank`'s part of a parameter's full (logical) array."""
-    held = indices(param, tp_degree, rank)
+    held = indices(param, tp_degree, rank, kv_split)
     if held is None:
         return array
     axis = split_axis(param)

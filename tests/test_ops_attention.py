@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pyhlo import compile_py_func
 from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import nn
-from pyhlo.ops.attention import attention
+from pyhlo.ops.attention import attention, partial_attention
 
 BF16 = numpy_dtype("bf16")
 SETTINGS = settings(max_examples=12, deadline=None)
@@ -115,6 +115,43 @@ def test_causal_alibi_attention_matches_torch_sdpa():
         torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), attn_mask=bias, enable_gqa=True
     )
     np.testing.assert_allclose(out, expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@SETTINGS
+@given(problem=problems(), cut=st.floats(0, 1))
+def test_attention_parts_combine_into_the_whole(problem, cut):
+    """Flash decoding: partial_attention over two parts of the keys, combined as the replicas
+    do (rescaled by exp(top - max top), summed, divided), is attention over all of them; a
+    part no query can see (all masked) weighs nothing."""
+    q, k, v, mask = problem
+    mask[..., -1] = True        # every query sees a key somewhere
+    s = k.shape[2]
+    split = int(round(cut * s))
+    scale = q.shape[-1] ** -0.5
+    parts = []
+    for keys in (slice(0, split), slice(split, s)):
+        if keys.start == keys.stop:
+            continue
+
+        def program(scribe, keys=keys):
+            width = keys.stop - keys.start
+            return partial_attention(_param(scribe, "f32", q.shape, 0),
+                                     _param(scribe, "f32", (*k.shape[:2], width, k.shape[3]), 1),
+                                     _param(scribe, "f32", (*v.shape[:2], width, v.shape[3]), 2),
+                                     _param(scribe, "pred", (*mask.shape[:2], width), 3), scale)
+
+        sliced = [np.ascontiguousarray(a[..., keys, :]) for a in (k, v)]
+        parts.append(run_fn(program, q, *sliced, np.ascontiguousarray(mask[..., keys])))
+    highest = np.max([top for _, top, _ in parts], axis=0)
+    out = sum(o * np.exp(top - highest)[..., None] for o, top, _ in parts)
+    total = sum(t * np.exp(top - highest) for _, top, t in parts)
+    np.testing.assert_allclose(out / total[..., None], reference(q, k, v, mask, scale), rtol=1e-5, atol=1e-5)
+    unseen = ~mask[..., :split].any(-1)     # [b, nq]: queries that see nothing of the first part
+    if split and unseen.any():
+        out0, top0, total0 = parts[0]
+        lines, queries = np.nonzero(unseen)
+        assert (total0[lines, :, queries] == 0).all() and (out0[lines, :, queries] == 0).all()
+        assert (top0[lines, :, queries] == F32_LOWEST).all()
 
 
 def test_fully_masked_rows_give_no_nan():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from decoders.blocks import parallel
 from decoders.blocks.params import (
     Kind,
     Param,
@@ -25,11 +26,11 @@ from decoders.blocks.params import (
 )
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
-from decoders.config import GQA, NotSupportedYet
+from decoders.config import GQA
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops import nn
-from pyhlo.ops.attention import attention
-from pyhlo.ops.collectives import replica_id
+from pyhlo.ops.attention import attention, combine_attention_parts, partial_attention
+from pyhlo.ops.collectives import all_gather
 from pyhlo.ops.shape_ops import (
     broadcast,
     dynamic_slice,
@@ -42,6 +43,10 @@ from pyhlo.ops.shape_ops import (
     transpose,
 )
 from pyhlo.scribe import HloValue
+
+
+class _Unfit(Exception):
+    """A sharding strategy that does not fit the model (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -91,15 +96,23 @@ class Attention:
     tp_degree: int = 1
     # The whole model's query heads, padding heads left out (ALiBi's slopes are theirs).
     total_heads: int = 0
+    # The whole model's KV heads.
+    total_kv_heads: int = 0
+    # How a device of tensor parallelism holds keys and values (sharded()): "heads" (its KV
+    # heads, for every line and slot), "batch" (every KV head, for its batch lines),
+    # "gather" (K and V projected by features, gathered, then its query heads' KV heads) or
+    # "sequence" (every KV head, for its stretch of cache slots: flash decoding).
+    kv_layout: str = "heads"
 
     def __post_init__(self) -> None:
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
             raise ValueError("Attention needs either q, k and v, or qkv (a fused projection)")
-        if self.n_heads % self.n_kv_heads:
+        if self.attending_heads % self.n_kv_heads:
             raise ValueError(f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} kv heads")
         if self.qkv_layout not in ("per_head", "contiguous"):
             raise ValueError(f"qkv_layout must be 'per_head' or 'contiguous', got {self.qkv_layout!r}")
-        if self.qkv is not None and self.qkv_layout == "per_head" and self.n_kv_heads != self.n_heads:
+        if self.qkv is not None and self.qkv_layout == "per_head" and self.n_kv_heads != self.attending_heads \
+                and self.kv_layout != "gather":
             raise ValueError("a per-head fused qkv projection has as many kv heads as heads")
         if self.stored_in_out and self.qkv is None and self.fused:
             # Source concatenates parts along axis 0, which is `in` for [in, out] tensors.
@@ -114,6 +127,32 @@ class Attention:
     @property
     def kv_size(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def attending_heads(self) -> int:
+        """The query heads this device's attention runs over: every head in the batch and
+        sequence layouts (which trade heads for lines or slots), else its own."""
+        return self.n_heads * self.tp_degree if self.kv_layout in ("batch", "sequence") else self.n_heads
+
+    @property
+    def kv_width(self) -> int:
+        """Features of K (and of V) out of this device's projection."""
+        if self.kv_layout == "gather":
+            return -(-self.total_kv_heads * self.head_dim // self.tp_degree)
+        return self.kv_size
+
+    def cache_dims(self, batch_size: int, cache_len: int) -> tuple[int, int, int, int]:
+        """This device's KV cache of one layer: [lines, KV heads, slots, head_dim]."""
+        if self.kv_layout == "batch" and batch_size % self.tp_degree:
+            raise ValueError(f"GQA.SHARD_OVER_BATCH splits the caches by batch line, and tp_degree "
+                             f"{self.tp_degree} does not divide batch_size {batch_size}; use a batch size that "
+                             f"it divides, or another strategy")
+        if self.kv_layout == "sequence" and cache_len % self.tp_degree:
+            raise ValueError(f"shard_over_sequence splits the caches by slot, and tp_degree {self.tp_degree} does "
+                             f"not divide n_positions {cache_len}; use an n_positions that it divides")
+        lines = batch_size // self.tp_degree if self.kv_layout == "batch" else batch_size
+        slots = cache_len // self.tp_degree if self.kv_layout == "sequence" else cache_len
+        return lines, self.n_kv_heads, slots, self.head_dim
 
     @property
     def scale(self) -> float:
@@ -150,14 +189,15 @@ class Attention:
         sources = self._sources(suffix)
         if not self.fused:
             return [Param(f"{scope}.{part}.{suffix}", kind, (sizes[part], *trailing), Shard.COLUMN, sources[part],
-                          unit=self.head_dim, head_groups=self.n_kv_heads)
+                          unit=self.head_dim, head_groups=self.n_kv_heads, kv_segments=() if part == "q" else (0,))
                     for part in ("q", "k", "v")]
         if self.qkv is None:
             source = Source(tuple(sources[part].names[0] for part in ("q", "k", "v")))
         else:
             source = self._fused_qkv(suffix)
         return [Param(f"{scope}.qkv.{suffix}", kind, (sum(sizes.values()), *trailing), Shard.COLUMN, source,
-                      segments=tuple(sizes.values()), unit=self.head_dim, head_groups=self.n_kv_heads)]
+                      segments=tuple(sizes.values()), unit=self.head_dim, head_groups=self.n_kv_heads,
+                      kv_segments=(1, 2))]
 
     def params(self, scope: str) -> list[Param]:
         declared = self._qkv_params(scope, "weight")
@@ -177,30 +217,75 @@ class Attention:
         """Attention output [b, n, hidden], and both caches with this step's keys and values."""
         b, n = step.batch_size, step.n_tokens
         q, k, v = self._project(values, x)
+        if self.kv_layout == "gather":
+            k, v = self._own_kv_heads(k), self._own_kv_heads(v)
         q = reshape(q, (b, n, self.n_heads, self.head_dim))
         k = reshape(k, (b, n, self.n_kv_heads, self.head_dim))
         v = reshape(v, (b, n, self.n_kv_heads, self.head_dim))
         if isinstance(self.positions, Rotary):
             q, k = self._rotate(q, k, step.positions)
         q, k, v = (transpose(t, (0, 2, 1, 3)) for t in (q, k, v))     # [b, heads, n, d]
+        if self.kv_layout == "sequence":
+            context, cache_k, cache_v = self._attend_stretch(q, k, v, step, cache_k, cache_v)
+        elif self.kv_layout == "batch":
+            # Heads for lines: every query head of this device's lines, over its caches; then back.
+            lines = b // self.tp_degree
+            q = parallel.exchange(q, 1, 0, self.tp_degree)
+            k, v = parallel.own_block(k, 0, lines), parallel.own_block(v, 0, lines)
+            step = Step(parallel.own_block(step.positions, 0, lines), step.slot, parallel.own_block(step.pad, 0, lines),
+                        step.n_tokens, step.n_attend)
+            context, cache_k, cache_v = self._attend_here(values, q, k, v, step, cache_k, cache_v)
+            context = parallel.exchange(context, 0, 1, self.tp_degree)
+        else:
+            context, cache_k, cache_v = self._attend_here(values, q, k, v, step, cache_k, cache_v)
+        context = ew.convert(reshape(transpose(context, (0, 2, 1, 3)), (b, n, self.q_size)), x.dtype)
+        return values.linear(context, "out"), cache_k, cache_v
+
+    def _attend_here(self, values: PieceValues, q: HloValue, k: HloValue, v: HloValue, step: Step,
+                     cache_k: HloValue, cache_v: HloValue) -> tuple[HloValue, HloValue, HloValue]:
+        """Attention over caches that hold every slot of their lines: this step's keys and
+        values written at step.slot, then the lowering's decode attention or the generic one."""
         cache_k = dynamic_update_slice(cache_k, k, [0, 0, step.slot, 0])
         cache_v = dynamic_update_slice(cache_v, v, [0, 0, step.slot, 0])
         context = None
-        if n == 1 and self.plain(cache_k.dims[2]):
+        if step.n_tokens == 1 and self.plain(cache_k.dims[2]):
             context = values.lowering.decode_attention(q, cache_k, cache_v, step.slot, step.pad, self.scale)
         if context is None:
             context = self._attend(q, cache_k, cache_v, step)
-        context = ew.convert(reshape(transpose(context, (0, 2, 1, 3)), (b, n, self.q_size)), x.dtype)
-        return values.linear(context, "out"), cache_k, cache_v
+        return context, cache_k, cache_v
+
+    def _attend_stretch(self, q: HloValue, k: HloValue, v: HloValue, step: Step, cache_k: HloValue,
+                        cache_v: HloValue) -> tuple[HloValue, HloValue, HloValue]:
+        """Flash decoding: this device's caches hold slots first .. first + L - 1 of every line
+        and KV head. Every query head attends over them (partial softmax statistics), the
+        replicas combine their parts, and each keeps its own query heads' outputs."""
+        tp, length = self.tp_degree, cache_k.dims[2]
+        q = all_gather(q, 1, parallel.group(tp))
+        first = ew.multiply(parallel.rank(q), length)
+        cache_k = parallel.write_stretch(cache_k, k, step.slot, first)
+        cache_v = parallel.write_stretch(cache_v, v, step.slot, first)
+        bias = self._alibi(step, first, length) if isinstance(self.positions, Alibi) else None
+        parts = partial_attention(q, cache_k, cache_v, self._mask(step, first, length), self.scale, bias)
+        context = combine_attention_parts(*parts, parallel.group(tp))
+        return parallel.own_block(ew.convert(context, q.dtype), 1, self.n_heads), cache_k, cache_v
+
+    def _own_kv_heads(self, projected: HloValue) -> HloValue:
+        """GQA.ALL_GATHER_HEADS: this device's features of K (or V) [b, n, kv_width], gathered
+        from every device, narrowed to the KV heads of this device's query heads."""
+        b, n, _ = projected.dims
+        everything = all_gather(projected, 2, parallel.group(self.tp_degree))
+        group = self.total_heads // self.total_kv_heads
+        first = ew.divide(ew.multiply(parallel.rank(projected), self.n_heads), group)
+        return dynamic_slice(everything, [0, 0, ew.multiply(first, self.head_dim)], [b, n, self.kv_size])
 
     def _project(self, values: PieceValues, x: HloValue) -> tuple[HloValue, HloValue, HloValue]:
         if not self.fused:
             return values.linear(x, "q"), values.linear(x, "k"), values.linear(x, "v")
         qkv = values.linear(x, "qkv")
         last = len(qkv.dims) - 1
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q_end, k_end = self.q_size, self.q_size + self.kv_width
         return (slice_along(qkv, last, 0, q_end), slice_along(qkv, last, q_end, k_end),
-                slice_along(qkv, last, k_end, k_end + self.kv_size))
+                slice_along(qkv, last, k_end, k_end + self.kv_width))
 
     def _rotate(self, q: HloValue, k: HloValue, positions: HloValue) -> tuple[HloValue, HloValue]:
         rotary = self.positions
@@ -216,69 +301,121 @@ class Attention:
                                                    rotary.rotary_dim, rotary.style))
         return rotated[0], rotated[1]
 
-    def _mask(self, step: Step) -> HloValue:
-        """Query j of line i sees key slots pad[i] <= k <= slot + j (and within the window)."""
-        b, n, s = step.batch_size, step.n_tokens, step.n_attend
+    def _mask(self, step: Step, first: HloValue | None = None, n_keys: int | None = None) -> HloValue:
+        """Query j of line i sees key slots pad[i] <= k <= slot + j (and within the window),
+        over slots 0 .. n_attend - 1, or the n_keys slots from `first` (flash decoding)."""
+        b, n, s = step.batch_size, step.n_tokens, n_keys or step.n_attend
         scribe = step.slot.scribe
-        query_slots = ew.add(iota(scribe, "s32", (b, n), 1), ew.broadcast_scalar(step.slot, (b, n)))
-        causal = nn.causal_mask(query_slots, s, self.window)
-        key_slots = iota(scribe, "s32", (b, n, s), 2)
-        first = broadcast(step.pad, (b, n, s), [0])
-        return scribe.pred[b, n, s].And(causal, ew.compare(key_slots, first, "GE"))
+        start = step.slot if first is None else ew.subtract(step.slot, first)
+        query_slots = ew.add(iota(scribe, "s32", (b, n), 1), ew.broadcast_scalar(start, (b, n)))
+        causal = nn.causal_mask(query_slots, s, self.window)    # in slots counted from `first`
+        key_slots = self._key_slots(scribe, (b, n, s), 2, first)
+        return scribe.pred[b, n, s].And(causal, ew.compare(key_slots, broadcast(step.pad, (b, n, s), [0]), "GE"))
 
-    def _alibi(self, step: Step) -> HloValue:
-        """f32[b, heads, n, s]: slope[h] * (key slot - pad[b]), key positions as HF Bloom counts them."""
-        b, n, s = step.batch_size, step.n_tokens, step.n_attend
+    @staticmethod
+    def _key_slots(scribe, dims: tuple[int, ...], dim: int, first: HloValue | None) -> HloValue:
+        slots = iota(scribe, "s32", dims, dim)
+        return slots if first is None else ew.add(slots, ew.broadcast_scalar(first, dims))
+
+    def _alibi(self, step: Step, first: HloValue | None = None, n_keys: int | None = None) -> HloValue:
+        """f32[b, heads, n, s]: slope[h] * (key slot - pad[b]), key positions as HF Bloom counts
+        them; keys as _mask() takes them. Heads: this device's, or every head where attention
+        runs over all of them (the batch and sequence layouts)."""
+        b, n, s = step.batch_size, step.n_tokens, n_keys or step.n_attend
         scribe = step.slot.scribe
-        dims = (b, self.n_heads, n, s)
+        heads = self.attending_heads
+        all_heads = heads > self.n_heads
+        dims = (b, heads, n, s)
         everyone = np.zeros(self.n_heads * self.tp_degree, np.float32)      # padding heads: 0
         real = nn.alibi_slopes(self.total_heads or len(everyone))
         everyone[: len(real)] = real
         slopes = ew.constant(scribe, "f32", everyone, everyone.shape)
-        if self.tp_degree > 1:
+        if self.tp_degree > 1 and not all_heads:
             # This replica's heads: a block of the whole model's, picked by its replica id.
-            first = ew.multiply(ew.convert(replica_id(scribe), "s32"), self.n_heads)
-            slopes = dynamic_slice(slopes, [first], [self.n_heads])
-        key_positions = ew.subtract(iota(scribe, "f32", dims, 3), broadcast(ew.convert(step.pad, "f32"), dims, [0]))
+            slopes = parallel.own_block(slopes, 0, self.n_heads)
+        key_slots = ew.convert(self._key_slots(scribe, dims, 3, first), "f32")
+        key_positions = ew.subtract(key_slots, broadcast(ew.convert(step.pad, "f32"), dims, [0]))
         return ew.multiply(broadcast(slopes, dims, [1]), key_positions)
 
-    def sharded(self, tp_degree: int, strategy: GQA | None = None) -> Attention:
-        """One device's share of the heads over `tp_degree` devices (as decoders/sharding.py
-        splits the weights): the KV heads split, or replicated when fewer than the devices, or
-        padded with zero heads (and their query heads with them) up to a multiple of the
-        devices; the query heads of its KV heads. `strategy` (NeuronConfig.group_query_attention):
-        None and GQA.REPLICATED_HEADS are that choice; GQA.SHARD_OVER_HEADS insists on an even
-        split of the KV heads (a ValueError naming what works otherwise)."""
+    def sharded(self, tp_degree: int, strategy: GQA | None = None, over_sequence: bool = False) -> Attention:
+        """One device's share over `tp_degree` devices (as decoders/sharding.py splits the
+        weights), by NeuronConfig.group_query_attention (`strategy`) and shard_over_sequence:
+
+        - None, GQA.REPLICATED_HEADS: the KV heads split, or replicated when fewer than the
+          devices, or padded with zero heads (their query heads with them) up to a multiple
+          of the devices; each device the query heads of its KV heads;
+        - GQA.SHARD_OVER_HEADS: the same, insisting on an even split of the KV heads;
+        - GQA.SHARD_OVER_BATCH: query heads split evenly, every KV head for the device's
+          batch lines;
+        - GQA.ALL_GATHER_HEADS: query heads split evenly, K and V by features, gathered;
+        - over_sequence (flash decoding): query heads split evenly, every KV head for the
+          device's stretch of cache slots.
+
+        A strategy that does not fit is a ValueError naming the ones that do."""
         if tp_degree == 1:
             return self
-        if strategy in (GQA.SHARD_OVER_BATCH, GQA.ALL_GATHER_HEADS):
-            raise NotSupportedYet(f"NeuronConfig.group_query_attention=GQA.{strategy.name} ({strategy.value!r}) "
-                                  f"is not supported yet; {self._working(tp_degree)}")
-        if strategy is GQA.SHARD_OVER_HEADS and self.n_kv_heads % tp_degree:
-            raise ValueError(f"GQA.SHARD_OVER_HEADS splits the {self.n_kv_heads} KV heads over the devices, and "
-                             f"tp_degree {tp_degree} does not divide them (use a tp_degree that divides {self.n_kv_heads}); "
-                             f"{self._working(tp_degree)}")
-        groups = padded_groups(self.n_kv_heads, tp_degree)
-        heads = self.n_heads // self.n_kv_heads * groups
-        if heads % tp_degree:
-            raise ValueError(f"{self.n_heads} attention heads cannot be split over tp_degree {tp_degree}; "
-                             f"use a tp_degree that divides {self.n_heads}")
-        kv = groups // tp_degree if groups % tp_degree == 0 else 1
-        return replace(self, n_heads=heads // tp_degree, n_kv_heads=kv, tp_degree=tp_degree,
-                       total_heads=self.n_heads)
-
-    def _working(self, tp_degree: int) -> str:
-        """What works for this model over `tp_degree` devices, for an error message."""
         try:
-            device = self.sharded(tp_degree)
-        except ValueError as error:
-            return f"no strategy works: {error}"
-        groups = padded_groups(self.n_kv_heads, tp_degree)
-        how = ("split" if self.n_kv_heads % tp_degree == 0 else "replicated" if groups == self.n_kv_heads
-               else f"padded to {groups}")
-        names = (["SHARD_OVER_HEADS"] if self.n_kv_heads % tp_degree == 0 else []) + ["REPLICATED_HEADS (or None)"]
-        return (f"{' and '.join(names)} {'work' if len(names) > 1 else 'works'}: {device.n_heads} query and "
-                f"{device.n_kv_heads} KV heads a device, the {self.n_kv_heads} KV heads {how}")
+            return self._device_share(tp_degree, strategy, over_sequence)
+        except _Unfit as unfit:
+            raise ValueError(f"{unfit}; {self._working(tp_degree)}") from None
+
+    def _device_share(self, tp: int, strategy: GQA | None, over_sequence: bool) -> Attention:
+        if over_sequence and strategy not in (None, GQA.REPLICATED_HEADS):
+            raise _Unfit(f"NeuronConfig.shard_over_sequence splits the caches by slot and cannot be combined with "
+                         f"GQA.{strategy.name}; leave group_query_attention None")
+        if over_sequence or strategy in (GQA.SHARD_OVER_BATCH, GQA.ALL_GATHER_HEADS):
+            name = "shard_over_sequence" if over_sequence else f"GQA.{strategy.name}"
+            if self.n_heads % tp:
+                raise _Unfit(f"{name} splits the {self.n_heads} query heads evenly, and tp_degree {tp} does not "
+                             f"divide them")
+            heads = self.n_heads // tp
+            common = dict(n_heads=heads, tp_degree=tp, total_heads=self.n_heads, total_kv_heads=self.n_kv_heads)
+            if over_sequence:
+                return replace(self, kv_layout="sequence", **common)
+            if strategy is GQA.SHARD_OVER_BATCH:
+                return replace(self, kv_layout="batch", **common)
+            group = self.n_heads // self.n_kv_heads
+            if heads % group and group % heads:
+                raise _Unfit(f"GQA.ALL_GATHER_HEADS gives each device {heads} query heads, which neither hold whole "
+                             f"groups of the {group} query heads that share a KV head nor sit inside one")
+            return replace(self, kv_layout="gather", n_kv_heads=max(heads // group, 1), **common)
+        if strategy is GQA.SHARD_OVER_HEADS and self.n_kv_heads % tp:
+            raise _Unfit(f"GQA.SHARD_OVER_HEADS splits the {self.n_kv_heads} KV heads over the devices, and "
+                         f"tp_degree {tp} does not divide them (use a tp_degree that divides {self.n_kv_heads})")
+        groups = padded_groups(self.n_kv_heads, tp)
+        heads = self.n_heads // self.n_kv_heads * groups
+        if heads % tp:
+            raise _Unfit(f"{self.n_heads} attention heads cannot be split over tp_degree {tp}; use a tp_degree "
+                         f"that divides {self.n_heads}")
+        kv = groups // tp if groups % tp == 0 else 1
+        return replace(self, n_heads=heads // tp, n_kv_heads=kv, tp_degree=tp, total_heads=self.n_heads,
+                       total_kv_heads=self.n_kv_heads)
+
+    def _working(self, tp: int) -> str:
+        """What works for this model over `tp` devices, for an error message."""
+        works = []
+        try:
+            device = self._device_share(tp, None, False)
+            groups = padded_groups(self.n_kv_heads, tp)
+            how = ("split" if self.n_kv_heads % tp == 0 else "replicated" if groups == self.n_kv_heads
+                   else f"padded to {groups}")
+            names = (["SHARD_OVER_HEADS"] if self.n_kv_heads % tp == 0 else []) + ["REPLICATED_HEADS (or None)"]
+            works.append(f"{' and '.join(names)} {'work' if len(names) > 1 else 'works'}: {device.n_heads} query "
+                         f"and {device.n_kv_heads} KV heads a device, the {self.n_kv_heads} KV heads {how}")
+        except _Unfit:
+            pass
+        if self.n_heads % tp == 0:
+            heads = self.n_heads // tp
+            works.append(f"SHARD_OVER_BATCH works with a batch size that {tp} divides: {heads} query heads a "
+                         f"device, all {self.n_kv_heads} KV heads cached for its lines")
+            try:
+                device = self._device_share(tp, GQA.ALL_GATHER_HEADS, False)
+                works.append(f"ALL_GATHER_HEADS works: {heads} query and {device.n_kv_heads} KV heads a device, "
+                             "K and V split by features and gathered")
+            except _Unfit:
+                pass
+            works.append(f"shard_over_sequence works with an n_positions that {tp} divides")
+        return "; ".join(works) if works else f"no strategy splits {self.n_heads} query heads over tp_degree {tp}"
 
     def _attend(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, step: Step) -> HloValue:
         """Attention over the first n_attend slots of the just-updated caches.

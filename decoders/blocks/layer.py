@@ -78,10 +78,12 @@ class Decoder:
     def tied(self) -> bool:
         return self.head.weight is None
 
-    def sharded(self, tp_degree: int, strategy: GQA | None = None) -> Decoder:
+    def sharded(self, tp_degree: int, strategy: GQA | None = None, over_sequence: bool = False) -> Decoder:
         """The pieces as one device of `tp_degree` runs them (its share of the attention heads,
-        KV heads shared out by `strategy`); parameter declarations stay the whole model's."""
-        layer = replace(self.layer, attention=self.layer.attention.sharded(tp_degree, strategy))
+        KV heads shared out by `strategy`, or the caches split by slot: `over_sequence`);
+        parameter declarations stay the whole model's."""
+        attention = self.layer.attention.sharded(tp_degree, strategy, over_sequence)
+        layer = replace(self.layer, attention=attention)
         return replace(self, layer=layer)
 
     def shared_params(self, one_table: bool) -> list[Param]:

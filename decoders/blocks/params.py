@@ -88,6 +88,9 @@ class Param:
     # themselves, or the query heads that share each). Tensor parallelism pads the groups to
     # a number the devices split (padded_groups), with zero heads.
     head_groups: int = 0
+    # Attention projections: the parts (indices into segments; (0,) for a lone k or v weight)
+    # that hold keys or values, which some GQA strategies hold whole or split by features.
+    kv_segments: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.segments and sum(self.segments) != self.shape[0]:

@@ -86,7 +86,7 @@ class ProgramBuilder:
     @property
     def device_decoder(self) -> Decoder:
         """The pieces as one device runs them (its share of the heads under tensor parallelism)."""
-        return self.decoder.sharded(self.tp_degree, self.lowering.gqa)
+        return self.decoder.sharded(self.tp_degree, self.lowering.gqa, self.lowering.shard_over_sequence)
 
     @property
     def one_table(self) -> bool:
@@ -95,8 +95,8 @@ class ProgramBuilder:
         return self.decoder.tied and self.lowering.head_dtype == self.dtype and self.tp_degree == 1
 
     def check_sharding(self) -> None:
-        """Every parameter splits over tp_degree devices (else a ValueError naming it)."""
-        self.decoder.sharded(self.tp_degree, self.lowering.gqa)
+        """Every parameter and cache splits over tp_degree devices (else a ValueError naming it)."""
+        self.cache_spec("cache")
         for param in self.layer_params() + self.shared_params():
             self.lowering.param_dims(param)
 
@@ -113,8 +113,7 @@ class ProgramBuilder:
     def cache_spec(self, name: str) -> ParamSpec:
         """One device's KV cache of one layer."""
         attention = self.device_decoder.layer.attention
-        return ParamSpec(name, self.dtype, (self.batch_size, attention.n_kv_heads, self.cache_len,
-                                            attention.head_dim))
+        return ParamSpec(name, self.dtype, attention.cache_dims(self.batch_size, self.cache_len))
 
     def _step_specs(self, n_tokens: int) -> list[ParamSpec]:
         b = self.batch_size

@@ -136,7 +136,8 @@ class Session:
         """What presharded weights are made for: a replica's parts depend on these, not on the
         batch size or the buckets."""
         lowering = self.lowering
-        return {"files": preshards.FILES, "tp_degree": lowering.tp_degree, "lowering": lowering.name,
+        return {"files": preshards.FILES, "tp_degree": lowering.tp_degree, "kv_split": lowering.kv_split,
+                "lowering": lowering.name,
                 "weight_layout": lowering.weight_layout, "dtype": lowering.dtype, "head_dtype": lowering.head_dtype}
 
     def save_weights(self, directory: str | pathlib.Path) -> dict:
@@ -166,7 +167,8 @@ class Session:
         """A ValueError naming what differs when weights saved under `saved` (save_weights()'s
         manifest) are not what this session's programs take."""
         mine = self.weights_manifest()
-        for key in ("tp_degree", "lowering", "weight_layout", "dtype", "head_dtype"):
+        saved = {"kv_split": "heads", **saved}          # weights saved before other splits existed
+        for key in ("tp_degree", "kv_split", "lowering", "weight_layout", "dtype", "head_dtype"):
             if saved.get(key) != mine[key]:
                 raise ValueError(f"{directory}: its presharded weights were saved for {key}={saved.get(key)!r}, "
                                  f"this model has {key}={mine[key]!r}")

@@ -1,13 +1,17 @@
 """Scaled dot-product attention over a KV cache, with grouped-query heads, masks and biases."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from pyhlo import dtypes
+from pyhlo.ops.collectives import all_gather, all_reduce_sum
 from pyhlo.ops.custom_call import ffi_call
-from pyhlo.ops.elementwise import add, constant, convert, multiply, select
+from pyhlo.ops.elementwise import add, constant, convert, divide, exp, maximum, multiply, select, subtract
 from pyhlo.ops.linalg import dot_general
 from pyhlo.ops.nn import softmax
+from pyhlo.ops.reductions import reduce_max, reduce_sum
 from pyhlo.ops.shape_ops import broadcast, reshape
 from pyhlo.scribe import HloValue
 from pyhlo.shape_inference import HloShapeError
@@ -25,11 +29,14 @@ def attention(q: HloValue, k: HloValue, v: HloValue, mask: HloValue | None, scal
     q [b, h, nq, d]; k, v [b, kvh, s, d] with h a multiple of kvh: query head j
     reads kv head j // (h // kvh), as HF's repeat_kv. mask pred [b, nq, s] (true =
     attend) or None; bias f32 [h, s] (ALiBi) or [b, h, nq, s]. Returns q's shape and type.
-
-    The g = h // kvh query heads sharing a kv head are folded into the query
-    axis ([b, kvh, g * nq, d]), so one batched dot over (b, kvh) reads the cache
-    as laid out, with no repeat and no transpose of k or v.
     """
+    _check(q, k, v)
+    scores = _scores(q, k, mask, scale, bias)
+    probs = convert(softmax(scores, -1), v.dtype)
+    return convert(_weighted_values(probs, v), q.dtype)
+
+
+def _check(q: HloValue, k: HloValue, v: HloValue) -> None:
     b, h, nq, d = q.dims
     kb, kvh, s, kd = k.dims
     if (kb, kd) != (b, d) or v.dims != k.dims:
@@ -37,6 +44,17 @@ def attention(q: HloValue, k: HloValue, v: HloValue, mask: HloValue | None, scal
                          "and [b, kvh, s, d]")
     if h % kvh:
         raise ValueError(f"attention: {h} query heads are not a multiple of {kvh} kv heads")
+
+
+def _scores(q: HloValue, k: HloValue, mask: HloValue | None, scale: float, bias: HloValue | None) -> HloValue:
+    """f32 [b, h, nq, s]: scale * q k^T + bias, masked keys at the lowest f32.
+
+    The g = h // kvh query heads sharing a kv head are folded into the query axis
+    ([b, kvh, g * nq, d]), so one batched dot over (b, kvh) reads the cache as laid out,
+    with no repeat and no transpose of k or v.
+    """
+    b, h, nq, d = q.dims
+    _, kvh, s, _ = k.dims
     g = h // kvh
     scribe = q.scribe
     grouped = reshape(q, (b, kvh, g * nq, d))
@@ -54,10 +72,53 @@ def attention(q: HloValue, k: HloValue, v: HloValue, mask: HloValue | None, scal
             raise ValueError(f"attention: mask {mask.shape!r} must be pred[{b},{nq},{s}]")
         visible = broadcast(mask, scores.dims, [0, 2, 3])
         scores = select(visible, scores, constant(scribe, "f32", lowest("f32")))
-    probs = convert(softmax(scores, -1), v.dtype)
-    out = dot_general(reshape(probs, (b, kvh, g * nq, s)), v, ([3], [2]), ([0, 1], [0, 1]),
+    return scores
+
+
+def _weighted_values(probs: HloValue, v: HloValue) -> HloValue:
+    """f32 [b, h, nq, d]: probs [b, h, nq, s] times v [b, kvh, s, d], query heads grouped."""
+    b, h, nq, s = probs.dims
+    kvh, d = v.dims[1], v.dims[3]
+    out = dot_general(reshape(probs, (b, kvh, h // kvh * nq, s)), v, ([3], [2]), ([0, 1], [0, 1]),
                       out_dtype="f32")
-    return convert(reshape(out, (b, h, nq, d)), q.dtype)
+    return reshape(out, (b, h, nq, d))
+
+
+def partial_attention(q: HloValue, k: HloValue, v: HloValue, mask: HloValue, scale: float,
+                      bias: HloValue | None = None) -> tuple[HloValue, HloValue, HloValue]:
+    """attention() over one part of the keys, left unnormalised so that parts held apart
+    (flash decoding: the cache split along the sequence) combine exactly.
+
+    Returns f32 (out [b, h, nq, d], top [b, h, nq], total [b, h, nq]): top = the largest
+    visible score, p_j = exp(score_j - top) for visible keys and 0 for masked ones,
+    total = sum p_j, out = sum p_j v_j. A query that sees no key of this part gets out 0,
+    total 0 and top the lowest f32, so it weighs nothing when the parts are combined:
+    softmax over all parts = sum_r out_r e^(top_r - T) / sum_r total_r e^(top_r - T), T = max_r top_r.
+    """
+    _check(q, k, v)
+    scores = _scores(q, k, mask, scale, bias)
+    dims = scores.dims
+    top = reduce_max(scores, 3)
+    weights = exp(subtract(scores, broadcast(top, dims, [0, 1, 2])))
+    weights = select(broadcast(mask, dims, [0, 2, 3]), weights, constant(q.scribe, "f32", 0.0))
+    total = reduce_sum(weights, 3)
+    return _weighted_values(convert(weights, v.dtype), v), top, total
+
+
+def combine_attention_parts(out: HloValue, top: HloValue, total: HloValue,
+                            replica_groups: Sequence[Sequence[int]]) -> HloValue:
+    """Attention over keys split among the replicas of each group, from each replica's
+    partial_attention(): f32 [b, h, nq, d], the same on every replica of a group (0 for a
+    query that sees no key at all)."""
+    everyone = all_gather(reshape(top, (*top.dims, 1)), 3, replica_groups)
+    highest = reduce_max(everyone, 3)
+    factor = exp(subtract(top, highest))
+    out = all_reduce_sum(multiply(out, broadcast(factor, out.dims, [0, 1, 2])), replica_groups)
+    total = all_reduce_sum(multiply(total, factor), replica_groups)
+    # A query that sees any key has total >= 1 (the part holding the largest score gives its
+    # own key weight 1); one that sees none (a left-padding position) gets 0, not 0 / 0.
+    total = maximum(total, 1.0)
+    return divide(out, broadcast(total, out.dims, [0, 1, 2]))
 
 
 def decode_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValue, pad: HloValue,
