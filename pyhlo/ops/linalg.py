@@ -35,14 +35,22 @@ def matmul_transposed(x: HloValue, w: HloValue, out_dtype: str | None = None) ->
     return dot_general(x, w, ([len(x.dims) - 1], [1]), out_dtype=out_dtype)
 
 
-def matvec_kernel(x: HloValue, w: HloValue, target: str = "pyhlo_matvec") -> HloValue:
+def matvec_kernel(x: HloValue, w: HloValue, scale: HloValue | None = None, target: str | None = None) -> HloValue:
     """x[..., k] (f32) @ w[n, k].T -> f32[..., n] by a CPU kernel called through XLA's typed FFI.
 
-    `w` is f32 or bf16 in torch's [out, in] layout. The kernel must be registered with the
-    backend (runtime.cpu_kernels.register()) before a program using it is compiled.
+    `w` is f32 or bf16 in torch's [out, in] layout, or s8 with `scale` f32[n], one per weight
+    row (per output channel): the product is then scale * (x @ w.T). The kernel must be
+    registered with the backend (runtime.cpu_kernels.register()) before a program using it
+    is compiled.
     """
-    if x.dtype != "f32" or w.dtype not in ("f32", "bf16") or len(w.dims) != 2 or x.dims[-1] != w.dims[1]:
-        raise HloShapeError(f"matvec_kernel: need f32 x[..., k] and f32/bf16 w[n, k], got "
-                            f"{x.dtype}{list(x.dims)} and {w.dtype}{list(w.dims)}")
+    quantized = w.dtype == "s8"
+    if (x.dtype != "f32" or w.dtype not in ("f32", "bf16", "s8") or len(w.dims) != 2 or x.dims[-1] != w.dims[1]
+            or quantized != (scale is not None)
+            or (quantized and (scale.dtype != "f32" or scale.dims != (w.dims[0],)))):
+        raise HloShapeError(f"matvec_kernel: need f32 x[..., k] and f32/bf16 w[n, k], or s8 w[n, k] with f32 "
+                            f"scale[n]; got {x.dtype}{list(x.dims)}, {w.dtype}{list(w.dims)}"
+                            + (f" and scale {scale.dtype}{list(scale.dims)}" if scale is not None else ""))
     shape = x.scribe.f32[(*x.dims[:-1], w.dims[0])]
-    return ffi_call(shape, [x, w], target)
+    if quantized:
+        return ffi_call(shape, [x, w, scale], target or "pyhlo_matvec_s8")
+    return ffi_call(shape, [x, w], target or "pyhlo_matvec")

@@ -10,11 +10,16 @@
 //
 // Operands: x f32[..., K] (the leading dims are the activation rows), w f32 or bf16
 // [N, K] row-major ("out, in", like torch's Linear). Result: y f32[..., N].
+//
+// pyhlo_matvec_s8: the same with int8 weights and one f32 scale per weight row (per
+// output channel, symmetric): y[m, n] = scale[n] * sum_k x[m, k] * w[n, k]. Each int8 is
+// widened to f32 in registers, so a weight row streams a quarter of the f32 bytes.
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <cstdlib>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -37,9 +42,11 @@ struct Problem {
   const float* x_odd = nullptr;
   const uint16_t* x_bf16 = nullptr; // bf16 weights, x exactly bf16 and AVX512-BF16: x as bf16
   const void* w;
+  const float* scale = nullptr;    // int8 weights: one scale per weight row
   float* y;
   int64_t m, n, k;
-  bool w_is_bf16;
+  bool w_is_bf16 = false;
+  bool w_is_s8 = false;
 };
 
 #ifdef PYHLO_AVX512
@@ -132,9 +139,43 @@ void row_dpbf16(const Problem& p, const uint16_t* w, int64_t n, int64_t m0) {
 }
 #endif
 
+// int8 weights, 16 per load, widened to f32; the row's scale multiplies the sum once.
+template <int G>
+void row_s8(const Problem& p, const int8_t* w, int64_t n, int64_t m0) {
+  __m512 acc[4][G];
+  for (int u = 0; u < 4; ++u)
+    for (int g = 0; g < G; ++g) acc[u][g] = _mm512_setzero_ps();
+  const int64_t k = p.k;
+  const int8_t* row = w + n * k;
+  int64_t k0 = 0;
+  for (; k0 + 64 <= k; k0 += 64) {
+    for (int u = 0; u < 4; ++u) {
+      const int64_t at = k0 + 16 * u;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + at));
+      const __m512 wr = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+      for (int g = 0; g < G; ++g)
+        acc[u][g] = _mm512_fmadd_ps(wr, _mm512_loadu_ps(p.x + (m0 + g) * k + at), acc[u][g]);
+    }
+  }
+  for (; k0 < k; k0 += 16) {
+    const int64_t left = k - k0;
+    const __mmask16 mask = mask16(left);
+    alignas(16) int8_t tail[16] = {0};
+    std::memcpy(tail, row + k0, left < 16 ? left : 16);
+    const __m512 wr = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(tail))));
+    for (int g = 0; g < G; ++g)
+      acc[0][g] = _mm512_fmadd_ps(wr, _mm512_maskz_loadu_ps(mask, p.x + (m0 + g) * k + k0), acc[0][g]);
+  }
+  for (int g = 0; g < G; ++g)
+    p.y[(m0 + g) * p.n + n] = p.scale[n] * _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(acc[0][g], acc[1][g]), _mm512_add_ps(acc[2][g], acc[3][g])));
+}
+
 template <int G, typename W>
 void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
-  if constexpr (sizeof(W) == 2) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+    row_s8<G>(p, w, n, m0);
+  } else if constexpr (sizeof(W) == 2) {
 #ifdef __AVX512BF16__
     if (p.x_bf16 != nullptr) return row_dpbf16<G>(p, w, n, m0);
 #endif
@@ -145,6 +186,7 @@ void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
 }
 #else
 inline float to_f32(float v) { return v; }
+inline float to_f32(int8_t v) { return float(v); }
 inline float to_f32(uint16_t v) {
   uint32_t bits = uint32_t(v) << 16;
   float out;
@@ -166,6 +208,7 @@ void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
     float sum = 0;
     for (; k0 < k; ++k0) sum += to_f32(weights[k0]) * xr[k0];
     for (int j = 0; j < 16; ++j) sum += part[j];
+    if constexpr (std::is_same_v<W, int8_t>) sum *= p.scale[n];
     p.y[(m0 + g) * p.n + n] = sum;
   }
 }
@@ -187,7 +230,9 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
 }
 
 void weight_rows(const Problem& p, int64_t begin, int64_t end) {
-  if (p.w_is_bf16) {
+  if (p.w_is_s8) {
+    weight_rows<int8_t>(p, begin, end);
+  } else if (p.w_is_bf16) {
     weight_rows<uint16_t>(p, begin, end);
   } else {
     weight_rows<float>(p, begin, end);
@@ -213,14 +258,16 @@ struct SharedWork {
   }
 };
 
-ffi::Error Matvec(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                  ffi::Result<ffi::AnyBuffer> y) {
+ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, const float* scale,
+               ffi::Result<ffi::AnyBuffer>& y) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("pyhlo_matvec: x and y must be f32");
-  if (w.element_type() != ffi::DataType::F32 && w.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("pyhlo_matvec: w must be f32 or bf16");
+  const bool s8 = w.element_type() == ffi::DataType::S8;
+  if (s8 != (scale != nullptr) ||
+      (!s8 && w.element_type() != ffi::DataType::F32 && w.element_type() != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("pyhlo_matvec: w must be f32 or bf16, or s8 with scales (pyhlo_matvec_s8)");
   if (x_dims.size() < 1 || w_dims.size() != 2 || x_dims[x_dims.size() - 1] != w_dims[1])
     return ffi::Error::InvalidArgument("pyhlo_matvec: need x[..., K] and w[N, K]");
 
@@ -232,6 +279,8 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   p.w = w.untyped_data();
   p.y = static_cast<float*>(y->untyped_data());
   p.w_is_bf16 = w.element_type() == ffi::DataType::BF16;
+  p.w_is_s8 = s8;
+  p.scale = scale;
   if (y->element_count() != static_cast<size_t>(p.m * p.n))
     return ffi::Error::InvalidArgument("pyhlo_matvec: y must have x's rows and w's N columns");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
@@ -283,11 +332,32 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
   return ffi::Error::Success();
 }
 
+ffi::Error Matvec(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  return Run(pool, x, w, nullptr, y);
+}
+
+ffi::Error MatvecS8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                    ffi::Result<ffi::AnyBuffer> y) {
+  const auto w_dims = w.dimensions();
+  if (w.element_type() != ffi::DataType::S8 || scale.element_type() != ffi::DataType::F32 || w_dims.size() != 2 ||
+      scale.element_count() != static_cast<size_t>(w_dims[0]))
+    return ffi::Error::InvalidArgument("pyhlo_matvec_s8: need s8 w[N, K] and f32 scale[N]");
+  return Run(pool, x, w, static_cast<const float*>(scale.untyped_data()), y);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PyhloMatvec, Matvec,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PyhloMatvecS8, MatvecS8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
