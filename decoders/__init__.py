@@ -2,6 +2,7 @@
 
     decoders/
       config.py      NeuronConfig, GenerationConfig, GQA (transformers-neuronx's names)
+      quantization.py QuantizationConfig: int8 per-channel weights, their declarations
       model.py       DecoderForSampling: from_pretrained, to_neuron, sample, forward, save, load
       auto.py        NeuronAutoModelForCausalLM: the family class picked by the checkpoint's model_type
       hf_adapter.py  HuggingFaceGenerationModelAdapter: HF generate() over a compiled model
@@ -28,11 +29,12 @@ from decoders.families.mistral import MistralForSampling
 from decoders.families.mixtral import MixtralForSampling
 from decoders.families.opt import OPTForSampling
 from decoders.families.qwen2 import Qwen2ForSampling
+from decoders.quantization import QuantizationConfig
 
 __all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",
            "GPTNeoXForSampling", "GQA", "GenerationConfig", "HuggingFaceGenerationModelAdapter", "LlamaForSampling",
            "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM", "NeuronConfig",
-           "NotSupportedYet", "OPTForSampling", "Qwen2ForSampling"]
+           "NotSupportedYet", "OPTForSampling", "QuantizationConfig", "Qwen2ForSampling"]
 
 
 def __getattr__(name: str):

@@ -127,6 +127,7 @@ class NeuronConfig:
     attention_layout: str = "BSH"
     # A GQA (or its string value); None: GQA.REPLICATED_HEADS's choice.
     group_query_attention: GQA | str | None = None
+    # Weight quantization: a decoders.QuantizationConfig (int8 per-channel), or None.
     quant: Any = None
     on_device_generation: GenerationConfig | None = None
     padding_side: str = "right"
@@ -155,8 +156,13 @@ class NeuronConfig:
             except ValueError:
                 raise ValueError(f"NeuronConfig.group_query_attention must be None or one of "
                                  f"{[g.value for g in GQA]}, got {self.group_query_attention!r}") from None
-        if self.quant is not None:
-            raise _not_yet("quant", self.quant, "; weights run in the amp dtype")
+        from decoders.quantization import QuantizationConfig
+
+        if isinstance(self.quant, dict):
+            self.quant = QuantizationConfig(**self.quant)
+        if self.quant is not None and not isinstance(self.quant, QuantizationConfig):
+            raise ValueError(f"NeuronConfig.quant must be None or a QuantizationConfig (e.g. "
+                             f"QuantizationConfig(quant_dtype='s8')), got {self.quant!r}")
         if self.on_device_generation is not None:
             self._check_generation(self.on_device_generation)
         if self.padding_side not in ("left", "right"):
@@ -204,6 +210,8 @@ class NeuronConfig:
         data = dataclasses.asdict(self)
         if self.group_query_attention is not None:
             data["group_query_attention"] = self.group_query_attention.value
+        if self.quant is not None:
+            data["quant"] = self.quant.to_dict()
         return data
 
     @classmethod

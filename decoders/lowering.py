@@ -26,10 +26,11 @@ import numpy as np
 from decoders import sharding
 from decoders.blocks.params import Kind, Param, Shard
 from decoders.config import GQA, NeuronConfig
+from decoders.quantization import QuantizationConfig, quantize_per_channel
 from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.attention import decode_attention_kernel
-from pyhlo.ops.collectives import all_gather, all_reduce_sum
+from pyhlo.ops.collectives import all_reduce_sum
 from pyhlo.ops.linalg import matmul, matmul_transposed, matvec_kernel
 from pyhlo.ops.nn import expand_last
 from pyhlo.scribe import HloValue
@@ -40,7 +41,7 @@ log = logging.getLogger("pyhlo")
 # weights and the kernel, reading them once for all rows, beats XLA's dot; beyond it
 # XLA's matrix-matrix dot is faster (measured on a [49152, 576] head: f32 1.5x faster
 # at 1 row, 1.5x at 4, slower at 8; bf16 20x at 1 row, 2.7x at 2, 1.5x at 4).
-MATVEC_KERNEL_MAX_ROWS = {"f32": 4, "bf16": 4}
+MATVEC_KERNEL_MAX_ROWS = {"f32": 4, "bf16": 4, "s8": 8}
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class XlaLowering:
     whole_model_decode: bool = False
     # Tensor parallelism: every program runs on this many replicas, each holding its part of
     # every sharded parameter (decoders/sharding.py); ROW products are summed over replicas
-    # (all-reduce) and the vocabulary-sharded LM head's logits gathered.
+    # (all-reduce); the vocabulary-sharded LM head's logits stay split (each replica's rows).
     tp_degree: int = 1
     # How the KV heads are shared out over the replicas (NeuronConfig.group_query_attention;
     # Attention.sharded): None, the automatic choice.
@@ -64,6 +65,9 @@ class XlaLowering:
     # Flash decoding (NeuronConfig.shard_over_sequence): each replica holds a stretch of every
     # line's cache slots; attention's partial softmax statistics are combined across them.
     shard_over_sequence: bool = False
+    # Weight quantization (NeuronConfig.quant): the layers' linear weights stored int8 with
+    # per-row scales (decoders/quantization.py); None: every weight in `dtype`.
+    quant: QuantizationConfig | None = None
 
     name = "xla"
 
@@ -73,6 +77,8 @@ class XlaLowering:
 
     # -- parameters ---------------------------------------------------------------
     def param_dtype(self, param: Param) -> str:
+        if param.quantized or param.scale_of:
+            return "s8" if param.quantized else "f32"
         return self.head_dtype if param.is_head else self.dtype
 
     def param_dims(self, param: Param) -> tuple[int, ...]:
@@ -83,7 +89,11 @@ class XlaLowering:
         return shape
 
     def arrange(self, param: Param, array: np.ndarray, rank: int = 0) -> np.ndarray:
-        """Replica `rank`'s part of a checkpoint array in the program's layout and element type."""
+        """Replica `rank`'s part of a checkpoint array in the program's layout and element type
+        (a quantized weight and its scales are both arranged from the weight's array)."""
+        if param.quantized or param.scale_of:
+            values, scales = _quantized(array)
+            array = values if param.quantized else scales
         array = sharding.shard(param, array, self.tp_degree, rank, self.kv_split)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
             array = array.T
@@ -102,22 +112,27 @@ class XlaLowering:
 
     # -- products and attention ----------------------------------------------------
     def linear(self, x: HloValue, weight: HloValue, param: Param, bias: HloValue | None = None,
-               out_dtype: str | None = None) -> HloValue:
+               out_dtype: str | None = None, scale: HloValue | None = None) -> HloValue:
         """x @ weight (+ bias). bf16/f16 products accumulate into f32 (XLA:CPU's fast form
-        for them, and the accurate one), then return to `out_dtype` or x's type."""
-        accumulate = "f32" if weight.dtype != "f32" else None
+        for them, and the accurate one), then return to `out_dtype` or x's type. An int8
+        weight is converted to the amp type inside the program and the product multiplied by
+        its per-row `scale`."""
+        if weight.dtype == "s8":
+            weight = ew.convert(weight, self.dtype)
+        accumulate = "f32" if weight.dtype != "f32" or scale is not None else None
         product = (matmul if self.weight_layout == "in_out" else matmul_transposed)(
             ew.convert(x, weight.dtype), weight, out_dtype=out_dtype or accumulate)
+        if scale is not None:
+            product = _scaled(product, scale)
         return self._finish(product, param, bias, out_dtype or x.dtype)
 
     def _finish(self, product: HloValue, param: Param, bias: HloValue | None, dtype: str) -> HloValue:
-        """Sum a ROW product over replicas, add the bias, gather a VOCAB product's parts."""
+        """Sum a ROW product over replicas, add the bias. A VOCAB product (the LM head's logits)
+        stays split: the greedy and sampler programs gather candidates, not logits."""
         if self.tp_degree > 1 and param.shard is Shard.ROW:
             product = all_reduce_sum(product, self.replica_groups)
         if bias is not None:
             product = ew.add(product, expand_last(ew.convert(bias, product.dtype), product.dims))
-        if self.tp_degree > 1 and param.shard is Shard.VOCAB:
-            product = all_gather(product, -1, self.replica_groups)
         return ew.convert(product, dtype)
 
     def decode_attention(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, slot: HloValue,
@@ -147,10 +162,11 @@ class CpuKernelLowering(XlaLowering):
                              f"{self.weight_layout!r} and {self.dtype}/{self.head_dtype}")
 
     def linear(self, x: HloValue, weight: HloValue, param: Param, bias: HloValue | None = None,
-               out_dtype: str | None = None) -> HloValue:
+               out_dtype: str | None = None, scale: HloValue | None = None) -> HloValue:
         if int(np.prod(x.dims[:-1])) <= MATVEC_KERNEL_MAX_ROWS[weight.dtype]:
-            return self._finish(matvec_kernel(ew.convert(x, "f32"), weight), param, bias, out_dtype or x.dtype)
-        return super().linear(x, weight, param, bias, out_dtype)
+            product = matvec_kernel(ew.convert(x, "f32"), weight, scale)
+            return self._finish(product, param, bias, out_dtype or x.dtype)
+        return super().linear(x, weight, param, bias, out_dtype, scale)
 
     def decode_attention(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, slot: HloValue,
                          pad: HloValue, scale: float) -> HloValue | None:
@@ -160,6 +176,23 @@ class CpuKernelLowering(XlaLowering):
         # The kernel reads only the filled slots, so one program serves every length; attention
         # with a bias or a window (which the kernel does not take) keeps one per bucket.
         return [token_buckets[-1]] if plain_attention else list(token_buckets)
+
+
+def _scaled(product: HloValue, scale: HloValue) -> HloValue:
+    """product [..., out] times the per-row scales [out] of the weight that made it."""
+    return ew.multiply(product, expand_last(ew.convert(scale, product.dtype), product.dims))
+
+
+# The last weight quantized, with its int8 values and scales: a weight's values and its scales
+# are arranged one after the other from the same array, which is kept here so that its
+# identity cannot be reused while cached.
+_last_quantized: list = []
+
+
+def _quantized(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if not _last_quantized or _last_quantized[0] is not array:
+        _last_quantized[:] = [array, *quantize_per_channel(array)]
+    return _last_quantized[1], _last_quantized[2]
 
 
 def preferred_weight_layout(dtype: str, batch_size: int) -> str:
@@ -203,7 +236,9 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
         if not reasons:
             return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole,
                                      tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
-                                     shard_over_sequence=neuron_config.shard_over_sequence)
+                                     shard_over_sequence=neuron_config.shard_over_sequence,
+                                     quant=neuron_config.quant)
     layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
     return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), tp_degree=tp_degree,
-                       gqa=neuron_config.group_query_attention, shard_over_sequence=neuron_config.shard_over_sequence)
+                       gqa=neuron_config.group_query_attention, shard_over_sequence=neuron_config.shard_over_sequence,
+                       quant=neuron_config.quant)

@@ -48,6 +48,8 @@ class DecoderForSampling:
         self.dtype = element_type_of_amp(amp)
         self.amp = amp
         self.neuron_config = neuron_config or NeuronConfig()
+        if self.neuron_config.quant is not None:
+            self.neuron_config.quant.check_amp(self.dtype)
         self.checkpoint_path = pathlib.Path(checkpoint_path)
         self.checkpoint = open_checkpoint(checkpoint_path)
         self.config = self.checkpoint.config
@@ -168,7 +170,7 @@ class DecoderForSampling:
             pads = np.asarray(per_line(np.asarray(start_ids).reshape(-1).tolist(), self.batch_size, "start_ids"),
                               np.int32)
         logits = self.session.forward(ids, slot, pads)
-        return torch.from_numpy(np.array(self.session.placement.host(logits), copy=True))
+        return torch.from_numpy(self.session.host_logits(logits))
 
     def _first_slot(self, cache_ids: Any, n_tokens: int) -> int:
         if cache_ids is None:

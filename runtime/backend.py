@@ -95,7 +95,11 @@ class Executable:
         self.info = info
         self.num_replicas = num_replicas
         self.serialized: bytes | None = None
-        self.devices = pjrt.executable_devices(compiled)
+        # Every replica's device (several processes: some are other processes'), and the
+        # replicas this process runs; `devices` are those replicas' devices.
+        self.replica_devices = backend.replica_devices(num_replicas)
+        self.local_replicas = [r for r, d in enumerate(self.replica_devices) if pjrt.is_local(d)]
+        self.devices = [self.replica_devices[r] for r in self.local_replicas]
         self._numpy_dtypes = [
             dtypes.numpy_dtype(p.dtype) if p.dtype in dtypes.ELEMENT_TYPES else None for p in info.parameters
         ]
@@ -165,10 +169,13 @@ class Executable:
         """
         return self._pjrt.execute(self.compiled, buffers)
 
-    def run_replicated(self, per_replica_inputs: Sequence[Sequence[Any] | Mapping[str, Any]]) -> list[list[Any]]:
+    def run_replicated(self, per_replica_inputs: Sequence[Sequence[Any] | Mapping[str, Any] | None]
+                       ) -> list[list[Any] | None]:
         """Run every replica; per_replica_inputs[r] are replica r's inputs (list or dict).
 
-        Returns outputs[r], the list of replica r's output buffers.
+        Returns outputs[r], the list of replica r's output buffers. Several processes: each runs
+        its own replicas (local_replicas) together with the others; the inputs of other
+        processes' replicas are not read (None will do) and their outputs are None.
         """
         if len(per_replica_inputs) != self.num_replicas:
             raise ValueError(
@@ -176,8 +183,8 @@ class Executable:
                 f"expected {self.num_replicas}"
             )
         per_device = []
-        for replica, (inputs, device) in enumerate(zip(per_replica_inputs, self.devices)):
-            buffers = self._to_buffers(self._ordered(inputs), device)
+        for replica, device in zip(self.local_replicas, self.devices):
+            buffers = self._to_buffers(self._ordered(per_replica_inputs[replica]), device)
             for spec, buffer in zip(self.info.parameters, buffers):
                 if self._pjrt.buffer_device(buffer) != device:
                     raise ValueError(
@@ -189,7 +196,14 @@ class Executable:
         # XLA:CPU runs replicas on a shared thread pool; hundreds of replicated launches
         # in flight can deadlock at a collective's rendezvous, so cpu waits for each launch.
         wait = self.backend.platform == "cpu"
-        return self._pjrt.execute_sharded(self.compiled, per_device, wait=wait)
+        local = self._pjrt.execute_sharded(self.compiled, per_device, wait=wait,
+                                           replica_devices=self.replica_devices)
+        if len(local) == self.num_replicas:
+            return local
+        outputs: list[list[Any] | None] = [None] * self.num_replicas
+        for replica, out in zip(self.local_replicas, local):
+            outputs[replica] = out
+        return outputs
 
     def serialize(self) -> bytes:
         """The compiled executable as bytes; reload with backend.deserialize()."""
@@ -221,8 +235,9 @@ class Backend(abc.ABC):
         """Reload what `compile(hlo_bytes, num_replicas).serialize()` returned."""
 
     @abc.abstractmethod
-    def to_device(self, array: Any, replica: int = 0) -> Any:
-        """Place a numpy array or torch tensor on the device of `replica`."""
+    def to_device(self, array: Any, replica: int | None = None) -> Any:
+        """Place a numpy array or torch tensor on the device of `replica` (None: the device
+        one-replica programs run on)."""
 
     @abc.abstractmethod
     def to_host(self, buffer: Any) -> np.ndarray:
@@ -257,17 +272,42 @@ class XlaBackend(Backend):
     name = "xla"
 
     def __init__(self, platform: str | None = None):
-        from runtime import pjrt
+        from runtime import distributed, pjrt
 
         self._pjrt = pjrt
+        # PYHLO_COORDINATOR & co. must take effect before the first backend starts.
+        distributed.initialize_from_environment()
         self.platform = platform or detect_platform()
         if self.platform not in PLATFORMS:
             raise ValueError(f"unknown platform {self.platform!r}; valid platforms: {', '.join(PLATFORMS)}")
+        # Every process's devices (replica r of a replicated program runs on devices[r]),
+        # and this process's own.
         self.devices = pjrt.devices(self.platform)
+        self.local_devices = [d for d in self.devices if pjrt.is_local(d)]
+        self._local = set(self.local_devices)
+        self._layout = pjrt.process_layout(self.platform)
 
     @property
     def device_count(self) -> int:
+        """Devices over every process: how many replicas a program can have."""
         return len(self.devices)
+
+    @property
+    def process_index(self) -> int:
+        """This process's index in a distributed run (runtime.distributed); 0 otherwise."""
+        return self.local_devices[0].process_index
+
+    @property
+    def process_count(self) -> int:
+        return len(self._layout)
+
+    def replica_devices(self, num_replicas: int) -> list[Any]:
+        """The device of each replica of a `num_replicas` program (some may be other processes')."""
+        return self._pjrt.replica_devices(self.platform, num_replicas)
+
+    def local_replicas(self, num_replicas: int) -> list[int]:
+        """The replicas of a `num_replicas` program this process holds and runs (all in one process)."""
+        return [r for r, d in enumerate(self.replica_devices(num_replicas)) if self._pjrt.is_local(d)]
 
     def _register_kernels_for(self, data: bytes) -> None:
         """pyhlo's CPU kernels must be registered before XLA builds a program calling them."""
@@ -296,12 +336,20 @@ class XlaBackend(Backend):
         executable.serialized = data
         return executable
 
-    def _device(self, replica: int) -> Any:
+    def _device(self, replica: int | None) -> Any:
+        if replica is None:
+            return self.local_devices[0]
         if not 0 <= replica < len(self.devices):
             raise ValueError(f"replica {replica} out of range: {self.platform} has {len(self.devices)} devices")
-        return self.devices[replica]
+        device = self.devices[replica]
+        if device not in self._local:
+            mine = [r for r, d in enumerate(self.devices) if d in self._local]
+            raise ValueError(
+                f"replica {replica} runs on {device} of process {device.process_index}; this is process "
+                f"{self.process_index}, which holds replicas {mine}: place it from its own process")
+        return device
 
-    def to_device(self, array: Any, replica: int = 0) -> Any:
+    def to_device(self, array: Any, replica: int | None = None) -> Any:
         device = self._device(replica)
         if self._pjrt.is_buffer(array):
             if self._pjrt.buffer_device(array) == device:
@@ -324,6 +372,10 @@ class XlaBackend(Backend):
         }
         if self.platform == "cpu":
             parts["host_cpu"] = _host_cpu_fingerprint()
+        if self.process_count > 1:
+            # Replicated programs are built for devices across processes (and run with
+            # collectives between them): never confuse them with one process's.
+            parts["processes"] = " | ".join(",".join(map(str, ids)) for ids in self._layout)
         return parts
 
     def hlo_text(self, hlo_bytes: bytes) -> str:
@@ -335,7 +387,8 @@ class XlaBackend(Backend):
         return self._pjrt.cost_analysis(hlo_bytes, self.platform)
 
     def __repr__(self) -> str:
-        return f"<XlaBackend {self.platform} x{len(self.devices)}>"
+        where = f", process {self.process_index} of {self.process_count}" if self.process_count > 1 else ""
+        return f"<XlaBackend {self.platform} x{len(self.devices)}{where}>"
 
 
 def detect_platform() -> str:

@@ -6,6 +6,8 @@ internals. The private names used below were checked against jaxlib 0.10.2.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import warnings
 from typing import Any, Sequence
 
@@ -49,8 +51,84 @@ def _devices(platform: str) -> list:
 
 
 def devices(platform: str = "cpu") -> list:
-    """The platform's devices, ordered by id (replica r runs on devices(platform)[r])."""
-    return sorted(_devices(platform), key=lambda d: d.id)
+    """The platform's devices in every process, ordered by process, then id (replica r of a
+    several-replica program runs on devices(platform)[r])."""
+    return sorted(_devices(platform), key=lambda d: (d.process_index, d.id))
+
+
+def is_local(device: Any) -> bool:
+    """True for a device of this process (one whose buffers this process can hold)."""
+    return device.process_index == device.client.process_index()
+
+
+def local_devices(platform: str = "cpu") -> list:
+    """This process's devices of the platform, ordered by id (all of them in one process)."""
+    return [d for d in devices(platform) if is_local(d)]
+
+
+def process_layout(platform: str = "cpu") -> list[list[int]]:
+    """The device ids of each process, process by process: [[0, 1], [2048, 2049]] for two
+    processes with two CPU devices each; one list in a single process."""
+    layout: dict[int, list[int]] = {}
+    for device in devices(platform):
+        layout.setdefault(device.process_index, []).append(device.id)
+    return [layout[p] for p in sorted(layout)]
+
+
+def start_distributed(coordinator_address: str, num_processes: int, process_id: int,
+                      cpu_device_count: int | None = None, timeout_s: int = 300) -> None:
+    """Join jax's distributed runtime (process 0 also serves as coordinator), with gloo over
+    TCP for collectives between CPU devices of different processes. Must run before any
+    backend starts: the CPU client is created knowing the other processes."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("the distributed runtime must start before the first backend: call "
+                           "runtime.distributed.initialize() before building any model or backend")
+    # Cross-process collectives on CPU; without them a program's all-reduce would
+    # only ever see this process's replicas.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if cpu_device_count is not None:
+        jax.config.update("jax_num_cpu_devices", int(cpu_device_count))
+    jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=timeout_s)
+    # Leave together: shutdown waits for every process, so that the coordinator (process 0)
+    # does not go away while another process still runs collectives.
+    atexit.register(jax.distributed.shutdown)
+
+
+def distributed_started() -> bool:
+    """True once start_distributed() (or jax.distributed.initialize) has run in this process."""
+    return jax.distributed.is_initialized()
+
+
+def distributed_process_index() -> int:
+    """This process's id in the distributed run (0 outside one)."""
+    return jax.process_index()
+
+
+def stop_distributed() -> None:
+    """Leave the distributed runtime (waits for the other processes)."""
+    jax.distributed.shutdown()
+
+
+def _coordination_client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("no distributed run: call runtime.distributed.initialize() first")
+    return client
+
+
+def publish(key: str, value: bytes) -> None:
+    """Store `value` under `key` in the run's coordination service, for every process to read."""
+    _coordination_client().key_value_set_bytes(key, value)
+
+
+def wait_for(key: str, timeout_s: float) -> bytes:
+    """The value some process published under `key`, waiting up to timeout_s seconds for it."""
+    return _coordination_client().blocking_key_value_get_bytes(key, int(timeout_s * 1000))
 
 
 def get_client(platform: str = "cpu") -> Any:
@@ -81,20 +159,32 @@ def _compile_options(num_replicas: int, device_ids: Sequence[int]) -> Any:
     return options
 
 
-def _pick_devices(platform: str, num_replicas: int, device_ids: Sequence[int] | None) -> list:
+def replica_devices(platform: str, num_replicas: int) -> list:
+    """The device of each replica: a one-replica program runs on this process's first device
+    (every process its own copy); replica r of a several-replica program on devices()[r],
+    which may belong to another process."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if num_replicas == 1:
+        return local_devices(platform)[:1]
+    all_devices = devices(platform)
+    if num_replicas > len(all_devices):
+        hint = (" (on cpu, set XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                "before the process starts jax)") if platform == "cpu" else ""
+        processes = len(process_layout(platform))
+        where = f" over {processes} processes" if processes > 1 else ""
+        raise ValueError(
+            f"{num_replicas} replicas need {num_replicas} {platform} devices, "
+            f"found {len(all_devices)}{where}{hint}"
+        )
+    return all_devices[:num_replicas]
+
+
+def _pick_devices(platform: str, num_replicas: int, device_ids: Sequence[int] | None) -> list:
+    if device_ids is None:
+        return replica_devices(platform, num_replicas)
     all_devices = devices(platform)
     by_id = {d.id: d for d in all_devices}
-    if device_ids is None:
-        if num_replicas > len(all_devices):
-            hint = (" (on cpu, set XLA_FLAGS=--xla_force_host_platform_device_count=N "
-                    "before the process starts jax)") if platform == "cpu" else ""
-            raise ValueError(
-                f"{num_replicas} replicas need {num_replicas} {platform} devices, "
-                f"found {len(all_devices)}{hint}"
-            )
-        return all_devices[:num_replicas]
     device_ids = list(device_ids)
     if len(device_ids) != num_replicas:
         raise ValueError(f"device_ids {device_ids} must name one device per replica ({num_replicas})")
@@ -111,7 +201,9 @@ def compile(hlo_module_bytes: bytes, platform: str = "cpu", num_replicas: int = 
     # HLO -> StableHLO bytecode directly: faster and leaner than printing MLIR text.
     stablehlo = _jax.mlir.hlo_to_stablehlo(hlo_module_bytes)
     options = _compile_options(num_replicas, [d.id for d in chosen])
-    return chosen[0].client.compile_and_load(stablehlo, xc.DeviceList(tuple(chosen)), options)
+    # Every process compiles for all replicas' devices (its client knows the others'); at
+    # run time it runs only its own.
+    return get_client(platform).compile_and_load(stablehlo, xc.DeviceList(tuple(chosen)), options)
 
 
 def serialize_executable(exe: LoadedExecutable) -> bytes:
@@ -124,11 +216,11 @@ def deserialize_executable(platform: str, data: bytes, num_replicas: int = 1,
     """Load an executable written by serialize_executable onto the devices."""
     chosen = _pick_devices(platform, num_replicas, device_ids)
     options = _compile_options(num_replicas, [d.id for d in chosen])
-    return chosen[0].client.deserialize_executable(data, xc.DeviceList(tuple(chosen)), options)
+    return get_client(platform).deserialize_executable(data, xc.DeviceList(tuple(chosen)), options)
 
 
 def executable_devices(exe: LoadedExecutable) -> list:
-    """The devices the executable runs on, replica order."""
+    """This process's devices of the executable, replica order."""
     return list(exe.local_devices())
 
 
@@ -137,30 +229,41 @@ def execute(exe: LoadedExecutable, args: Sequence[Buffer]) -> list[Buffer]:
     return exe.execute(list(args))
 
 
-def _replicated_array(shards: Sequence[Buffer]) -> Buffer:
-    # execute_sharded wants, per parameter, one array holding every replica's
-    # buffer. Only the per-device buffers are read, so the global aval is
-    # nominal (replicas stacked on a new leading axis) and checks are skipped.
+@functools.lru_cache(maxsize=64)
+def _replica_sharding(replica_devices: tuple) -> Any:
+    mesh = jax.sharding.Mesh(np.array(replica_devices), ("replica",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
+
+
+def _replicated_array(shards: Sequence[Buffer], sharding: Any, num_replicas: int) -> Buffer:
+    # execute_sharded wants, per parameter, one array over every replica's device holding
+    # this process's buffers (as jax's own multi-process calls pass them). Only the
+    # per-device buffers are read, so the global aval is nominal (replicas stacked on a
+    # new leading axis) and checks are skipped.
     first = shards[0]
-    mesh = jax.sharding.Mesh(np.array([s.device for s in shards]), ("replica",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
-    aval = jax.core.ShapedArray((len(shards),) + tuple(first.shape), first.dtype)
+    aval = jax.core.ShapedArray((num_replicas,) + tuple(first.shape), first.dtype)
     return _jax.ArrayImpl(aval, sharding, list(shards), True, True)
 
 
 def execute_sharded(exe: LoadedExecutable, per_device_args: Sequence[Sequence[Buffer]],
-                    wait: bool = False) -> list[list[Buffer]]:
-    """Run a replicated executable: per_device_args[r] are replica r's arguments.
+                    wait: bool = False, replica_devices: Sequence[Any] | None = None) -> list[list[Buffer]]:
+    """Run a replicated executable: per_device_args[i] are the arguments of this process's
+    i-th replica (every replica in one process).
 
-    Returns outputs[r][i], output i of replica r. With wait=True the call returns
-    only when every replica has finished.
+    replica_devices: every replica's device, this process's and the others' (default: this
+    process's devices, which is all of them in one process). Returns outputs[i][j], output j
+    of this process's i-th replica. With wait=True the call returns only when this process's
+    replicas have finished.
     """
     n = len(per_device_args)
     arity = {len(a) for a in per_device_args}
     if len(arity) != 1:
         raise ValueError(f"every replica needs the same number of arguments, got {[len(a) for a in per_device_args]}")
     (num_args,) = arity
-    grouped = [_replicated_array([per_device_args[r][i] for r in range(n)]) for i in range(num_args)]
+    everyone = tuple(replica_devices) if replica_devices is not None else tuple(exe.local_devices())
+    sharding = _replica_sharding(everyone)
+    grouped = [_replicated_array([per_device_args[r][i] for r in range(n)], sharding, len(everyone))
+               for i in range(num_args)]
     per_output = exe.execute_sharded(grouped).disassemble_into_single_device_arrays()
     outputs = [[per_output[i][r] for i in range(len(per_output))] for r in range(n)]
     if wait:

@@ -3,19 +3,23 @@
     placement = Placement(backend, replicas=4)
     ids = placement.put(np.array(...))          # the same array on every replica: Replicas
     weight = placement.put_each(shards)         # shard r on replica r
-    placement.host(logits)                      # replica 0's copy, as numpy
+    weight = placement.put_parts(lambda r: part_of(full, r))   # each part made only where it is kept
+    placement.host(logits)                      # the first replica's copy, as numpy
 
-With one replica, values are plain device buffers and nothing else changes.
+With one replica, values are plain device buffers and nothing else changes. Across several
+processes (runtime.distributed) each process holds only its own replicas (`local`): the
+others' entries of a Replicas are None, and put/put_each/put_parts place this process's only.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 
 class Replicas(list):
-    """One device buffer per replica; replica r's at [r]."""
+    """One entry per replica, replica r's device buffer at [r]; None where another process
+    holds that replica."""
 
 
 class Placement:
@@ -28,19 +32,50 @@ class Placement:
                 "process starts)")
         self.backend = backend
         self.replicas = replicas
+        # The replicas this process holds: all of them, except across several processes.
+        local = getattr(backend, "local_replicas", None)
+        self.local: list[int] = list(local(replicas)) if local is not None and replicas > 1 else list(range(replicas))
+        if not self.local:
+            raise ValueError(
+                f"tp_degree {replicas} runs on the first {replicas} of the {count} devices of "
+                f"{backend.process_count} processes, none of them in this process "
+                f"({backend.process_index}): use a tp_degree that reaches every process's devices")
+        self._is_local = [r in self.local for r in range(replicas)]
 
     def put(self, array: Any) -> Any:
-        """`array` on the device, or on every replica."""
+        """`array` on the device, or on every replica (of this process)."""
         if self.replicas == 1:
             return self.backend.to_device(array)
-        return Replicas(self.backend.to_device(array, replica=r) for r in range(self.replicas))
+        return Replicas(self.backend.to_device(array, replica=r) if mine else None
+                        for r, mine in enumerate(self._is_local))
 
     def put_each(self, arrays: Sequence[Any]) -> Any:
-        """arrays[r] on replica r (one replica: arrays[0] on the device)."""
+        """arrays[r] on replica r (one replica: arrays[0] on the device); other processes'
+        entries are not read."""
         if self.replicas == 1:
             return self.backend.to_device(arrays[0])
-        return Replicas(self.backend.to_device(a, replica=r) for r, a in enumerate(arrays))
+        return Replicas(self.backend.to_device(arrays[r], replica=r) if mine else None
+                        for r, mine in enumerate(self._is_local))
 
-    def host(self, value: Any, replica: int = 0) -> np.ndarray:
-        """Replica `replica`'s buffer of a value on the host (with one replica: the value's)."""
-        return self.backend.to_host(value[replica] if isinstance(value, Replicas) else value)
+    def put_parts(self, part: Callable[[int], Any]) -> Any:
+        """part(r) on replica r, made and placed one replica at a time, for this process's
+        replicas only: no process makes the parts it does not keep."""
+        if self.replicas == 1:
+            return self.backend.to_device(part(0))
+        return Replicas(self.backend.to_device(part(r), replica=r) if mine else None
+                        for r, mine in enumerate(self._is_local))
+
+    def host(self, value: Any, replica: int | None = None) -> np.ndarray:
+        """Replica `replica`'s buffer of a value on the host (None: this process's first
+        replica, for values every replica holds alike; with one replica: the value's)."""
+        if not isinstance(value, Replicas):
+            return self.backend.to_host(value)
+        if replica is None:
+            replica = self.local[0]
+        if not 0 <= replica < len(value):
+            raise ValueError(f"replica {replica} out of range: the value has {len(value)} replicas")
+        if value[replica] is None:
+            raise ValueError(
+                f"replica {replica} is held by another process: process {self.backend.process_index} "
+                f"holds replicas {self.local} (read the others in their own processes)")
+        return self.backend.to_host(value[replica])

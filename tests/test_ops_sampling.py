@@ -15,6 +15,7 @@ from transformers.generation.logits_process import (
 
 from pyhlo import compile_py_func
 from pyhlo.ops import sampling
+from pyhlo.ops.elementwise import constant
 
 SETTINGS = settings(max_examples=10, deadline=None)
 
@@ -215,3 +216,81 @@ def test_draw_frequencies_follow_the_hf_distribution(top_k, top_p, temperature):
 def test_k_max_must_fit_the_vocabulary():
     with pytest.raises(ValueError, match=r"k_max=9 must be in 1..8"):
         compile_py_func(sampler(2, 8, 9))
+
+
+# -- over vocabulary blocks (tensor parallelism); on 4 replicas in tests/test_vocab_parallel.py ---------
+ONE_REPLICA = [[0]]
+
+
+@SETTINGS
+@given(batch=st.integers(1, 4), n=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
+def test_best_candidate_is_the_largest_ties_to_the_smallest_id(batch, n, seed):
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-3, 3, (batch, n)).astype(np.float32)
+    ids = np.stack([rng.permutation(100)[:n] for _ in range(batch)]).astype(np.int32)
+
+    def program(scribe):
+        return sampling.best_candidate(scribe.f32[batch, n].Parameter(parameter_number=0),
+                                       scribe.s32[batch, n].Parameter(parameter_number=1))
+
+    (best,) = run_fn(program, values, ids)
+    expected = [ids[line][values[line] == values[line].max()].min() for line in range(batch)]
+    np.testing.assert_array_equal(best, expected)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 4), width=st.integers(1, 30), first=st.integers(0, 1000), seed=st.integers(0, 2**32 - 1))
+def test_greedy_sharded_on_one_replica_is_greedy_from_its_first_id(batch, width, first, seed):
+    logits = np.random.default_rng(seed).integers(-3, 3, (batch, width)).astype(np.float32)
+
+    def program(scribe):
+        logits = scribe.f32[batch, width].Parameter(parameter_number=0)
+        return sampling.greedy_sharded(logits, constant(scribe, "s32", first), ONE_REPLICA)
+
+    (tokens,) = run_fn(program, logits)
+    np.testing.assert_array_equal(tokens, logits.argmax(-1) + first)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 4), width=st.integers(2, 30), seed=st.integers(0, 2**32 - 1))
+def test_gather_candidates_on_one_replica_keeps_values_and_ids(batch, width, seed):
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((batch, width)).astype(np.float32)
+    values[0, 0] = -np.inf               # a masked padding logit survives the trip through its bits
+    ids = rng.integers(0, 1 << 20, (batch, width)).astype(np.int32)
+
+    def program(scribe):
+        return list(sampling.gather_candidates(scribe.f32[batch, width].Parameter(parameter_number=0),
+                                               scribe.s32[batch, width].Parameter(parameter_number=1), ONE_REPLICA))
+
+    got_values, got_ids = run_fn(program, values, ids)
+    np.testing.assert_array_equal(got_values, values)
+    np.testing.assert_array_equal(got_ids, ids)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 4), width=st.integers(2, 30), first=st.integers(0, 1000), seed=st.integers(0, 2**32 - 1),
+       data=st.data())
+def test_sample_sharded_on_one_replica_draws_sample_tokens_from_its_first_id(batch, width, first, seed, data):
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((batch, width)) * 2).astype(np.float32)
+    k_max = data.draw(st.integers(1, width))
+    top_k = rng.integers(1, k_max + 1, batch).astype(np.int32)
+    top_p = rng.uniform(0.05, 1.0, batch).astype(np.float32)
+    temperature = rng.uniform(0.3, 2.0, batch).astype(np.float32)
+
+    def program(scribe):
+        logits = scribe.f32[batch, width].Parameter(parameter_number=0)
+        top_k = scribe.s32[batch].Parameter(parameter_number=1)
+        top_p = scribe.f32[batch].Parameter(parameter_number=2)
+        temperature = scribe.f32[batch].Parameter(parameter_number=3)
+        state = scribe.u32[2, 2].Parameter(parameter_number=4)
+        return list(sampling.sample_sharded(logits, constant(scribe, "s32", first), top_k, top_p, temperature,
+                                            state, k_max, ONE_REPLICA))
+
+    args = (logits, top_k, top_p, temperature, sampling.seed_state(seed))
+    tokens, state = run_fn(program, *args)
+    expected, expected_state = run_fn(sampler(batch, width, k_max), *args)
+    # The top k_max candidates first, then the draw: sample()'s token, shifted to this block's ids.
+    np.testing.assert_array_equal(tokens, expected + first)
+    np.testing.assert_array_equal(state, expected_state)

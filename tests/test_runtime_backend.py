@@ -185,3 +185,39 @@ def test_replicas_need_devices(backend):
         pytest.skip("several devices here")
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
         backend.compile(compile_py_func(add_and_matmul).SerializeToString(), num_replicas=2)
+
+
+def test_one_process_holds_every_replica_and_keys_its_cache_as_before(backend):
+    from runtime.placement import Placement
+
+    assert backend.process_count == 1 and backend.process_index == 0
+    assert backend.local_replicas(backend.device_count) == list(range(backend.device_count))
+    assert "processes" not in backend.cache_key_parts()  # single-process keys are unchanged
+    placement = Placement(backend)
+    assert placement.local == [0]
+    value = placement.put(np.arange(3, dtype=np.int32))
+    np.testing.assert_array_equal(placement.host(value), np.arange(3))
+
+
+def test_distributed_settings_are_checked_before_anything_starts(monkeypatch):
+    from runtime import distributed
+
+    with pytest.raises(ValueError, match="coordinator_address must be 'host:port'"):
+        distributed.initialize("localhost", num_processes=2, process_id=0)
+    with pytest.raises(ValueError, match=r"process_id must be an int in 0\.\.1, got 2"):
+        distributed.initialize("localhost:1234", num_processes=2, process_id=2)
+    monkeypatch.setenv("PYHLO_COORDINATOR", "localhost:1234")
+    monkeypatch.delenv("PYHLO_NUM_PROCESSES", raising=False)
+    monkeypatch.setenv("PYHLO_PROCESS_ID", "0")
+    with pytest.raises(ValueError, match="PYHLO_COORDINATOR is set, but PYHLO_NUM_PROCESSES"):
+        distributed.initialize_from_environment()
+    assert not distributed.is_initialized()
+
+
+def test_distributed_runtime_cannot_start_after_a_backend(backend):
+    from runtime import distributed
+
+    assert backend.device_count >= 1  # jax's CPU client exists: too late to join other processes
+    with pytest.raises(RuntimeError, match="before building any model or backend"):
+        distributed.initialize("127.0.0.1:1", num_processes=1, process_id=0)
+    assert not distributed.is_initialized()

@@ -99,8 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def open_model(args: argparse.Namespace, backend: NeuronCCBackend) -> Any:
     """The model as the neuronx-cc backend would compile it."""
-    from decoders import NeuronAutoModelForCausalLM
+    from decoders import NeuronAutoModelForCausalLM, NeuronConfig
     from decoders.checkpoints.default_model import default_model_path
+    from tools.model_options import quantization
 
     target = hlo_report.parse_target(args.model)
     if target.kind != "model":
@@ -108,7 +109,8 @@ def open_model(args: argparse.Namespace, backend: NeuronCCBackend) -> Any:
     path = target.path if target.path is not None else default_model_path()
     return NeuronAutoModelForCausalLM.from_pretrained(
         path, batch_size=args.batch_size, n_positions=args.n_positions, tp_degree=args.tp_degree,
-        amp=args.amp, context_length_estimate=args.context_length_estimate, backend=backend)
+        amp=args.amp, context_length_estimate=args.context_length_estimate, backend=backend,
+        neuron_config=NeuronConfig(quant=quantization(args)))
 
 
 def dump_programs(model: Any, directory: pathlib.Path, backend: NeuronCCBackend,

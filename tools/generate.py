@@ -15,6 +15,8 @@ import argparse
 import sys
 import time
 
+from tools.model_options import add_quant_argument, quantization
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
@@ -31,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest sequence the compiled programs serve (default 1024)")
     parser.add_argument("--amp", default="f32", choices=["f32", "bf16", "f16"],
                         help="weights and activations type (default f32)")
+    add_quant_argument(parser)
 
 
 def prompt_ids(tokenizer, text: str, chat: bool, system: str | None) -> list[int]:
@@ -48,7 +51,7 @@ def prompt_ids(tokenizer, text: str, chat: bool, system: str | None) -> list[int
 def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
-    from decoders import NeuronAutoModelForCausalLM
+    from decoders import NeuronAutoModelForCausalLM, NeuronConfig
     from decoders.checkpoints.default_model import default_model_path
 
     if args.max_new_tokens < 1:
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     path = args.model or default_model_path()
     started = time.perf_counter()
     model = NeuronAutoModelForCausalLM.from_pretrained(path, batch_size=1, n_positions=args.n_positions,
-                                                       amp=args.amp)
+                                                       amp=args.amp,
+                                                       neuron_config=NeuronConfig(quant=quantization(args)))
     model.to_neuron()
     tokenizer = model.tokenizer
     ready = time.perf_counter()

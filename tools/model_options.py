@@ -11,12 +11,28 @@ def int_list(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {value!r}") from None
 
 
+def add_quant_argument(group) -> None:
+    group.add_argument("--quant", choices=["s8"],
+                       help="store the layers' linear weights quantized: s8 = int8 with one scale per output "
+                            "row (transformers-neuronx's QuantizationConfig(quant_dtype='s8')); default: none")
+
+
+def quantization(args: argparse.Namespace):
+    """The QuantizationConfig --quant asks for, or None."""
+    if getattr(args, "quant", None) is None:
+        return None
+    from decoders import QuantizationConfig
+
+    return QuantizationConfig(quant_dtype=args.quant)
+
+
 def add_model_arguments(group: argparse._ArgumentGroup) -> None:
-    """--batch-size, --n-positions, --amp and --context-length-estimate."""
+    """--batch-size, --n-positions, --amp, --quant and --context-length-estimate."""
     group.add_argument("--batch-size", type=int, default=1, metavar="N", help="batch size (default 1)")
     group.add_argument("--n-positions", type=int, default=1024, metavar="N",
                        help="longest sequence; token buckets are powers of two up to it (default 1024)")
     group.add_argument("--amp", default="f32", choices=["f32", "bf16", "f16"],
                        help="weights and activations type (default f32)")
+    add_quant_argument(group)
     group.add_argument("--context-length-estimate", type=int_list, metavar="N[,N]",
                        help="prefill buckets, e.g. 64,256 (default: half of each token bucket)")

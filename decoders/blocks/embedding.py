@@ -8,6 +8,9 @@ projected in by the embedding and out by the head.
 
 When the LM head is the token table in the same element type, the model keeps one table
 (`Head.params` declares it; the embedding reads its rows, or its columns in [in, out]).
+
+Under tensor parallelism the head is split by vocabulary rows and its logits stay split:
+replica r returns the logits of its block of rows, r * w .. r * w + w - 1 (`first_row`).
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from decoders.blocks.norm import Norm
 from decoders.blocks.params import Kind, Param, Shard, Source
 from decoders.blocks.values import PieceValues
 from pyhlo.ops import elementwise as ew
-from pyhlo.ops.shape_ops import concatenate, dynamic_slice, reshape, transpose
+from pyhlo.ops.collectives import replica_id
+from pyhlo.ops.shape_ops import concatenate, dynamic_slice, iota, reshape, transpose
 from pyhlo.scribe import HloValue
 
 TOKENS = "embed.tokens"
@@ -89,6 +93,11 @@ def _rows(table: HloValue, ids: HloValue, width: int) -> HloValue:
     return shape[b, n, width].Gather(table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[1, width])
 
 
+def first_row(scribe, rows: int) -> HloValue:
+    """s32: the first vocabulary row of this replica's block when each holds `rows` of them."""
+    return ew.multiply(ew.convert(replica_id(scribe), "s32"), rows)
+
+
 @dataclass(frozen=True)
 class Head:
     """Final norm (None: none, as OPT-350m) and LM head. `weight` is the checkpoint name (or
@@ -124,7 +133,8 @@ class Head:
         return declared
 
     def __call__(self, values: PieceValues, hidden: HloValue, last_index: HloValue) -> HloValue:
-        """f32 logits [b, vocab] of position last_index[i] of each line i (scope: the model's)."""
+        """f32 logits [b, vocab] of position last_index[i] of each line i (scope: the model's);
+        under tensor parallelism this replica's block of them, [b, vocab padded / tp_degree]."""
         b, n, width = hidden.dims
         if n == 1:
             rows = reshape(hidden, (b, width))
@@ -138,4 +148,10 @@ class Head:
             rows = self.norm(values.scoped("final_norm", self.norm), rows)
         if self.projection is not None:
             rows = values.linear(rows, "project_out")
-        return values.linear(rows, "lm_head", out_dtype="f32")
+        logits = values.linear(rows, "lm_head", out_dtype="f32")
+        width = logits.dims[1]
+        if width * values.lowering.tp_degree > self.vocab_size:
+            # A zero padding row's logit 0 would beat negative real ones: it can never be chosen.
+            ids = ew.add(iota(logits.scribe, "s32", logits.dims, 1), first_row(logits.scribe, width))
+            logits = ew.select(ew.compare(ids, self.vocab_size, "LT"), logits, float("-inf"))
+        return logits

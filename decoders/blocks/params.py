@@ -91,6 +91,11 @@ class Param:
     # Attention projections: the parts (indices into segments; (0,) for a lone k or v weight)
     # that hold keys or values, which some GQA strategies hold whole or split by features.
     kv_segments: tuple[int, ...] = ()
+    # Weight quantization (decoders/quantization.py): this linear weight is stored int8
+    # (`quantized`), or this vector holds the per-row scales of the linear weight named
+    # `scale_of`, read from the same checkpoint tensor.
+    quantized: bool = False
+    scale_of: str | None = None
 
     def __post_init__(self) -> None:
         if self.segments and sum(self.segments) != self.shape[0]:
@@ -132,12 +137,15 @@ def transposed() -> Transform:
 
 
 def read(param: Param, checkpoint, layer: int | None) -> np.ndarray:
-    """The parameter's array, in its logical shape, as stored (f32 for floats)."""
+    """The parameter's array, in its logical shape, as stored (f32 for floats); for the scales
+    of a quantized weight (`scale_of`), the weight's array they are computed from."""
     names = param.source.resolve(layer, checkpoint.__contains__)
     parts = [checkpoint.get(name) for name in names]
     array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     for transform in param.source.transforms:
         array = transform(array)
+    if param.scale_of and array.ndim == 2 and array.shape[0] == param.shape[0]:
+        return array
     if tuple(array.shape) != param.shape:
         raise ValueError(f"{param.name}: {' + '.join(names)} gives shape {tuple(array.shape)}, "
                          f"expected {param.shape}")

@@ -38,7 +38,10 @@ class PieceValues:
         return self._values[key] if key in self._params else None
 
     def linear(self, x: HloValue, name: str, out_dtype: str | None = None) -> HloValue:
-        """x @ NAME.weight, plus NAME.bias when the piece declared one, as the lowering does it."""
+        """x @ NAME.weight, plus NAME.bias when the piece declared one, as the lowering does it
+        (an int8 weight with its scales, NAME.weight.scale, when the program quantizes it)."""
         param = self._params[self._key(f"{name}.weight")]
-        return self.lowering.linear(x, self[f"{name}.weight"], param, bias=self.get(f"{name}.bias"),
-                                    out_dtype=out_dtype)
+        weight = self[f"{name}.weight"]
+        scale = self._values[self._key(f"{name}.weight.scale")] if weight.dtype == "s8" else None
+        return self.lowering.linear(x, weight, param, bias=self.get(f"{name}.bias"), out_dtype=out_dtype,
+                                    scale=scale)

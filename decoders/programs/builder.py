@@ -12,11 +12,17 @@ and typed by the lowering.
 - lm_head:    final norm + vocabulary projection of one position per line -> f32 logits
 - model_step: all of it unrolled in one program; layer i's parameters are `layer{i}.NAME`
 - greedy / sampler: the next token of every line, on the device
+
+Under tensor parallelism the logits stay split by vocabulary: each replica's lm_head and
+model_step return its `vocab_shard` columns, and greedy / sampler gather each replica's
+best candidates, never the logits.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from decoders import quantization, sharding
+from decoders.blocks.embedding import HEAD_WEIGHT, first_row
 from decoders.blocks.layer import Decoder
 from decoders.blocks.params import Param
 from decoders.blocks.step import Step
@@ -94,6 +100,13 @@ class ProgramBuilder:
         under tensor parallelism, where the head is split by vocabulary and the table is not)."""
         return self.decoder.tied and self.lowering.head_dtype == self.dtype and self.tp_degree == 1
 
+    @property
+    def vocab_shard(self) -> int:
+        """Logit columns one replica holds: the vocabulary (padded to a multiple of tp_degree)
+        over tp_degree; the whole vocabulary on one device."""
+        head = next(p for p in self.decoder.head.params() if p.name == HEAD_WEIGHT)
+        return sharding.local_shape(head, self.tp_degree)[0]
+
     def check_sharding(self) -> None:
         """Every parameter and cache splits over tp_degree devices (else a ValueError naming it)."""
         self.cache_spec("cache")
@@ -105,7 +118,10 @@ class ProgramBuilder:
         return ParamSpec(prefix + param.name, self.lowering.param_dtype(param), self.lowering.param_dims(param))
 
     def layer_params(self) -> list[Param]:
-        return self.decoder.layer.params()
+        declared = self.decoder.layer.params()
+        if self.lowering.quant is not None:
+            declared = quantization.declare(declared, self.lowering.quant)
+        return declared
 
     def shared_params(self) -> list[Param]:
         return self.decoder.shared_params(self.one_table)
@@ -195,19 +211,31 @@ class ProgramBuilder:
         return _program(f"model_n{n_tokens}_s{n_attend}", specs, outputs, body)
 
     def greedy(self) -> Program:
-        b, v = self.batch_size, self.decoder.head.vocab_size
-        return _program("greedy", [ParamSpec("logits", "f32", (b, v))], ["tokens"],
-                        lambda p: {"tokens": reshape(sampling.greedy(p["logits"]), (b, 1))})
+        b, v = self.batch_size, self.vocab_shard
+
+        def body(p):
+            logits = p["logits"]
+            if self.tp_degree == 1:
+                tokens = sampling.greedy(logits)
+            else:
+                tokens = sampling.greedy_sharded(logits, first_row(logits.scribe, v), self.lowering.replica_groups)
+            return {"tokens": reshape(tokens, (b, 1))}
+
+        return _program("greedy", [ParamSpec("logits", "f32", (b, v))], ["tokens"], body)
 
     def sampler(self, k_max: int) -> Program:
-        b, v = self.batch_size, self.decoder.head.vocab_size
+        b, v = self.batch_size, self.vocab_shard
         specs = [ParamSpec("logits", "f32", (b, v)), ParamSpec("top_k", "s32", (b,)),
                  ParamSpec("top_p", "f32", (b,)), ParamSpec("temperature", "f32", (b,)),
                  ParamSpec("rng_state", "u32", (2, 2))]
 
         def body(p):
-            tokens, state = sampling.sample(p["logits"], p["top_k"], p["top_p"], p["temperature"],
-                                            p["rng_state"], k_max=k_max)
+            logits, settings = p["logits"], (p["top_k"], p["top_p"], p["temperature"], p["rng_state"])
+            if self.tp_degree == 1:
+                tokens, state = sampling.sample(logits, *settings, k_max=k_max)
+            else:
+                tokens, state = sampling.sample_sharded(logits, first_row(logits.scribe, v), *settings, k_max=k_max,
+                                                        replica_groups=self.lowering.replica_groups)
             state.set_alias_to(p["rng_state"])
             return {"tokens": reshape(tokens, (b, 1)), "rng_state": state}
 

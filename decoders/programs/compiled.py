@@ -39,10 +39,15 @@ class CompiledProgram:
 
     def _run_replicated(self, args: list[Any]) -> list[Any]:
         """Every replica runs with its own buffer of each `Replicas` argument (the same array
-        for the others); output i comes back as Replicas."""
-        per_replica = [[a[r] if isinstance(a, Replicas) else a for a in args] for r in range(self.replicas)]
+        for the others); output i comes back as Replicas. Across several processes this
+        process runs its own replicas: the others' inputs are not made, their outputs are None."""
+        local = getattr(self.executable, "local_replicas", range(self.replicas))
+        per_replica: list[Any] = [None] * self.replicas
+        for r in local:
+            per_replica[r] = [a[r] if isinstance(a, Replicas) else a for a in args]
         outputs = self.executable.run_replicated(per_replica)
-        return [Replicas(out[i] for out in outputs) for i in range(len(outputs[0]))]
+        count = len(next(out for out in outputs if out is not None))
+        return [Replicas(None if out is None else out[i] for out in outputs) for i in range(count)]
 
     def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Run with arguments by name (numpy arrays or device buffers, checked); outputs by name."""

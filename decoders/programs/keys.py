@@ -35,7 +35,8 @@ class Block:
 
 @dataclass(frozen=True)
 class LMHead:
-    """Final norm and vocabulary projection of one position per line -> f32 logits."""
+    """Final norm and vocabulary projection of one position per line -> f32 logits (under
+    tensor parallelism, each replica's block of the vocabulary)."""
 
     n_tokens: int
 

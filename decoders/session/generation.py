@@ -2,12 +2,12 @@
 
 Lines are left-padded so that every line writes the same cache slot at each step. The new
 token ids go straight from the sampler into the next step on the device; the host
-downloads only the ids (for EOS, streamers, stopping criteria), and logits only when
-no_repeat_ngram_size or output_scores ask for them.
+downloads only the ids (for EOS, streamers, stopping criteria), and logits (under tensor
+parallelism: every replica's block) only when no_repeat_ngram_size or output_scores ask
+for them.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,11 @@ from decoders.session.session import Session
 
 
 def _rng_state(seed: int | None) -> np.ndarray:
-    entropy = seed if seed is not None else int.from_bytes(os.urandom(8), "little")
+    """The sampler's random state; unseeded, fresh bits that every process of a run shares
+    (each process runs its own replicas of the same draw)."""
+    from runtime import distributed
+
+    entropy = seed if seed is not None else distributed.agreed_entropy()
     return np.random.SeedSequence(entropy).generate_state(4, dtype=np.uint32).reshape(2, 2)
 
 
@@ -79,13 +83,13 @@ class Generation:
 
     def _next_tokens(self, logits: Any, lines: list[list[int]]) -> Any:
         if self.scores is not None:
-            self.scores.append(np.array(self.placement.host(logits), copy=True))
+            self.scores.append(self.session.host_logits(logits))
         if self.no_repeat_ngram_size:
-            host = np.array(self.placement.host(logits), copy=True)
+            host = self.session.host_logits(logits)
             for i, line in enumerate(lines):
                 banned = list(banned_ngram_tokens(line, self.no_repeat_ngram_size))
                 host[i, banned] = -np.inf
-            logits = self.placement.put(host)
+            logits = self.session.device_logits(host)
         outputs = self.sampler.run_checked_once({"logits": logits, **self.sampling_inputs})
         if "rng_state" in outputs:
             self.sampling_inputs["rng_state"] = outputs["rng_state"]

@@ -2,6 +2,7 @@
 and the one way to run the model over them.
 
     session.forward(token_ids, slot=s, pads=p)   # logits (on the device) of each line's last token
+    session.host_logits(logits)                  # as numpy [batch, vocab], only when asked
 
 `forward` writes the tokens' keys and values at cache slots s .. s + n - 1 of every line
 (lines are left-padded: line i's real tokens start at slot pads[i]) and picks the programs:
@@ -100,22 +101,31 @@ class Session:
     def load_weights(self, checkpoint: Any, presharded: str | pathlib.Path | None = None) -> None:
         """Place every declared parameter on the device, one layer at a time: read from the
         checkpoint and arranged for each replica, or, given a directory save_weights() wrote
-        (checked by check_presharded()), each replica's part read as it is from its own file."""
+        (checked by check_presharded()), each replica's part read as it is from its own file.
+        Across several processes each places only its own replicas' parts (placement.local)."""
         from tqdm.auto import tqdm
 
-        lowering, tp = self.lowering, self.builder.tp_degree
+        lowering = self.lowering
         if presharded is not None:
-            files = [preshards.RankFile(preshards.rank_file(presharded, r)) for r in range(tp)]
+            files = {r: preshards.RankFile(preshards.rank_file(presharded, r)) for r in self.placement.local}
 
             def place(param, layer):
                 spec = self.builder.spec(param)
                 name, dtype = preshards.tensor_name(param.name, layer), numpy_dtype(spec.dtype)
-                return self.placement.put_each([f.read(name, dtype, spec.dims) for f in files])
+                return self.placement.put_parts(lambda rank: files[rank].read(name, dtype, spec.dims))
         else:
+            last_read: dict = {}
+
             def place(param, layer):
-                # Read once, then each replica's part: no replica-sized copies of the whole weight.
-                array = read(param, checkpoint, layer)
-                return self.placement.put_each([lowering.arrange(param, array, rank) for rank in range(tp)])
+                # Read once, then each kept replica's part, made as it is placed: no process
+                # holds replica-sized copies of the whole weight, nor parts it does not keep.
+                # A quantized weight's scales come from the array just read for its values.
+                if param.scale_of and last_read.get("key") == (param.scale_of, layer):
+                    array = last_read["array"]
+                else:
+                    array = read(param, checkpoint, layer)
+                last_read.update(key=(param.name, layer), array=array)
+                return self.placement.put_parts(lambda rank: lowering.arrange(param, array, rank))
 
         self.shared = {p.name: place(p, None) for p in self.builder.shared_params()}
         declared = self.builder.layer_params()
@@ -137,12 +147,14 @@ class Session:
         batch size or the buckets."""
         lowering = self.lowering
         return {"files": preshards.FILES, "tp_degree": lowering.tp_degree, "kv_split": lowering.kv_split,
+                "quant": lowering.quant.to_dict() if lowering.quant is not None else None,
                 "lowering": lowering.name,
                 "weight_layout": lowering.weight_layout, "dtype": lowering.dtype, "head_dtype": lowering.head_dtype}
 
     def save_weights(self, directory: str | pathlib.Path) -> dict:
         """Write each replica's weights as it holds them to directory/weights/rank{r}.safetensors;
-        the manifest to keep beside them."""
+        the manifest to keep beside them. Across several processes each writes its own
+        replicas' files (placement.local)."""
         if not self.loaded:
             raise ValueError("save(..., sharded_weights=True) writes the weights on the device: "
                              "call model.to_neuron() first")
@@ -155,7 +167,7 @@ class Session:
             spec, name = self.builder.spec(param), preshards.tensor_name(param.name, layer)
             tensors.append((name, numpy_dtype(spec.dtype), tuple(spec.dims)))
             values[name] = value
-        for rank in range(self.builder.tp_degree):
+        for rank in self.placement.local:
             def fetch(name, rank=rank):
                 return self.placement.host(values[name], rank)
 
@@ -167,8 +179,8 @@ class Session:
         """A ValueError naming what differs when weights saved under `saved` (save_weights()'s
         manifest) are not what this session's programs take."""
         mine = self.weights_manifest()
-        saved = {"kv_split": "heads", **saved}          # weights saved before other splits existed
-        for key in ("tp_degree", "kv_split", "lowering", "weight_layout", "dtype", "head_dtype"):
+        saved = {"kv_split": "heads", "quant": None, **saved}    # saved before these existed
+        for key in ("tp_degree", "kv_split", "quant", "lowering", "weight_layout", "dtype", "head_dtype"):
             if saved.get(key) != mine[key]:
                 raise ValueError(f"{directory}: its presharded weights were saved for {key}={saved.get(key)!r}, "
                                  f"this model has {key}={mine[key]!r}")
@@ -179,14 +191,34 @@ class Session:
                 raise ValueError(f"{directory}: {preshards.rank_file(directory, rank)} is missing")
 
     def device_bytes(self) -> list[int]:
-        """Bytes of weights and KV caches on each replica, summed from the device buffers."""
-        totals = [0] * self.builder.tp_degree
+        """Bytes of weights and KV caches on each replica this process holds, summed from the
+        device buffers: every replica in one process; across several processes, this one's
+        (placement.local), in replica order."""
+        local = self.placement.local
+        totals = [0] * len(local)
         values = [*self.shared.values(), *(v for layer in self.layers for v in layer.values()),
                   *self.kv_cache.keys, *self.kv_cache.values]
         for value in values:
-            for replica, buffer in enumerate(value if isinstance(value, Replicas) else [value]):
-                totals[replica] += buffer.nbytes
+            buffers = [value[r] for r in local] if isinstance(value, Replicas) else [value]
+            for i, buffer in enumerate(buffers):
+                totals[i] += buffer.nbytes
         return totals
+
+    # -- logits on the host -----------------------------------------------------------------
+    def host_logits(self, logits: Any) -> np.ndarray:
+        """forward()'s logits as a new numpy f32 [batch, vocab]: the replicas' blocks joined,
+        the padding past the vocabulary trimmed. The one place full logits are gathered."""
+        parts = [self.placement.host(logits, r) for r in range(self.builder.tp_degree)]
+        return np.ascontiguousarray(np.concatenate(parts, axis=1)[:, :self.builder.decoder.head.vocab_size])
+
+    def device_logits(self, host: np.ndarray) -> Any:
+        """host_logits()'s inverse: f32 [batch, vocab] put back as forward() returns them, each
+        replica's block on it (the padding columns -inf, as the LM head masks them)."""
+        width = self.builder.vocab_shard
+        padded = np.full((host.shape[0], width * self.builder.tp_degree), -np.inf, np.float32)
+        padded[:, :host.shape[1]] = host
+        return self.placement.put_each([np.ascontiguousarray(padded[:, r * width:(r + 1) * width])
+                                        for r in range(self.builder.tp_degree)])
 
     # -- running ---------------------------------------------------------------------------
     def pad_buffer(self, pads: np.ndarray) -> Any:
@@ -204,7 +236,8 @@ class Session:
 
     def forward(self, token_ids: Any, slot: int, pads: np.ndarray, n_tokens: int | None = None) -> Any:
         """f32 logits [batch, vocab] (a device buffer) of the last of the tokens written at
-        `slot`. token_ids: [batch, n] as numpy, or a device buffer (give n_tokens then)."""
+        `slot`; under tensor parallelism each replica's block, [batch, vocab_shard] (host_logits()
+        joins them). token_ids: [batch, n] as numpy, or a device buffer (give n_tokens then)."""
         if not self.loaded:
             raise RuntimeError("call model.to_neuron() first: the weights are not on the device")
         if n_tokens is None:

@@ -5,6 +5,10 @@ Sampling follows HF's warpers in HF's order: temperature, then TopKLogitsWarper
 probability of the tokens ranked above it already reaches top_p), then one draw
 from the renormalized distribution. The random state is an explicit u32[2, 2]
 input and output of the program, so a generation is reproducible from its seed.
+
+Under tensor parallelism each replica holds a block of the vocabulary's logits:
+`greedy_sharded` and `sample_sharded` gather each replica's best candidates (never
+the logits) and pick from them, the same token on every replica.
 """
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ from typing import Sequence
 
 import numpy as np
 
+from pyhlo.ops.collectives import all_gather
 from pyhlo.ops.elementwise import (
+    add,
     bitcast_convert,
     compare,
     constant,
@@ -26,8 +32,8 @@ from pyhlo.ops.elementwise import (
     subtract,
 )
 from pyhlo.ops.nn import expand
-from pyhlo.ops.reductions import argmax, cumsum, reduce_max, reduce_sum
-from pyhlo.ops.shape_ops import get_tuple_element, iota, slice_along
+from pyhlo.ops.reductions import argmax, cumsum, highest_value, reduce_max, reduce_min, reduce_sum
+from pyhlo.ops.shape_ops import concatenate, get_tuple_element, iota, reshape, slice_along
 from pyhlo.scribe import HloValue
 
 RNG_ALGORITHM = "RNG_THREE_FRY"
@@ -148,3 +154,63 @@ def sample(logits: HloValue, top_k: HloValue, top_p: HloValue, temperature: HloV
     chosen = minimum(chosen, subtract(kept, 1))
     rank = iota(scribe, "s32", dims, 1)
     return _pick(ids, rank, chosen), new_state
+
+
+def best_candidate(values: HloValue, ids: HloValue) -> HloValue:
+    """s32[b]: the id of the largest of candidates f32[b, n] whose token ids are ids s32[b, n];
+    ties go to the smallest id (greedy() over candidates that carry their own ids)."""
+    best = reduce_max(values, 1)
+    hit = compare(values, expand(best, values.dims, 1), "EQ")
+    return reduce_min(select(hit, ids, highest_value("s32")), 1)
+
+
+def gather_candidates(values: HloValue, ids: HloValue,
+                      replica_groups: Sequence[Sequence[int]]) -> tuple[HloValue, HloValue]:
+    """(values f32[b, g * k], ids s32[b, g * k]): the candidates values f32[b, k] with token ids
+    s32[b, k] of the g replicas of the group, replica by replica, on every one of them.
+
+    One all-gather carries both: the values' bits beside the ids.
+    """
+    if values.dtype != "f32" or ids.dtype != "s32" or values.dims != ids.dims:
+        raise ValueError(f"gather_candidates: f32 values and s32 ids of one shape, got {values.shape!r}, "
+                         f"{ids.shape!r}")
+    b, k = values.dims
+    both = all_gather(concatenate([bitcast_convert(values, "s32"), ids], 1), 1, replica_groups)
+    g = both.dims[1] // (2 * k)
+    both = reshape(both, (b, g, 2, k))
+
+    def part(i: int) -> HloValue:
+        return reshape(slice_along(both, 2, i, i + 1), (b, g * k))
+
+    return bitcast_convert(part(0), "f32"), part(1)
+
+
+def greedy_sharded(logits: HloValue, first_id: HloValue, replica_groups: Sequence[Sequence[int]]) -> HloValue:
+    """s32[b]: greedy() of logits split by columns over the replicas of a group.
+
+    This replica holds logits f32[b, w] of token ids first_id .. first_id + w - 1 (s32
+    scalar). Each replica's best logit and its id are gathered ([b, g] each, not the
+    logits); every replica returns the same tokens, ties to the smallest id.
+    """
+    b = logits.dims[0]
+    best = reshape(reduce_max(logits, 1), (b, 1))
+    ids = reshape(add(argmax(logits, 1), first_id), (b, 1))
+    return best_candidate(*gather_candidates(best, ids, replica_groups))
+
+
+def sample_sharded(logits: HloValue, first_id: HloValue, k_per_line: HloValue, top_p: HloValue,
+                   temperature: HloValue, state: HloValue, k_max: int,
+                   replica_groups: Sequence[Sequence[int]]) -> tuple[HloValue, HloValue]:
+    """(tokens s32[b], new state): sample() of logits split by columns over the replicas of a group
+    (held as in greedy_sharded).
+
+    Each replica's top min(k_max, w) logits and their ids are gathered. The k_max largest
+    logits of the vocabulary are among them, so the draw over the gathered candidates, with
+    the same state on every replica, is sample()'s over the whole vocabulary, and every
+    replica draws the same token.
+    """
+    b, width = logits.dims
+    values, columns = top_k(convert(logits, "f32"), min(k_max, width))
+    values, ids = gather_candidates(values, add(columns, first_id), replica_groups)
+    chosen, new_state = sample(values, k_per_line, top_p, temperature, state, k_max)
+    return _pick(ids, iota(logits.scribe, "s32", ids.dims, 1), chosen), new_state
