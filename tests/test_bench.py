@@ -95,6 +95,32 @@ def test_bf16_slower_than_f32_is_noted():
     assert any("3.00x slower in bf16" in n for n in notes)
 
 
+def test_s8_rows_are_compared_at_their_own_precision():
+    # pyhlo s8 against llama.cpp's Q8_0 row, never against an f32 row.
+    rows = [_row("pyhlo", "s8", 1, 90.0, 40.0), _row("llamacpp", "s8", 1, 60.0, 20.0),
+            _row("llamacpp", "f32", 1, 45.0, 20.0)]
+    bench_report.add_comparisons(rows)
+    assert rows[0]["vs"] == {"llamacpp": 1.5}
+    assert rows[1]["vs"] == {}
+    table = bench_report.results_table(rows)
+    assert "| pyhlo | s8 | 1 |" in table and "1.50×" in table
+
+
+def test_s8_slower_than_f32_is_noted():
+    rows = [_row("hf", "f32", 1, 30.0, 50.0), _row("hf", "s8", 1, 10.0, 50.0)]
+    notes = bench.notes_for(rows, {"new_tokens": 128})
+    assert any("3.00x slower in s8" in n for n in notes)
+
+
+def test_report_says_what_s8_means_when_it_ran():
+    report = {"workload": {"model": "m", "prompt_tokens": 4, "new_tokens": 2, "n_positions": 8, "repeats": 1,
+                           "threads": 1, "amps": ["s8"]},
+              "machine": {}, "results": [_row("pyhlo", "s8", 1, 90.0, 40.0)]}
+    assert bench_report.AMP_NOTES["s8"] in bench_report.report_markdown(report)
+    report["workload"]["amps"] = ["f32"]
+    assert bench_report.AMP_NOTES["s8"] not in bench_report.report_markdown(report)
+
+
 def test_disagreeing_tokens_are_noted():
     rows = []
     for batch, same in ((1, 128), (4, 7)):
@@ -116,6 +142,129 @@ def test_permute_rope_rows_undoes_the_loaders_unpermute():
     assert np.array_equal(bench_peers.permute_rope_rows(unpermute_rope_rows(weight, 6), 6), weight)
 
 
+def test_weight_bytes_count_int8_layers_and_f32_scales(tiny_llama):
+    # Tiny Llama: hidden 64, MLP 160, vocabulary 320, 2 layers, separate LM head.
+    _, path = tiny_llama("mha", "safetensors")
+    linears = 3 * 64 * 64 + 64 * 64 + 2 * 160 * 64 + 64 * 160  # q|k|v, o, gate|up, down
+    rows = 3 * 64 + 64 + 2 * 160 + 64  # one scale per output row
+    norms, head = 2 * 64, 320 * 64  # per layer; the LM head (the embedding table is read by row)
+    f32 = 2 * 4 * (linears + norms) + 4 * (64 + head)
+    s8 = 2 * (linears + 4 * rows + 4 * norms) + 4 * (64 + head)
+    assert bench.weight_bytes(path, "f32", 256) == f32
+    assert bench.weight_bytes(path, "bf16", 256) == f32 // 2
+    assert bench.weight_bytes(path, "s8", 256) == s8
+
+
+def write_source_gguf(model, path):
+    """A tiny HF Llama as llama.cpp's converter lays it out (F32, q and k rows in llama.cpp's
+    order), with a toy SentencePiece vocabulary so that llama.cpp can load it."""
+    import gguf
+
+    from decoders.checkpoints.gguf import LLAMA
+
+    config = model.config
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, config.vocab_size)])
+    writer.add_token_scores([0.0] * config.vocab_size)
+    writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+                           + [gguf.TokenType.NORMAL] * (config.vocab_size - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    globals_ = {hf: name for name, hf in LLAMA.global_tensors.items()}
+    blocks = {hf: name for name, hf in LLAMA.block_tensors.items()}
+    for hf_name, tensor in model.state_dict().items():
+        base, suffix = hf_name.rsplit(".", 1)
+        weight = tensor.float().numpy()
+        if base.startswith("model.layers."):
+            _, _, layer, inner = base.split(".", 3)
+            name = f"blk.{layer}.{blocks[inner]}"
+            if blocks[inner] in LLAMA.rope_permuted:
+                weight = bench_peers.permute_rope_rows(weight, getattr(config, LLAMA.rope_permuted[blocks[inner]]))
+        else:
+            name = globals_[base]
+        writer.add_tensor(f"{name}.{suffix}", weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_q8_0(tiny_llama, tmp_path_factory):
+    """(source GGUF, its Q8_0 copy for llama.cpp)."""
+    model, _ = tiny_llama("mha", "safetensors")
+    directory = tmp_path_factory.mktemp("q8_0")
+    source = write_source_gguf(model, directory / "tiny.gguf")
+    return source, bench_peers.peer_gguf(source, "s8", directory / "cache")
+
+
+def test_q8_0_gguf_quantizes_the_layer_matrices_only(tiny_q8_0):
+    import gguf
+
+    source, target = tiny_q8_0
+    assert target.name.endswith(".q8_0.gguf")
+    assert bench_peers.peer_gguf(source, "s8", target.parent) == target  # cached
+    reader = gguf.GGUFReader(target)
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    layer_matrices = {n for n in kinds if n.startswith("blk.") and not n.endswith("norm.weight")}
+    assert len(layer_matrices) == 2 * 7 and all(kinds[n] == "Q8_0" for n in layer_matrices)
+    # As pyhlo keeps them: embedding and LM head f32; norms f32 as llama.cpp's converter keeps them.
+    assert all(kinds[n] == "F32" for n in set(kinds) - layer_matrices)
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+
+
+def test_q8_0_gguf_holds_the_source_weights(tiny_q8_0):
+    from decoders.checkpoints import open_checkpoint
+
+    source, target = tiny_q8_0
+    with open_checkpoint(source) as dense, open_checkpoint(target) as quantized:
+        assert sorted(quantized.names()) == sorted(dense.names())
+        for name in dense.names():
+            want, got = dense.get(name), quantized.get(name)
+            if ".layers." not in name or want.ndim == 1:
+                assert np.array_equal(got, want), name
+                continue
+            # Q8_0: blocks of 32 along a row, each value within half a step (amax / 127), plus
+            # what rounding the step to f16 costs at the ends of the range (127 * 2**-11 steps).
+            blocks = want.reshape(-1, 32)
+            step = np.abs(blocks).max(axis=1, keepdims=True) / 127
+            assert np.all(np.abs(got.reshape(-1, 32) - blocks) <= (0.5 + 127 * 2**-11) * step + 1e-7), name
+
+
+def test_llama_cpp_runs_the_q8_0_gguf(tiny_q8_0):
+    if bench_peers.llamacpp_available():
+        pytest.skip(bench_peers.llamacpp_available())
+    _, target = tiny_q8_0
+    runner = bench_peers.LlamaCppRunner(str(target), "s8", batch=2, threads=2, n_positions=64, prompt_tokens=5)
+    try:
+        record = runner.generate([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]], new_tokens=4)
+    finally:
+        runner.close()
+    assert [len(line) for line in record["tokens"]] == [4, 4]
+
+
+def test_hf_s8_quantizes_the_layers_not_the_lm_head(tiny_llama):
+    import torch
+
+    _, path = tiny_llama("mha", "safetensors")
+    runner = bench_peers.HFRunner(str(path), "s8", batch=1, threads=1)
+    assert "14 Linear modules" in runner.info["quantized"]  # q, k, v, o, gate, up, down in 2 layers
+    assert type(runner.model.lm_head) is torch.nn.Linear
+    assert len(runner.generate([[5, 6, 7]], new_tokens=3)["tokens"][0]) == 3
+
+
 def test_a_workers_peak_rss_is_its_own():
     # Linux hands a parent's ru_maxrss to its children across fork and exec; VmHWM is per process.
     import subprocess
@@ -134,8 +283,11 @@ def test_bandwidth_probe_reports_a_positive_rate():
 
 def test_options_are_checked():
     parser = bench_parser()
-    with pytest.raises(ValueError, match="--amp"):
+    with pytest.raises(ValueError, match="--amp 'f64' is not one of f32, bf16, s8"):
         bench.resolve_settings(parser.parse_args(["--amp", "f64"]))
+    with pytest.raises(ValueError, match="--amp 's4'"):
+        bench.resolve_settings(parser.parse_args(["--amp", "s8,s4"]))
+    assert bench.resolve_settings(parser.parse_args(["--amp", "s8, f32"]))["amps"] == ["s8", "f32"]
     with pytest.raises(ValueError, match="n-positions"):
         bench.resolve_settings(parser.parse_args(["--prompt-tokens", "200", "--n-positions", "256"]))
     quick = bench.resolve_settings(parser.parse_args(["--quick", "--repeats", "2"]))

@@ -20,8 +20,15 @@ it); the best measurement counts, as other processes only ever lower it. Before 
 measured generation the bench waits for the CPUs to be idle (--quiet-wait), repeats a
 generation (at most twice) when other processes took over 10% of the CPUs meanwhile, and
 reports how much CPU they took. llama.cpp (llama-cpp-python) is used when it can be
-imported; it reads F32/BF16 GGUF files written from our dequantized weights and cached
-next to the model.
+imported; it reads F32, BF16 or Q8_0 GGUF files written from our dequantized weights and
+cached next to the model.
+
+Precisions (--amp): f32 and bf16 run every weight in that type. s8 is int8 weights for the
+linear products inside the decoder layers, in f32 models: pyhlo with
+NeuronConfig(quant=QuantizationConfig(quant_dtype="s8")) (one scale per row), llama.cpp on a
+Q8_0 GGUF of the same weights (one scale per 32 values), HF transformers with PyTorch's
+dynamic int8 quantization (torch.ao.quantization.quantize_dynamic) of the layers' Linear
+modules. Embeddings, LM head and norms stay f32 in all three.
 
 Results: a markdown table on stdout, and DIR/bench.json, DIR/bench.md, DIR/bench.png
 (worker logs in DIR/logs/).
@@ -30,6 +37,7 @@ examples:
   pyhlo bench                                  # everything, SmolLM2-135M-Instruct
   pyhlo bench --quick                          # a smoke run with tiny settings
   pyhlo bench --engines pyhlo,hf --amp bf16 --batch 1 --repeats 5 --no-compile-times
+  pyhlo bench --amp s8,f32 --batch 1                # int8 weights beside f32
 """
 from __future__ import annotations
 
@@ -54,7 +62,7 @@ import numpy as np
 from tools import bench_peers, bench_report
 
 ENGINES = ("pyhlo", "hf", "llamacpp")
-AMPS = ("f32", "bf16")
+AMPS = ("f32", "bf16", "s8")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULTS = dict(amp="f32,bf16", batch="1,4", prompt_tokens=128, new_tokens=128, repeats=3, n_positions=1024,
                 bandwidth_mb=512)
@@ -81,7 +89,8 @@ PROMPT_TEXT = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--engines", help="comma-separated, from pyhlo,hf,llamacpp (default: all available)")
-    parser.add_argument("--amp", help=f"comma-separated precisions, from f32,bf16 (default {DEFAULTS['amp']})")
+    parser.add_argument("--amp", help="comma-separated precisions, from f32,bf16,s8; s8: int8 weights in the "
+                                      f"decoder layers, the rest f32 (default {DEFAULTS['amp']})")
     parser.add_argument("--batch", help=f"comma-separated batch sizes (default {DEFAULTS['batch']})")
     parser.add_argument("--prompt-tokens", type=int, help=f"prompt length (default {DEFAULTS['prompt_tokens']})")
     parser.add_argument("--new-tokens", type=int, help=f"tokens generated per line (default {DEFAULTS['new_tokens']})")
@@ -222,17 +231,30 @@ def measure_bandwidth(array_mb: int, threads: int, repeats: int = 7) -> dict:
             "probes_gb_per_s": medians, "array_mb": array_mb, "threads": threads}
 
 
-def weight_bytes(model_path: pathlib.Path, amp: str) -> int:
-    """Bytes of weights one decode step reads: every tensor once; a separate input embedding
-    is left out (a step reads one row of it), a tied one is the LM head and stays in."""
-    from decoders.checkpoints import open_checkpoint
+def pyhlo_options(amp: str) -> dict:
+    """from_pretrained() arguments of pyhlo's model at a bench precision."""
+    if amp == "s8":
+        from decoders import NeuronConfig, QuantizationConfig
 
-    size = {"f32": 4, "bf16": 2}[amp]
-    with open_checkpoint(model_path) as checkpoint:
-        total = sum(math.prod(checkpoint.shape(n)) for n in checkpoint.names())
-        if "lm_head.weight" in checkpoint.names():
-            total -= math.prod(checkpoint.shape("model.embed_tokens.weight"))
-    return total * size
+        return {"amp": "f32", "neuron_config": NeuronConfig(quant=QuantizationConfig(quant_dtype="s8"))}
+    return {"amp": amp}
+
+
+def weight_bytes(model_path: pathlib.Path, amp: str, n_positions: int) -> int:
+    """Bytes of weights one decode step reads, from the parameters pyhlo declares at `amp`
+    (each in the element type it is stored in: int8 and f32 scales for s8): every layer's
+    once per layer, the shared ones once. Embedding tables are left out (a step reads one row
+    of each); a tied LM head is a linear weight and stays in."""
+    from decoders import NeuronAutoModelForCausalLM
+    from decoders.blocks.params import Kind
+    from pyhlo.dtypes import byte_size
+
+    model = NeuronAutoModelForCausalLM.from_pretrained(model_path, n_positions=n_positions, **pyhlo_options(amp))
+    builder = model.session.builder
+    declared = [(p, builder.decoder.n_layers) for p in builder.layer_params()]
+    declared += [(p, 1) for p in builder.shared_params()]
+    return sum(math.prod(spec.dims) * byte_size(spec.dtype) * n
+               for p, n in declared if p.kind is not Kind.TABLE for spec in [builder.spec(p)])
 
 
 def make_prompts(model_path: pathlib.Path, batch: int, length: int) -> list[list[int]]:
@@ -399,13 +421,16 @@ class PyhloRunner:
     def __init__(self, model_path: str, amp: str, batch: int, n_positions: int, **_: Any):
         from decoders import NeuronAutoModelForCausalLM
 
+        options = pyhlo_options(amp)
         self.model = NeuronAutoModelForCausalLM.from_pretrained(model_path, batch_size=batch,
-                                                                n_positions=n_positions, amp=amp)
+                                                                n_positions=n_positions, **options)
         self.model.to_neuron()
         programs = self.model.programs
         self.info = {"programs": len(self.model.eager_programs()), "cache_hits": programs.cache_hits,
                      "compiler_calls": programs.compiler_calls,
                      "token_buckets": self.model.token_buckets, "context_buckets": self.model.context_buckets}
+        if "neuron_config" in options:
+            self.info["quant"] = options["neuron_config"].quant.to_dict()
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> dict:
         streamer = bench_peers.TimingStreamer()
@@ -629,15 +654,16 @@ def notes_for(results: list[dict], settings: dict) -> list[str]:
         else:
             notes.append(f"{label} f32 batch {batch}: only {same} leading greedy tokens equal pyhlo's "
                          f"(expected >= {need}); are the weights the same?")
+    fewer_bytes = {"bf16": "half the weight bytes", "s8": "int8 layer weights"}
     for (engine, amp, batch), row in by_key.items():
         f32 = by_key.get((engine, "f32", batch))
-        if amp == "bf16" and f32 is not None:
+        if amp in fewer_bytes and f32 is not None:
             fast = bench_report.median_of(f32["decode_tokens_per_s"])
             slow = bench_report.median_of(row["decode_tokens_per_s"])
             if fast and slow and slow < 0.9 * fast:
-                notes.append(f"{bench_report.ENGINE_LABELS.get(engine, engine)} batch {batch}: bf16 decodes at "
-                             f"{slow:.1f} tok/s, f32 at {fast:.1f} tok/s ({fast / slow:.2f}x slower in bf16, "
-                             "although bf16 reads half the weight bytes)")
+                notes.append(f"{bench_report.ENGINE_LABELS.get(engine, engine)} batch {batch}: {amp} decodes at "
+                             f"{slow:.1f} tok/s, f32 at {fast:.1f} tok/s ({fast / slow:.2f}x slower in {amp}, "
+                             f"although it reads {fewer_bytes[amp]})")
     for row in results:
         if row.get("disturbed_samples"):
             notes.append(f"{bench_report.ENGINE_LABELS.get(row['engine'], row['engine'])} {row['amp']} batch "
@@ -692,8 +718,8 @@ def run(args: argparse.Namespace) -> int:
     for amp in settings["amps"]:
         model_files = {"pyhlo": model_path, "hf": model_path}
         if "llamacpp" in engines and "llamacpp" not in unavailable:
-            print(f"dense {amp} GGUF for llama.cpp ...", file=sys.stderr)
-            model_files["llamacpp"] = bench_peers.dense_gguf(model_path, amp)
+            print(f"{bench_peers.GGUF_KINDS[amp][0]} GGUF for llama.cpp ...", file=sys.stderr)
+            model_files["llamacpp"] = bench_peers.peer_gguf(model_path, amp)
         for batch in settings["batches"]:
             runnable = [e for e in engines if e not in unavailable]
             load.start()
@@ -711,7 +737,7 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = dict(max(probes, key=lambda b: b["gb_per_s"]), all_probes_gb_per_s=[b["gb_per_s"] for b in probes])
     roofline = {}
     for amp in settings["amps"]:
-        size = weight_bytes(model_path, amp)
+        size = weight_bytes(model_path, amp, settings["n_positions"])
         least = bench_report.roofline_ms(size, bandwidth["gb_per_s"] * 1e9)
         roofline[amp] = {"weight_bytes": size, "min_ms_per_step": least, "max_tokens_per_s_batch1": 1e3 / least}
     for row in results:

@@ -4,10 +4,15 @@ A runner loads a model for one precision and batch size, then `generate(prompts,
 produces exactly `new_tokens` greedy tokens per line (EOS ignored) and returns when each
 token appeared, so that every engine is timed the same way.
 
-llama.cpp reads GGUF only, and quantized weights would not be the weights the other engines
-run. `dense_gguf` writes the dequantized tensors of the source GGUF (read through our own
-checkpoint loader) as an F32 or BF16 GGUF, metadata and tokenizer copied, and keeps it in the
-model cache.
+llama.cpp reads GGUF only, and the source's quantized weights would not be the weights the
+other engines run. `peer_gguf` writes the dequantized tensors of the source GGUF (read
+through our own checkpoint loader) as an F32 or BF16 GGUF, or for int8 weights (amp "s8") a
+Q8_0 one, metadata and tokenizer copied, and keeps it in the model cache.
+
+Int8 weights, side by side: pyhlo stores each layer's linear weights as int8 with one f32
+scale per row; llama.cpp runs the same matrices as Q8_0 (int8 with one f16 scale per 32
+values); HF transformers runs PyTorch's dynamic int8 quantization of the layers' Linear
+modules. The embeddings, the LM head and the norms stay f32 in all three.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-AMP_TO_TORCH = {"f32": "float32", "bf16": "bfloat16"}
+# Element type of the unquantized weights; "s8" is int8 weights over an f32 model.
+AMP_TO_TORCH = {"f32": "float32", "bf16": "bfloat16", "s8": "float32"}
 
 
 class TimingStreamer:
@@ -74,6 +80,8 @@ class HFRunner:
         self.info = {"transformers": transformers.__version__, "torch": torch.__version__,
                      "dtype": str(dtype), "attn_implementation": model.config._attn_implementation,
                      "threads": torch.get_num_threads()}
+        if amp == "s8":
+            self.info["quantized"] = quantize_layers_dynamic(model)
 
     def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict:
         from transformers import GenerationConfig
@@ -93,6 +101,27 @@ class HFRunner:
         if len(new[0]) != new_tokens:
             raise RuntimeError(f"HF generate() made {len(new[0])} tokens, asked for {new_tokens}")
         return generation_record(started, streamer.token_times(started), finished, new)
+
+
+def quantize_layers_dynamic(model: Any) -> str:
+    """PyTorch's CPU int8 path on the decoder layers' Linear modules, in place: int8 weights
+    (one scale per output row, as pyhlo's), activations quantized per product at run time.
+    The LM head stays f32, as pyhlo's does. Returns what was done, for the report."""
+    import warnings
+
+    import torch
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    layers = model.get_decoder().layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
+        quantize_dynamic(layers, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
+                         inplace=True)
+    quantized = sum(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in layers.modules())
+    if not quantized:
+        raise RuntimeError("torch.ao.quantization.quantize_dynamic left no quantized Linear in the decoder layers")
+    return (f"torch.ao.quantization.quantize_dynamic: {quantized} Linear modules of the decoder layers, "
+            f"qint8 per-channel weights, engine {torch.backends.quantized.engine}")
 
 
 # -- llama.cpp -----------------------------------------------------------------------
@@ -194,7 +223,7 @@ def _silent_log():
     return _LOG_CALLBACK[0]
 
 
-# -- dense GGUF files for llama.cpp ----------------------------------------------------
+# -- GGUF files for llama.cpp -----------------------------------------------------------
 def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's row order of a q or k projection: the inverse of
     decoders.checkpoints.gguf.unpermute_rope_rows (HF pairs rows i and i + head_dim/2 of a
@@ -204,28 +233,33 @@ def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return by_head.swapaxes(1, 2).reshape(weight.shape)
 
 
-def dense_gguf_path(source: pathlib.Path, amp: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """Where the dense copy of `source` lives: keyed by the source's path, size and mtime."""
+# amp -> (GGML type of the matrices llama.cpp runs, GGUF file type)
+GGUF_KINDS = {"f32": ("F32", "ALL_F32"), "bf16": ("BF16", "MOSTLY_BF16"), "s8": ("Q8_0", "MOSTLY_Q8_0")}
+
+
+def peer_gguf_path(source: pathlib.Path, amp: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """Where llama.cpp's copy of `source` for `amp` lives: keyed by the source's path, size and mtime."""
     if cache_dir is None:
         from decoders.checkpoints.default_model import default_cache_dir
 
         cache_dir = default_cache_dir() / "dense"
     stat = source.stat()
     key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir / f"{source.stem}-{key}.{amp}.gguf"
+    return cache_dir / f"{source.stem}-{key}.{_gguf_kind(amp)[0].lower()}.gguf"
 
 
-def dense_gguf(source: str | os.PathLike, amp: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """An F32 or BF16 GGUF of the source's weights as our loader dequantizes them (cached)."""
+def peer_gguf(source: str | os.PathLike, amp: str, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """A GGUF of the source's weights as our loader dequantizes them, for llama.cpp at `amp`
+    (F32, BF16, or Q8_0 layer matrices for "s8"); written once, then found in the cache."""
     source = pathlib.Path(source)
-    target = dense_gguf_path(source, amp, cache_dir)
+    target = peer_gguf_path(source, amp, cache_dir)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     os.close(fd)
     try:
-        write_dense_gguf(source, pathlib.Path(partial), amp)
+        write_peer_gguf(source, pathlib.Path(partial), amp)
         os.replace(partial, target)
     except BaseException:
         pathlib.Path(partial).unlink(missing_ok=True)
@@ -233,16 +267,38 @@ def dense_gguf(source: str | os.PathLike, amp: str, cache_dir: pathlib.Path | No
     return target
 
 
-def write_dense_gguf(source: pathlib.Path, target: pathlib.Path, amp: str) -> None:
+def _gguf_kind(amp: str) -> tuple[str, str]:
+    if amp not in GGUF_KINDS:
+        raise ValueError(f"no GGUF for llama.cpp at amp {amp!r}; choose from {', '.join(GGUF_KINDS)}")
+    return GGUF_KINDS[amp]
+
+
+def stored_kind(gguf_name: str, shape: tuple[int, ...], amp: str):
+    """The GGML type a tensor is written in for `amp`.
+
+    f32: everything F32. bf16: every matrix BF16. s8: the matrices inside the blocks (the
+    layers' linear weights, which pyhlo stores int8) Q8_0, the token embedding / LM head F32
+    as pyhlo keeps them. Norms and other vectors stay F32, as llama.cpp's converter keeps
+    them, and so does a matrix whose rows do not split into whole Q8_0 blocks.
+    """
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[_gguf_kind(amp)[0]]
+    if len(shape) < 2 or kind == gguf.GGMLQuantizationType.F32:
+        return gguf.GGMLQuantizationType.F32
+    if kind == gguf.GGMLQuantizationType.Q8_0:
+        block = gguf.GGML_QUANT_SIZES[kind][0]
+        if not gguf_name.startswith("blk.") or shape[-1] % block:
+            return gguf.GGMLQuantizationType.F32
+    return kind
+
+
+def write_peer_gguf(source: pathlib.Path, target: pathlib.Path, amp: str) -> None:
     import gguf
 
     from decoders.checkpoints.gguf import ARCHITECTURES, GGUFCheckpoint
 
-    kinds = {"f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
-             "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16)}
-    if amp not in kinds:
-        raise ValueError(f"no dense GGUF for amp {amp!r}; choose from {', '.join(kinds)}")
-    kind, file_type = kinds[amp]
+    file_type = gguf.LlamaFileType[_gguf_kind(amp)[1]]
     reader = gguf.GGUFReader(source)
     arch_name = reader.fields["general.architecture"].contents()
     arch = ARCHITECTURES[arch_name]
@@ -255,6 +311,8 @@ def write_dense_gguf(source: pathlib.Path, target: pathlib.Path, amp: str) -> No
         sub_type = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub_type)
     writer.add_file_type(file_type)
+    if file_type == gguf.LlamaFileType.MOSTLY_Q8_0:
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     checkpoint = GGUFCheckpoint(source)
     config = checkpoint.config
@@ -269,10 +327,11 @@ def write_dense_gguf(source: pathlib.Path, target: pathlib.Path, amp: str) -> No
         array = checkpoint.get(hf_name)  # float32, HF row order
         if heads_key is not None:
             array = permute_rope_rows(array, config[heads_key])
-        if array.ndim >= 2 and kind != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(tensor.name, gguf.quants.quantize(array, kind), raw_dtype=kind)
-        else:  # norms stay F32, as llama.cpp's converter keeps them
+        kind = stored_kind(tensor.name, array.shape, amp)
+        if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor.name, np.ascontiguousarray(array, dtype=np.float32))
+        else:  # bytes of whole blocks per row; the writer reads the logical shape back from them
+            writer.add_tensor(tensor.name, gguf.quants.quantize(array, kind), raw_dtype=kind)
     checkpoint.close()
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

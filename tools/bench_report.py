@@ -3,7 +3,7 @@
 Everything here is pure (no timing, no models), so it is tested on made-up numbers.
 A result row is a dict with these keys (JSON schema `pyhlo-bench/1`):
 
-    engine, amp, batch, status ("ok" | "unavailable" | "error"), error,
+    engine, amp ("f32" | "bf16" | "s8"), batch, status ("ok" | "unavailable" | "error"), error,
     ttft_ms, decode_tokens_per_s, ms_per_step     summaries: {median, min, max, n, samples}
     load_s, compile_cold_s, compile_warm_s, peak_rss_mb, cold_peak_rss_mb, rss_mb
     roofline_fraction, vs ({peer: decode ratio}), ttft_vs ({peer: TTFT ratio}),
@@ -27,6 +27,14 @@ TABLE_COLUMNS = (
 )
 BUCKET_COLUMNS = ("amp", "batch", "bucket", "steps", "ms/step", "vs largest bucket")
 COMPILE_COLUMNS = ("amp", "batch", "cold to_neuron s", "warm to_neuron s", "cold peak RSS MB")
+# What a precision means for each engine, where the name alone does not say it.
+AMP_NOTES = {
+    "s8": "s8: int8 weights for the decoder layers' linear products, embeddings, LM head and norms f32 "
+          "(pyhlo: one f32 scale per row; llama.cpp: Q8_0, one f16 scale per 32 values; HF transformers: "
+          "torch dynamic int8 quantization of the layers' Linear modules, activations quantized per product); "
+          "vs compares engines at the same precision. The three round differently (llama.cpp and torch quantize "
+          "the activations too), so their greedy tokens part from pyhlo's sooner than in f32.",
+}
 
 
 # -- statistics ------------------------------------------------------------------
@@ -244,6 +252,9 @@ def report_markdown(report: dict) -> str:
         "",
         results_table(report["results"]),
     ]
+    for amp in w.get("amps", []):
+        if amp in AMP_NOTES:
+            out += ["", AMP_NOTES[amp]]
     compiled = compile_table(report["results"])
     if compiled:
         out += ["", "## to_neuron() time (from_pretrained + to_neuron)", "",
