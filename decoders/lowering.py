@@ -195,6 +195,11 @@ def _quantized(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _last_quantized[1], _last_quantized[2]
 
 
+def release_quantized() -> None:
+    """Drop the last quantized weight (loading is done: nothing will ask for it again)."""
+    _last_quantized.clear()
+
+
 def preferred_weight_layout(dtype: str, batch_size: int) -> str:
     """The weight layout whose matrix-vector products stream fastest on XLA:CPU's own dot:
     f32 [in, out] at every batch size; bf16 and f16 at batch 1 only [out, in]."""

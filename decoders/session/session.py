@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from decoders.blocks.params import read
+from decoders.lowering import release_quantized
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder, layer_prefix
 from decoders.programs.compiled import ProgramSet
@@ -134,6 +135,7 @@ class Session:
             {p.name: place(p, i) for p in declared}
             for i in tqdm(range(n_layers), total=n_layers, desc="loading weights", unit="layer", disable=None)
         ]
+        release_quantized()
         cache = self.builder.cache_spec("cache")
         self.kv_cache = KVCache(self.placement, n_layers, cache.dims, cache.dtype)
         # Weights never change once placed: named for the unrolled program once, not every step.
