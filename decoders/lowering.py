@@ -26,7 +26,7 @@ import numpy as np
 from decoders import sharding
 from decoders.blocks.params import Kind, Param, Shard
 from decoders.config import GQA, NeuronConfig
-from decoders.quantization import QuantizationConfig, quantize_per_channel
+from decoders.quantization import QuantizationConfig, QuantizedWeight, quantize_per_channel
 from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.attention import decode_attention_kernel
@@ -88,12 +88,21 @@ class XlaLowering:
             return tuple(reversed(shape))
         return shape
 
-    def arrange(self, param: Param, array: np.ndarray, rank: int = 0) -> np.ndarray:
-        """Replica `rank`'s part of a checkpoint array in the program's layout and element type
-        (a quantized weight and its scales are both arranged from the weight's array)."""
+    @staticmethod
+    def prepare(param: Param, array: np.ndarray) -> np.ndarray | QuantizedWeight:
+        """What arrange() takes each replica's part of: the checkpoint array, or for a quantized
+        weight and for its scales, the weight quantized (once for both and every replica)."""
         if param.quantized or param.scale_of:
-            values, scales = _quantized(array)
-            array = values if param.quantized else scales
+            return QuantizedWeight(*quantize_per_channel(array))
+        return array
+
+    def arrange(self, param: Param, array: np.ndarray | QuantizedWeight, rank: int = 0) -> np.ndarray:
+        """Replica `rank`'s part of a checkpoint array (or of what prepare() made of it) in the
+        program's layout and element type."""
+        if param.quantized or param.scale_of:
+            if not isinstance(array, QuantizedWeight):
+                array = self.prepare(param, array)
+            array = array.values if param.quantized else array.scales
         array = sharding.shard(param, array, self.tp_degree, rank, self.kv_split)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
             array = array.T
@@ -181,23 +190,6 @@ class CpuKernelLowering(XlaLowering):
 def _scaled(product: HloValue, scale: HloValue) -> HloValue:
     """product [..., out] times the per-row scales [out] of the weight that made it."""
     return ew.multiply(product, expand_last(ew.convert(scale, product.dtype), product.dims))
-
-
-# The last weight quantized, with its int8 values and scales: a weight's values and its scales
-# are arranged one after the other from the same array, which is kept here so that its
-# identity cannot be reused while cached.
-_last_quantized: list = []
-
-
-def _quantized(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if not _last_quantized or _last_quantized[0] is not array:
-        _last_quantized[:] = [array, *quantize_per_channel(array)]
-    return _last_quantized[1], _last_quantized[2]
-
-
-def release_quantized() -> None:
-    """Drop the last quantized weight (loading is done: nothing will ask for it again)."""
-    _last_quantized.clear()
 
 
 def preferred_weight_layout(dtype: str, batch_size: int) -> str:

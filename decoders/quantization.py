@@ -12,6 +12,7 @@ A product computes (x @ q.T) * scale: XLA converts q to `dequant_dtype` inside t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,6 +69,13 @@ class QuantizationConfig:
         return {"quant_dtype": self.quant_dtype, "dequant_dtype": self.dequant_dtype,
                 "quantize_method": self.quantize_method, "quantize_attn": self.quantize_attn,
                 "no_quantize_list": list(self.no_quantize_list)}
+
+
+class QuantizedWeight(NamedTuple):
+    """A linear weight [out, in] as int8 values and f32 per-row scales."""
+
+    values: np.ndarray
+    scales: np.ndarray
 
 
 def declare(params: list[Param], config: QuantizationConfig) -> list[Param]:

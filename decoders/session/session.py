@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from decoders.blocks.params import read
-from decoders.lowering import release_quantized
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder, layer_prefix
 from decoders.programs.compiled import ProgramSet
@@ -115,18 +114,18 @@ class Session:
                 name, dtype = preshards.tensor_name(param.name, layer), numpy_dtype(spec.dtype)
                 return self.placement.put_parts(lambda rank: files[rank].read(name, dtype, spec.dims))
         else:
-            last_read: dict = {}
+            last: dict = {}
 
             def place(param, layer):
-                # Read once, then each kept replica's part, made as it is placed: no process
-                # holds replica-sized copies of the whole weight, nor parts it does not keep.
-                # A quantized weight's scales come from the array just read for its values.
-                if param.scale_of and last_read.get("key") == (param.scale_of, layer):
-                    array = last_read["array"]
+                # Read (and quantized) once, then each kept replica's part, made as it is placed:
+                # no process holds replica-sized copies of the whole weight, nor parts it does
+                # not keep. A quantized weight's scales come from the weight just quantized.
+                if param.scale_of and last.get("key") == (param.scale_of, layer):
+                    prepared = last["prepared"]
                 else:
-                    array = read(param, checkpoint, layer)
-                last_read.update(key=(param.name, layer), array=array)
-                return self.placement.put_parts(lambda rank: lowering.arrange(param, array, rank))
+                    prepared = lowering.prepare(param, read(param, checkpoint, layer))
+                last.update(key=(param.name, layer), prepared=prepared)
+                return self.placement.put_parts(lambda rank: lowering.arrange(param, prepared, rank))
 
         self.shared = {p.name: place(p, None) for p in self.builder.shared_params()}
         declared = self.builder.layer_params()
@@ -135,7 +134,6 @@ class Session:
             {p.name: place(p, i) for p in declared}
             for i in tqdm(range(n_layers), total=n_layers, desc="loading weights", unit="layer", disable=None)
         ]
-        release_quantized()
         cache = self.builder.cache_spec("cache")
         self.kv_cache = KVCache(self.placement, n_layers, cache.dims, cache.dtype)
         # Weights never change once placed: named for the unrolled program once, not every step.
