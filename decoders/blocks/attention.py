@@ -261,7 +261,7 @@ class Attention:
         replicas combine their parts, and each keeps its own query heads' outputs."""
         tp, length = self.tp_degree, cache_k.dims[2]
         q = all_gather(q, 1, parallel.group(tp))
-        first = ew.multiply(parallel.rank(q), length)
+        first = parallel.block_start(q.scribe, length)
         cache_k = parallel.write_stretch(cache_k, k, step.slot, first)
         cache_v = parallel.write_stretch(cache_v, v, step.slot, first)
         bias = self._alibi(step, first, length) if isinstance(self.positions, Alibi) else None
@@ -275,7 +275,7 @@ class Attention:
         b, n, _ = projected.dims
         everything = all_gather(projected, 2, parallel.group(self.tp_degree))
         group = self.total_heads // self.total_kv_heads
-        first = ew.divide(ew.multiply(parallel.rank(projected), self.n_heads), group)
+        first = ew.divide(parallel.block_start(projected.scribe, self.n_heads), group)
         return dynamic_slice(everything, [0, 0, ew.multiply(first, self.head_dim)], [b, n, self.kv_size])
 
     def _project(self, values: PieceValues, x: HloValue) -> tuple[HloValue, HloValue, HloValue]:

@@ -10,17 +10,17 @@ When the LM head is the token table in the same element type, the model keeps on
 (`Head.params` declares it; the embedding reads its rows, or its columns in [in, out]).
 
 Under tensor parallelism the head is split by vocabulary rows and its logits stay split:
-replica r returns the logits of its block of rows, r * w .. r * w + w - 1 (`first_row`).
+replica r returns the logits of its block of rows, r * w .. r * w + w - 1 (parallel.block_start).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from decoders.blocks import parallel
 from decoders.blocks.norm import Norm
 from decoders.blocks.params import Kind, Param, Shard, Source
 from decoders.blocks.values import PieceValues
 from pyhlo.ops import elementwise as ew
-from pyhlo.ops.collectives import replica_id
 from pyhlo.ops.shape_ops import concatenate, dynamic_slice, iota, reshape, transpose
 from pyhlo.scribe import HloValue
 
@@ -93,11 +93,6 @@ def _rows(table: HloValue, ids: HloValue, width: int) -> HloValue:
     return shape[b, n, width].Gather(table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[1, width])
 
 
-def first_row(scribe, rows: int) -> HloValue:
-    """s32: the first vocabulary row of this replica's block when each holds `rows` of them."""
-    return ew.multiply(ew.convert(replica_id(scribe), "s32"), rows)
-
-
 @dataclass(frozen=True)
 class Head:
     """Final norm (None: none, as OPT-350m) and LM head. `weight` is the checkpoint name (or
@@ -152,6 +147,6 @@ class Head:
         width = logits.dims[1]
         if width * values.lowering.tp_degree > self.vocab_size:
             # A zero padding row's logit 0 would beat negative real ones: it can never be chosen.
-            ids = ew.add(iota(logits.scribe, "s32", logits.dims, 1), first_row(logits.scribe, width))
+            ids = ew.add(iota(logits.scribe, "s32", logits.dims, 1), parallel.block_start(logits.scribe, width))
             logits = ew.select(ew.compare(ids, self.vocab_size, "LT"), logits, float("-inf"))
         return logits

@@ -9,22 +9,28 @@ from __future__ import annotations
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.collectives import all_gather, replica_id
 from pyhlo.ops.shape_ops import broadcast, dynamic_slice, iota, pad
-from pyhlo.scribe import HloValue
+from pyhlo.scribe import HloValue, Scribe
 
 
 def group(tp: int) -> list[list[int]]:
     return [list(range(tp))]
 
 
-def rank(x: HloValue) -> HloValue:
+def rank(scribe: Scribe) -> HloValue:
     """This replica's number as s32."""
-    return ew.convert(replica_id(x.scribe), "s32")
+    return ew.convert(replica_id(scribe), "s32")
+
+
+def block_start(scribe: Scribe, size: int) -> HloValue:
+    """s32: where this replica's block starts when each replica holds `size` of something
+    (rows of the vocabulary, cache slots): rank * size."""
+    return ew.multiply(rank(scribe), size)
 
 
 def own_block(x: HloValue, dim: int, size: int) -> HloValue:
     """Block `rank` of `size` along `dim`: x[..., rank * size : (rank + 1) * size, ...]."""
     starts: list = [0] * len(x.dims)
-    starts[dim] = ew.multiply(rank(x), size)
+    starts[dim] = block_start(x.scribe, size)
     sizes = list(x.dims)
     sizes[dim] = size
     return dynamic_slice(x, starts, sizes)

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decoders import quantization, sharding
-from decoders.blocks.embedding import HEAD_WEIGHT, first_row
+from decoders.blocks import parallel
+from decoders.blocks.embedding import HEAD_WEIGHT
 from decoders.blocks.layer import Decoder
 from decoders.blocks.params import Param
 from decoders.blocks.step import Step
@@ -218,7 +219,7 @@ class ProgramBuilder:
             if self.tp_degree == 1:
                 tokens = sampling.greedy(logits)
             else:
-                tokens = sampling.greedy_sharded(logits, first_row(logits.scribe, v), self.lowering.replica_groups)
+                tokens = sampling.greedy_sharded(logits, parallel.block_start(logits.scribe, v), self.lowering.replica_groups)
             return {"tokens": reshape(tokens, (b, 1))}
 
         return _program("greedy", [ParamSpec("logits", "f32", (b, v))], ["tokens"], body)
@@ -234,7 +235,7 @@ class ProgramBuilder:
             if self.tp_degree == 1:
                 tokens, state = sampling.sample(logits, *settings, k_max=k_max)
             else:
-                tokens, state = sampling.sample_sharded(logits, first_row(logits.scribe, v), *settings, k_max=k_max,
+                tokens, state = sampling.sample_sharded(logits, parallel.block_start(logits.scribe, v), *settings, k_max=k_max,
                                                         replica_groups=self.lowering.replica_groups)
             state.set_alias_to(p["rng_state"])
             return {"tokens": reshape(tokens, (b, 1)), "rng_state": state}
