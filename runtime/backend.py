@@ -98,7 +98,7 @@ class Executable:
         # Every replica's device (several processes: some are other processes'), and the
         # replicas this process runs; `devices` are those replicas' devices.
         self.replica_devices = backend.replica_devices(num_replicas)
-        self.local_replicas = [r for r, d in enumerate(self.replica_devices) if pjrt.is_local(d)]
+        self.local_replicas = backend.local_replicas(num_replicas)
         self.devices = [self.replica_devices[r] for r in self.local_replicas]
         self._numpy_dtypes = [
             dtypes.numpy_dtype(p.dtype) if p.dtype in dtypes.ELEMENT_TYPES else None for p in info.parameters

@@ -44,18 +44,12 @@ class Placement:
 
     def put(self, array: Any) -> Any:
         """`array` on the device, or on every replica (of this process)."""
-        if self.replicas == 1:
-            return self.backend.to_device(array)
-        return Replicas(self.backend.to_device(array, replica=r) if mine else None
-                        for r, mine in enumerate(self._is_local))
+        return self.put_parts(lambda r: array)
 
     def put_each(self, arrays: Sequence[Any]) -> Any:
         """arrays[r] on replica r (one replica: arrays[0] on the device); other processes'
         entries are not read."""
-        if self.replicas == 1:
-            return self.backend.to_device(arrays[0])
-        return Replicas(self.backend.to_device(arrays[r], replica=r) if mine else None
-                        for r, mine in enumerate(self._is_local))
+        return self.put_parts(lambda r: arrays[r])
 
     def put_parts(self, part: Callable[[int], Any]) -> Any:
         """part(r) on replica r, made and placed one replica at a time, for this process's
