@@ -157,48 +157,11 @@ def test_weight_bytes_count_int8_layers_and_f32_scales(tiny_llama):
 
 def write_source_gguf(model, path):
     """A tiny HF Llama as llama.cpp's converter lays it out (F32, q and k rows in llama.cpp's
-    order), with a toy SentencePiece vocabulary so that llama.cpp can load it."""
-    import gguf
+    order), with a toy vocabulary so that llama.cpp can load it."""
+    from test_families_mistral_qwen2_mixtral import write_gguf
 
-    from decoders.checkpoints.gguf import LLAMA
-
-    config = model.config
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, config.vocab_size)])
-    writer.add_token_scores([0.0] * config.vocab_size)
-    writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-                           + [gguf.TokenType.NORMAL] * (config.vocab_size - 3))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    globals_ = {hf: name for name, hf in LLAMA.global_tensors.items()}
-    blocks = {hf: name for name, hf in LLAMA.block_tensors.items()}
-    for hf_name, tensor in model.state_dict().items():
-        base, suffix = hf_name.rsplit(".", 1)
-        weight = tensor.float().numpy()
-        if base.startswith("model.layers."):
-            _, _, layer, inner = base.split(".", 3)
-            name = f"blk.{layer}.{blocks[inner]}"
-            if blocks[inner] in LLAMA.rope_permuted:
-                weight = bench_peers.permute_rope_rows(weight, getattr(config, LLAMA.rope_permuted[blocks[inner]]))
-        else:
-            name = globals_[base]
-        writer.add_tensor(f"{name}.{suffix}", weight)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    state = {name: tensor.float().numpy() for name, tensor in model.state_dict().items()}
+    return write_gguf(path, model, state, "llama", vocabulary=True)
 
 
 @pytest.fixture(scope="module")

@@ -149,9 +149,12 @@ BLOCK_NAMES = {**GGUF_NAMES, "block_sparse_moe.gate": "ffn_gate_inp"}
 STACKED = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
-def write_gguf(path, hf, state: dict[str, np.ndarray], arch: str, expert_metadata: bool = True):
+def write_gguf(path, hf, state: dict[str, np.ndarray], arch: str, expert_metadata: bool = True,
+               vocabulary: bool = False):
     """`state` (HF names) as llama.cpp's converter writes it: "llama" files with q and k rows
-    permuted for its rotary kernel, experts stacked [n_expert, ...]; "qwen2" files as they are."""
+    permuted for its rotary kernel, experts stacked [n_expert, ...]; "qwen2" files as they are.
+    `vocabulary`: with a toy SentencePiece vocabulary (<unk>, <s>, </s>, then t3, t4, ...),
+    so that llama.cpp itself can load the file."""
     config = hf.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -163,6 +166,15 @@ def write_gguf(path, hf, state: dict[str, np.ndarray], arch: str, expert_metadat
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
+    if vocabulary:
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, config.vocab_size)])
+        writer.add_token_scores([0.0] * config.vocab_size)
+        writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+                               + [gguf.TokenType.NORMAL] * (config.vocab_size - 3))
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
     if getattr(config, "num_local_experts", None) and expert_metadata:
         writer.add_expert_count(config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
