@@ -129,6 +129,10 @@ class NeuronConfig:
     group_query_attention: GQA | str | None = None
     # Weight quantization: a decoders.QuantizationConfig (int8 per-channel), or None.
     quant: Any = None
+    # GGUF weights stored Q8_0, Q4_0 or Q4_1 run in their blocks as stored (dequantized in the
+    # product). None: where they can (tp_degree 1, no `quant`); True: insist; False: widen
+    # them to the amp type at load.
+    gguf_blocks: bool | None = None
     on_device_generation: GenerationConfig | None = None
     padding_side: str = "right"
     output_all_logits: bool = False
@@ -183,6 +187,11 @@ class NeuronConfig:
         if self.whole_model_program not in (None, True, False):
             raise ValueError(f"NeuronConfig.whole_model_program must be None, True or False, "
                              f"got {self.whole_model_program!r}")
+        if self.gguf_blocks not in (None, True, False):
+            raise ValueError(f"NeuronConfig.gguf_blocks must be None, True or False, got {self.gguf_blocks!r}")
+        if self.gguf_blocks and self.quant is not None:
+            raise ValueError("NeuronConfig.gguf_blocks=True keeps a GGUF file's own quantization; it cannot be "
+                             "combined with quant (drop one of them)")
         if self.cpu_kernels not in (None, True, False):
             raise ValueError(f"NeuronConfig.cpu_kernels must be None, True or False, got {self.cpu_kernels!r}")
         if self.extra:

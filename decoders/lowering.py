@@ -17,6 +17,7 @@ argmax across vocabulary shards), reading each parameter's declared `Shard`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -26,13 +27,22 @@ import numpy as np
 from decoders import sharding
 from decoders.blocks.params import Kind, Param, Shard
 from decoders.config import GQA, NeuronConfig
-from decoders.quantization import QuantizationConfig, QuantizedWeight, quantize_per_channel
+from decoders.quantization import (
+    BLOCK_FORMS,
+    BlockWeight,
+    QuantizationConfig,
+    QuantizedWeight,
+    quantize_per_channel,
+    stored_dims,
+    stored_dtype,
+)
 from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.attention import decode_attention_kernel
 from pyhlo.ops.collectives import all_reduce_sum
-from pyhlo.ops.linalg import matmul, matmul_transposed, matvec_kernel
+from pyhlo.ops.linalg import matmul, matmul_transposed, matvec_blocks_kernel, matvec_kernel
 from pyhlo.ops.nn import expand_last
+from pyhlo.ops.quantized import dequantize_blocks
 from pyhlo.scribe import HloValue
 
 log = logging.getLogger("pyhlo")
@@ -41,7 +51,7 @@ log = logging.getLogger("pyhlo")
 # weights and the kernel, reading them once for all rows, beats XLA's dot; beyond it
 # XLA's matrix-matrix dot is faster (measured on a [49152, 576] head: f32 1.5x faster
 # at 1 row, 1.5x at 4, slower at 8; bf16 20x at 1 row, 2.7x at 2, 1.5x at 4).
-MATVEC_KERNEL_MAX_ROWS = {"f32": 4, "bf16": 4, "s8": 8}
+MATVEC_KERNEL_MAX_ROWS = {"f32": 4, "bf16": 4, "s8": 8, "blocks": 8}
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,9 @@ class XlaLowering:
     # Weight quantization (NeuronConfig.quant): the layers' linear weights stored int8 with
     # per-row scales (decoders/quantization.py); None: every weight in `dtype`.
     quant: QuantizationConfig | None = None
+    # Weights a GGUF file stores in a block form, run as stored: (parameter name, form) pairs
+    # (decoders/quantization.py; chosen by the model from the file, at tp_degree 1).
+    gguf_blocks: tuple[tuple[str, str], ...] = ()
 
     name = "xla"
 
@@ -77,32 +90,43 @@ class XlaLowering:
 
     # -- parameters ---------------------------------------------------------------
     def param_dtype(self, param: Param) -> str:
-        if param.quantized or param.scale_of:
-            return "s8" if param.quantized else "f32"
-        return self.head_dtype if param.is_head else self.dtype
+        return stored_dtype(param) or (self.head_dtype if param.is_head else self.dtype)
 
     def param_dims(self, param: Param) -> tuple[int, ...]:
         """One device's part of the parameter, in the program's layout."""
+        if param.quant in BLOCK_FORMS:
+            return stored_dims(param)            # as the file stores them, on one device
         shape = sharding.local_shape(param, self.tp_degree, self.kv_split)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
             return tuple(reversed(shape))
         return shape
 
+    @functools.cached_property
+    def block_forms(self) -> dict[str, str]:
+        """The GGUF block form of each weight that runs in one, by parameter name."""
+        return dict(self.gguf_blocks)
+
     @staticmethod
-    def prepare(param: Param, array: np.ndarray) -> np.ndarray | QuantizedWeight:
-        """What arrange() takes each replica's part of: the checkpoint array, or for a quantized
-        weight and for its scales, the weight quantized (once for both and every replica)."""
-        if param.quantized or param.scale_of:
+    def prepare(param: Param, array: np.ndarray | BlockWeight) -> np.ndarray | QuantizedWeight | BlockWeight:
+        """What arrange() takes each replica's part of: the checkpoint array (a GGUF block
+        weight's blocks), or for an int8 weight and its scales, the weight quantized (once for
+        both and every replica)."""
+        if param.quant == "s8":
             return QuantizedWeight(*quantize_per_channel(array))
         return array
 
-    def arrange(self, param: Param, array: np.ndarray | QuantizedWeight, rank: int = 0) -> np.ndarray:
+    def arrange(self, param: Param, array: np.ndarray | QuantizedWeight | BlockWeight, rank: int = 0) -> np.ndarray:
         """Replica `rank`'s part of a checkpoint array (or of what prepare() made of it) in the
         program's layout and element type."""
-        if param.quantized or param.scale_of:
+        if param.quant in BLOCK_FORMS:
+            part = array.values
+            if param.part_of:
+                part = array.mins if param.name.endswith(".min") else array.scales
+            return np.ascontiguousarray(part)
+        if param.quant == "s8":
             if not isinstance(array, QuantizedWeight):
                 array = self.prepare(param, array)
-            array = array.values if param.quantized else array.scales
+            array = array.scales if param.part_of else array.values
         array = sharding.shard(param, array, self.tp_degree, rank, self.kv_split)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
             array = array.T
@@ -121,11 +145,18 @@ class XlaLowering:
 
     # -- products and attention ----------------------------------------------------
     def linear(self, x: HloValue, weight: HloValue, param: Param, bias: HloValue | None = None,
-               out_dtype: str | None = None, scale: HloValue | None = None) -> HloValue:
+               out_dtype: str | None = None, scale: HloValue | None = None,
+               mins: HloValue | None = None) -> HloValue:
         """x @ weight (+ bias). bf16/f16 products accumulate into f32 (XLA:CPU's fast form
         for them, and the accurate one), then return to `out_dtype` or x's type. An int8
         weight is converted to the amp type inside the program and the product multiplied by
-        its per-row `scale`."""
+        its per-row `scale`; a GGUF block weight is widened with its block `scale` (and
+        `mins`) to the amp type, [out, in] whatever the layout."""
+        if param.name in self.block_forms:
+            widened = dequantize_blocks(weight, scale, mins, self.dtype)
+            accumulate = "f32" if self.dtype != "f32" else None
+            product = matmul_transposed(ew.convert(x, self.dtype), widened, out_dtype=out_dtype or accumulate)
+            return self._finish(product, param, bias, out_dtype or x.dtype)
         if weight.dtype == "s8":
             weight = ew.convert(weight, self.dtype)
         accumulate = "f32" if weight.dtype != "f32" or scale is not None else None
@@ -171,11 +202,17 @@ class CpuKernelLowering(XlaLowering):
                              f"{self.weight_layout!r} and {self.dtype}/{self.head_dtype}")
 
     def linear(self, x: HloValue, weight: HloValue, param: Param, bias: HloValue | None = None,
-               out_dtype: str | None = None, scale: HloValue | None = None) -> HloValue:
-        if int(np.prod(x.dims[:-1])) <= MATVEC_KERNEL_MAX_ROWS[weight.dtype]:
+               out_dtype: str | None = None, scale: HloValue | None = None,
+               mins: HloValue | None = None) -> HloValue:
+        rows = int(np.prod(x.dims[:-1]))
+        if param.name in self.block_forms:
+            if rows <= MATVEC_KERNEL_MAX_ROWS["blocks"]:
+                product = matvec_blocks_kernel(ew.convert(x, "f32"), weight, scale, mins)
+                return self._finish(product, param, bias, out_dtype or x.dtype)
+        elif rows <= MATVEC_KERNEL_MAX_ROWS[weight.dtype]:
             product = matvec_kernel(ew.convert(x, "f32"), weight, scale)
             return self._finish(product, param, bias, out_dtype or x.dtype)
-        return super().linear(x, weight, param, bias, out_dtype, scale)
+        return super().linear(x, weight, param, bias, out_dtype, scale, mins)
 
     def decode_attention(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, slot: HloValue,
                          pad: HloValue, scale: float) -> HloValue | None:
@@ -215,7 +252,7 @@ def _cpu_kernel_obstacles(neuron_config: NeuronConfig, backend: Any, dtype: str)
 
 
 def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch_size: int,
-                    tp_degree: int = 1) -> XlaLowering:
+                    tp_degree: int = 1, gguf_blocks: tuple[tuple[str, str], ...] = ()) -> XlaLowering:
     """The lowering for this backend and configuration.
 
     NeuronConfig.cpu_kernels None (the default) uses pyhlo's CPU kernels where they can run:
@@ -234,8 +271,8 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
             return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole,
                                      tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
                                      shard_over_sequence=neuron_config.shard_over_sequence,
-                                     quant=neuron_config.quant)
+                                     quant=neuron_config.quant, gguf_blocks=gguf_blocks)
     layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
     return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), tp_degree=tp_degree,
                        gqa=neuron_config.group_query_attention, shard_over_sequence=neuron_config.shard_over_sequence,
-                       quant=neuron_config.quant)
+                       quant=neuron_config.quant, gguf_blocks=gguf_blocks)

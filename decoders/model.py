@@ -24,6 +24,7 @@ from decoders.lowering import XlaLowering, choose_lowering
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder
 from decoders.programs.keys import ProgramKey
+from decoders.quantization import gguf_block_forms
 from decoders.session.generation import Generation, sampler_bound
 from decoders.session.inputs import check_sampling, parse_prompts, per_line
 from decoders.session.session import Session
@@ -64,7 +65,8 @@ class DecoderForSampling:
             from runtime import get_backend
 
             backend = get_backend()
-        lowering = choose_lowering(self.neuron_config, backend, self.dtype, batch_size, tp_degree)
+        lowering = choose_lowering(self.neuron_config, backend, self.dtype, batch_size, tp_degree,
+                                   self._gguf_blocks(tp_degree))
         builder = ProgramBuilder(self.decoder, batch_size, self.n_positions, lowering)
         builder.check_sharding()                 # heads or rows that do not split fail here, naming the fix
         self.session = Session(builder, backend, self.token_buckets, self.context_buckets,
@@ -95,6 +97,21 @@ class DecoderForSampling:
                 f"{type(self).__name__} runs {', '.join(self.family.model_types)} checkpoints; "
                 f"{self.checkpoint_path} is model_type {model_type!r}"
             )
+
+    def _gguf_blocks(self, tp_degree: int) -> tuple[tuple[str, str], ...]:
+        """The weights that run in the GGUF file's own blocks (NeuronConfig.gguf_blocks)."""
+        wanted = self.neuron_config.gguf_blocks
+        if wanted is False or (wanted is None and (tp_degree > 1 or self.neuron_config.quant is not None)):
+            return ()
+        if tp_degree > 1:
+            raise ValueError("NeuronConfig.gguf_blocks=True runs at tp_degree 1 only (blocks are not split over "
+                             "devices yet); use gguf_blocks=None to widen them at load under tensor parallelism")
+        forms = gguf_block_forms(self.checkpoint, self.decoder.layer.params(), self.decoder.head.params(),
+                                 self.decoder.n_layers)
+        if wanted and not forms:
+            raise ValueError(f"NeuronConfig.gguf_blocks=True, but {self.checkpoint_path} stores no linear weight "
+                             "in Q8_0, Q4_0 or Q4_1 blocks")
+        return tuple(sorted(forms.items()))
 
     def _check_position_table(self) -> None:
         """A learned position table must hold every position a sequence can reach."""

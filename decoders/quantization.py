@@ -8,9 +8,15 @@ routers included; not the embedding or the LM head) is stored as int8 [out, in] 
 f32 scale per output row, symmetric: w ~= scale[o] * q[o, i], scale[o] = max_i |w[o, i]| / 127.
 A product computes (x @ q.T) * scale: XLA converts q to `dequant_dtype` inside the program
 (plain HLO, any backend), pyhlo's CPU kernel widens it in registers.
+
+GGUF files keep their own forms (BLOCK_FORMS): llama.cpp's Q8_0, Q4_0 and Q4_1 store each row
+in blocks of 32 values with an f16 scale per block (and for Q4_1 an f16 minimum). A model
+loaded from such a file runs them as stored (`BlockWeight`: the same bits, the values, scales
+and minimums as three arrays), dequantized inside the program or pyhlo's CPU kernel.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -18,9 +24,14 @@ import numpy as np
 
 from decoders.blocks.params import Kind, Param, Shard
 
+log = logging.getLogger("pyhlo")
+
 # transformers-neuronx calls per-output-channel symmetric scaling "vector_dynamic".
 METHODS = ("vector_dynamic", "per_channel_symmetric")
 QUANT_DTYPES = ("s8",)
+# GGUF block forms run as stored: the values' element type and how many values a byte holds.
+BLOCK_FORMS = {"q8_0": ("s8", 1), "q4_0": ("u8", 2), "q4_1": ("u8", 2)}
+BLOCK = 32
 
 
 @dataclass
@@ -78,20 +89,74 @@ class QuantizedWeight(NamedTuple):
     scales: np.ndarray
 
 
-def declare(params: list[Param], config: QuantizationConfig) -> list[Param]:
-    """A layer's parameters with each linear weight `config` quantizes stored int8, followed by
-    its scales (NAME.scale, f32 [out]: split with the weight's rows, whole beside a weight
-    split by columns)."""
+class BlockWeight(NamedTuple):
+    """A linear weight [out, in] in a GGUF block form: `values` s8 [out, in] (q8_0) or u8
+    [out, in/2] (q4_0, q4_1: byte j of a block's 16 holds value j in its low nibble and
+    value j+16 in its high one), `scales` f16 [out, in/32], `mins` f16 [out, in/32] (q4_1)."""
+
+    form: str
+    values: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None = None
+
+
+def declare(params: list[Param], config: QuantizationConfig | None, blocks: dict[str, str] | None = None
+            ) -> list[Param]:
+    """Parameters with each linear weight stored quantized, followed by the arrays that
+    belong to it (NAME.scale, NAME.min): in the GGUF block form `blocks` names for it, else,
+    for a layer weight `config` quantizes, int8 with its f32 scales [out] (split with the
+    weight's rows, whole beside a weight split by columns)."""
     declared = []
     for param in params:
-        if param.kind is not Kind.LINEAR or param.is_head or not config.quantizes(param.name):
+        form = (blocks or {}).get(param.name)
+        if form is not None:
+            weight = replace(param, quant=form)
+            width = param.shape[1] // BLOCK
+            declared += [weight, replace(weight, name=f"{param.name}.scale", kind=Kind.TABLE,
+                                         shape=(param.shape[0], width), part_of=param.name)]
+            if form == "q4_1":
+                declared.append(replace(weight, name=f"{param.name}.min", kind=Kind.TABLE,
+                                        shape=(param.shape[0], width), part_of=param.name))
+            continue
+        if config is None or param.kind is not Kind.LINEAR or param.is_head or not config.quantizes(param.name):
             declared.append(param)
             continue
+        weight = replace(param, quant="s8")
         shard = Shard.REPLICATED if param.shard is Shard.ROW else param.shard
-        declared += [replace(param, quantized=True),
-                     replace(param, name=f"{param.name}.scale", kind=Kind.VECTOR, shape=param.shape[:1], shard=shard,
-                             scale_of=param.name)]
+        declared += [weight, replace(weight, name=f"{param.name}.scale", kind=Kind.VECTOR, shape=param.shape[:1],
+                                     shard=shard, part_of=param.name)]
     return declared
+
+
+def stored_dims(param: Param) -> tuple[int, ...]:
+    """The dims of a parameter as stored: a GGUF block weight's values are [out, in / values
+    per byte]; anything else, its logical shape."""
+    if param.quant in BLOCK_FORMS and not param.part_of:
+        return (param.shape[0], param.shape[1] // BLOCK_FORMS[param.quant][1])
+    return param.shape
+
+
+def stored_dtype(param: Param) -> str | None:
+    """The element type of a quantized weight or one of its arrays; None: not quantized."""
+    if param.quant is None:
+        return None
+    if param.quant == "s8":
+        return "f32" if param.part_of else "s8"
+    return "f16" if param.part_of else BLOCK_FORMS[param.quant][0]
+
+
+def dequantize_blocks(weight: BlockWeight) -> np.ndarray:
+    """The f32 weight [out, in] a BlockWeight stands for (numpy; what the programs compute)."""
+    rows = weight.values.shape[0]
+    scales = weight.scales.astype(np.float32)[:, :, None]
+    if weight.form == "q8_0":
+        values = weight.values.astype(np.float32).reshape(rows, -1, BLOCK)
+        return (scales * values).reshape(rows, -1)
+    packed = weight.values.reshape(rows, -1, BLOCK // 2)
+    nibbles = np.concatenate([packed & 0xF, packed >> 4], axis=2).astype(np.float32)
+    if weight.form == "q4_0":
+        return (scales * (nibbles - 8)).reshape(rows, -1)
+    return (scales * nibbles + weight.mins.astype(np.float32)[:, :, None]).reshape(rows, -1)
 
 
 def quantize_per_channel(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,3 +174,25 @@ def quantize_per_channel(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """f32 weight scale[:, None] * q: what the programs multiply by."""
     return scale[:, None].astype(np.float32) * q.astype(np.float32)
+
+
+def gguf_block_forms(checkpoint, layer_params: list[Param], head_params: list[Param], n_layers: int
+                     ) -> dict[str, str]:
+    """The linear weights `checkpoint` stores in one GGUF block form in every layer (and the LM
+    head), by parameter name: those run as stored. Logs the quantized ones that are widened at
+    load instead (other GGML types, or a form that differs between layers)."""
+    forms, widened = {}, set()
+    for param, layers in [(p, range(n_layers)) for p in layer_params] + [(p, [None]) for p in head_params]:
+        if param.kind is not Kind.LINEAR:
+            continue
+        names = [name for layer in layers for name in param.source.resolve(layer, checkpoint.__contains__)]
+        found = {checkpoint.block_form(name) for name in names if name in checkpoint}
+        if len(found) == 1 and None not in found and not param.source.transforms and param.shape[1] % BLOCK == 0:
+            forms[param.name] = found.pop()
+            continue
+        types = {checkpoint.quant_type(name) for name in names if name in checkpoint}
+        widened |= {t for t in types if t not in (None, "F32", "F16", "BF16")} | ({"mixed"} if len(found) > 1 else set())
+    if widened:
+        log.info("GGUF weights stored %s are widened at load; Q8_0, Q4_0 and Q4_1 run as stored",
+                 ", ".join(sorted(widened)))
+    return forms

@@ -2,7 +2,8 @@
 
     from runtime import cpu_kernels
     if cpu_kernels.register():          # builds once, then registers with XLA:CPU
-        ...emit custom-calls "pyhlo_matvec", "pyhlo_matvec_s8", "pyhlo_decode_attention" in CPU programs...
+        ...emit custom-calls "pyhlo_matvec", "pyhlo_matvec_s8", "pyhlo_matvec_q8_0" (_q4_0, _q4_1),
+        "pyhlo_decode_attention" in CPU programs...
 
 The sources live in runtime/kernels/. They are compiled with the machine's C++ compiler
 (`CXX`, else g++, else c++) against the XLA FFI headers that ship with jaxlib, for this
@@ -26,9 +27,12 @@ import warnings
 MATVEC_TARGET = "pyhlo_matvec"
 MATVEC_S8_TARGET = "pyhlo_matvec_s8"
 DECODE_ATTENTION_TARGET = "pyhlo_decode_attention"
+# GGUF block forms: "q8_0", "q4_0", "q4_1" -> the kernel's target
+MATVEC_BLOCK_TARGETS = {form: f"pyhlo_matvec_{form}" for form in ("q8_0", "q4_0", "q4_1")}
 # custom-call target -> the handler symbol the library exports
 TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
-           DECODE_ATTENTION_TARGET: "PyhloDecodeAttention"}
+           DECODE_ATTENTION_TARGET: "PyhloDecodeAttention",
+           **{target: f"PyhloMatvec{form.capitalize()}" for form, target in MATVEC_BLOCK_TARGETS.items()}}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name for name in ("matvec.cc", "decode_attention.cc")]
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 

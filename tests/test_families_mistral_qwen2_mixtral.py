@@ -150,11 +150,20 @@ STACKED = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 def write_gguf(path, hf, state: dict[str, np.ndarray], arch: str, expert_metadata: bool = True,
-               vocabulary: bool = False):
+               vocabulary: bool = False, weights_type=None):
     """`state` (HF names) as llama.cpp's converter writes it: "llama" files with q and k rows
     permuted for its rotary kernel, experts stacked [n_expert, ...]; "qwen2" files as they are.
     `vocabulary`: with a toy SentencePiece vocabulary (<unk>, <s>, </s>, then t3, t4, ...),
-    so that llama.cpp itself can load the file."""
+    so that llama.cpp itself can load the file. `weights_type`: a GGMLQuantizationType every
+    matrix (not the norms and biases) is quantized to."""
+
+    def add(name: str, array: np.ndarray) -> None:
+        if weights_type is None or array.ndim < 2:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), weights_type),
+                              raw_dtype=weights_type)
+
     config = hf.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -194,9 +203,9 @@ def write_gguf(path, hf, state: dict[str, np.ndarray], arch: str, expert_metadat
             array = llama_cpp_permute(array, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gguf_name:
             array = llama_cpp_permute(array, config.num_key_value_heads)
-        writer.add_tensor(gguf_name, array)
+        add(gguf_name, array)
     for (layer, which), by_expert in experts.items():
-        writer.add_tensor(f"blk.{layer}.{STACKED[which]}.weight", np.stack([by_expert[e] for e in sorted(by_expert)]))
+        add(f"blk.{layer}.{STACKED[which]}.weight", np.stack([by_expert[e] for e in sorted(by_expert)]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -28,7 +28,11 @@ linear products inside the decoder layers, in f32 models: pyhlo with
 NeuronConfig(quant=QuantizationConfig(quant_dtype="s8")) (one scale per row), llama.cpp on a
 Q8_0 GGUF of the same weights (one scale per 32 values), HF transformers with PyTorch's
 dynamic int8 quantization (torch.ao.quantization.quantize_dynamic) of the layers' Linear
-modules. Embeddings, LM head and norms stay f32 in all three.
+modules. Embeddings, LM head and norms stay f32 in all three. gguf is the GGUF model file
+as it is stored (SmolLM2's: Q4_1 layers, Q8_0 embedding and LM head): pyhlo runs its blocks
+as stored (NeuronConfig(gguf_blocks=True)), llama.cpp reads that very file; HF transformers
+widens GGUF weights to f32 at load, so it has no row there. The other precisions widen a
+GGUF's weights at load (gguf_blocks=False) and llama.cpp reads a file written from them.
 
 Results: a markdown table on stdout, and DIR/bench.json, DIR/bench.md, DIR/bench.png
 (worker logs in DIR/logs/).
@@ -62,9 +66,9 @@ import numpy as np
 from tools import bench_peers, bench_report
 
 ENGINES = ("pyhlo", "hf", "llamacpp")
-AMPS = ("f32", "bf16", "s8")
+AMPS = ("f32", "bf16", "s8", "gguf")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULTS = dict(amp="f32,bf16", batch="1,4", prompt_tokens=128, new_tokens=128, repeats=3, n_positions=1024,
+DEFAULTS = dict(amp="f32,bf16,s8,gguf", batch="1,4", prompt_tokens=128, new_tokens=128, repeats=3, n_positions=1024,
                 bandwidth_mb=512)
 QUICK = dict(amp="f32", batch="1", prompt_tokens=16, new_tokens=8, repeats=1, n_positions=256, bandwidth_mb=64)
 BUCKET_PROMPT_TOKENS = 16
@@ -89,8 +93,9 @@ PROMPT_TEXT = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--engines", help="comma-separated, from pyhlo,hf,llamacpp (default: all available)")
-    parser.add_argument("--amp", help="comma-separated precisions, from f32,bf16,s8; s8: int8 weights in the "
-                                      f"decoder layers, the rest f32 (default {DEFAULTS['amp']})")
+    parser.add_argument("--amp", help="comma-separated precisions, from f32,bf16,s8,gguf; s8: int8 weights in the "
+                                      "decoder layers, the rest f32; gguf: a GGUF model's own quantized "
+                                      f"weights as stored (default {DEFAULTS['amp']})")
     parser.add_argument("--batch", help=f"comma-separated batch sizes (default {DEFAULTS['batch']})")
     parser.add_argument("--prompt-tokens", type=int, help=f"prompt length (default {DEFAULTS['prompt_tokens']})")
     parser.add_argument("--new-tokens", type=int, help=f"tokens generated per line (default {DEFAULTS['new_tokens']})")
@@ -233,16 +238,19 @@ def measure_bandwidth(array_mb: int, threads: int, repeats: int = 7) -> dict:
 
 def pyhlo_options(amp: str) -> dict:
     """from_pretrained() arguments of pyhlo's model at a bench precision."""
-    if amp == "s8":
-        from decoders import NeuronConfig, QuantizationConfig
+    from decoders import NeuronConfig, QuantizationConfig
 
+    if amp == "s8":
         return {"amp": "f32", "neuron_config": NeuronConfig(quant=QuantizationConfig(quant_dtype="s8"))}
-    return {"amp": amp}
+    if amp == "gguf":
+        return {"amp": "f32", "neuron_config": NeuronConfig(gguf_blocks=True)}
+    return {"amp": amp, "neuron_config": NeuronConfig(gguf_blocks=False)}
 
 
 def weight_bytes(model_path: pathlib.Path, amp: str, n_positions: int) -> int:
     """Bytes of weights one decode step reads, from the parameters pyhlo declares at `amp`
-    (each in the element type it is stored in: int8 and f32 scales for s8): every layer's
+    (each in the element type it is stored in: int8 and f32 scales for s8, a GGUF's blocks as
+    stored for gguf): every layer's
     once per layer, the shared ones once. Embedding tables are left out (a step reads one row
     of each); a tied LM head is a linear weight and stays in."""
     from decoders import NeuronAutoModelForCausalLM
@@ -254,7 +262,7 @@ def weight_bytes(model_path: pathlib.Path, amp: str, n_positions: int) -> int:
     declared = [(p, builder.decoder.n_layers) for p in builder.layer_params()]
     declared += [(p, 1) for p in builder.shared_params()]
     return sum(math.prod(spec.dims) * byte_size(spec.dtype) * n
-               for p, n in declared if p.kind is not Kind.TABLE for spec in [builder.spec(p)])
+               for p, n in declared if p.kind is not Kind.TABLE or p.part_of for spec in [builder.spec(p)])
 
 
 def make_prompts(model_path: pathlib.Path, batch: int, length: int) -> list[list[int]]:
@@ -717,19 +725,25 @@ def run(args: argparse.Namespace) -> int:
     busy: list[dict] = []
     for amp in settings["amps"]:
         model_files = {"pyhlo": model_path, "hf": model_path}
-        if "llamacpp" in engines and "llamacpp" not in unavailable:
+        missing = dict(unavailable)
+        if amp == "gguf":
+            missing.setdefault("hf", "HF transformers widens GGUF weights to f32 at load: no row as stored")
+            if model_path.suffix != ".gguf":
+                raise ValueError(f"--amp gguf runs a GGUF model's weights as stored; {model_path} is not a .gguf")
+            model_files["llamacpp"] = model_path
+        elif "llamacpp" in engines and "llamacpp" not in unavailable:
             print(f"{bench_peers.GGUF_KINDS[amp][0]} GGUF for llama.cpp ...", file=sys.stderr)
             model_files["llamacpp"] = bench_peers.peer_gguf(model_path, amp)
         for batch in settings["batches"]:
-            runnable = [e for e in engines if e not in unavailable]
+            runnable = [e for e in engines if e not in missing]
             load.start()
             rows, bucket_list = measure_config(model_path, runnable, amp, batch, settings, prompts_all[:batch],
                                                model_files, logs, load)
             busy.append({"amp": amp, "batch": batch, **load.stop()})
             for engine in engines:
-                if engine in unavailable:
+                if engine in missing:
                     rows.append({**new_row(engine, amp, batch), "status": "unavailable",
-                                 "error": unavailable[engine]})
+                                 "error": missing[engine]})
             results += rows
             buckets += bucket_list
             probe_bandwidth()

@@ -34,6 +34,9 @@ AMP_NOTES = {
           "torch dynamic int8 quantization of the layers' Linear modules, activations quantized per product); "
           "vs compares engines at the same precision. The three round differently (llama.cpp and torch quantize "
           "the activations too), so their greedy tokens part from pyhlo's sooner than in f32.",
+    "gguf": "gguf: the GGUF file's own weights as stored (SmolLM2-135M-Instruct.Q4_1.gguf: Q4_1 layer matrices, "
+            "Q8_0 embedding / LM head, f32 norms); pyhlo runs the blocks as stored, dequantized inside its kernels, "
+            "llama.cpp reads the same file (and quantizes the activations to 8 bits for its products).",
 }
 
 

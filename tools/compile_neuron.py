@@ -101,7 +101,7 @@ def open_model(args: argparse.Namespace, backend: NeuronCCBackend) -> Any:
     """The model as the neuronx-cc backend would compile it."""
     from decoders import NeuronAutoModelForCausalLM, NeuronConfig
     from decoders.checkpoints.default_model import default_model_path
-    from tools.model_options import quantization
+    from tools.model_options import weight_options
 
     target = hlo_report.parse_target(args.model)
     if target.kind != "model":
@@ -110,7 +110,7 @@ def open_model(args: argparse.Namespace, backend: NeuronCCBackend) -> Any:
     return NeuronAutoModelForCausalLM.from_pretrained(
         path, batch_size=args.batch_size, n_positions=args.n_positions, tp_degree=args.tp_degree,
         amp=args.amp, context_length_estimate=args.context_length_estimate, backend=backend,
-        neuron_config=NeuronConfig(quant=quantization(args)))
+        neuron_config=NeuronConfig(**weight_options(args)))
 
 
 def dump_programs(model: Any, directory: pathlib.Path, backend: NeuronCCBackend,

@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from tools.model_options import add_quant_argument, quantization
+from tools.model_options import add_quant_argument, weight_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     model = NeuronAutoModelForCausalLM.from_pretrained(path, batch_size=1, n_positions=args.n_positions,
                                                        amp=args.amp,
-                                                       neuron_config=NeuronConfig(quant=quantization(args)))
+                                                       neuron_config=NeuronConfig(**weight_options(args)))
     model.to_neuron()
     tokenizer = model.tokenizer
     ready = time.perf_counter()

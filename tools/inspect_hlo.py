@@ -82,10 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _open_model(target: hlo_report.Target, args: argparse.Namespace):
     from decoders import NeuronAutoModelForCausalLM, NeuronConfig
     from decoders.checkpoints.default_model import default_model_path
-    from tools.model_options import quantization
+    from tools.model_options import weight_options
 
     path = target.path if target.path is not None else default_model_path()
-    config = NeuronConfig(whole_model_program=False if args.per_block else None, quant=quantization(args))
+    config = NeuronConfig(whole_model_program=False if args.per_block else None, **weight_options(args))
     return NeuronAutoModelForCausalLM.from_pretrained(
         path, batch_size=args.batch_size, n_positions=args.n_positions, amp=args.amp,
         context_length_estimate=args.context_length_estimate, neuron_config=config)

@@ -14,16 +14,21 @@ def int_list(value: str) -> list[int]:
 def add_quant_argument(group) -> None:
     group.add_argument("--quant", choices=["s8"],
                        help="store the layers' linear weights quantized: s8 = int8 with one scale per output "
-                            "row (transformers-neuronx's QuantizationConfig(quant_dtype='s8')); default: none")
+                            "row (transformers-neuronx's QuantizationConfig(quant_dtype='s8')); default: none "
+                            "(a GGUF file's Q8_0, Q4_0 and Q4_1 weights still run as stored)")
+    group.add_argument("--widen-gguf", action="store_true",
+                       help="widen a GGUF file's Q8_0, Q4_0 and Q4_1 weights to the --amp type at load instead "
+                            "of running them in their blocks as stored")
 
 
-def quantization(args: argparse.Namespace):
-    """The QuantizationConfig --quant asks for, or None."""
-    if getattr(args, "quant", None) is None:
-        return None
-    from decoders import QuantizationConfig
+def weight_options(args: argparse.Namespace) -> dict:
+    """The NeuronConfig settings --quant and --widen-gguf ask for."""
+    options = {"gguf_blocks": False if getattr(args, "widen_gguf", False) else None}
+    if getattr(args, "quant", None) is not None:
+        from decoders import QuantizationConfig
 
-    return QuantizationConfig(quant_dtype=args.quant)
+        options["quant"] = QuantizationConfig(quant_dtype=args.quant)
+    return options
 
 
 def add_model_arguments(group: argparse._ArgumentGroup) -> None:

@@ -21,6 +21,7 @@ from decoders.blocks.norm import Norm
 from decoders.blocks.params import Kind, Param, Shard, Source
 from decoders.blocks.values import PieceValues
 from pyhlo.ops import elementwise as ew
+from pyhlo.ops.quantized import dequantize_blocks
 from pyhlo.ops.shape_ops import concatenate, dynamic_slice, iota, reshape, transpose
 from pyhlo.scribe import HloValue
 
@@ -66,10 +67,14 @@ class Embedding:
         return declared
 
     def __call__(self, values: PieceValues, table: HloValue, ids: HloValue, positions: HloValue | None,
-                 dtype: str) -> HloValue:
+                 dtype: str, table_scales: HloValue | None = None, table_mins: HloValue | None = None) -> HloValue:
         """Hidden states [b, n, hidden] (dtype) of token ids [b, n]; `table` is the token table
-        [vocab, hidden], or the LM head [hidden, vocab] when it serves as the table."""
-        hidden = ew.convert(_rows(table, ids, self.table_width), dtype)
+        [vocab, hidden], or the LM head [hidden, vocab] when it serves as the table, or the LM
+        head's GGUF block values with their `table_scales` (and `table_mins`)."""
+        if table_scales is None:
+            hidden = ew.convert(_rows(table, ids, self.table_width), dtype)
+        else:
+            hidden = _block_rows(ids, self.table_width, dtype, table, table_scales, table_mins)
         if self.projection is not None:
             hidden = values.linear(hidden, "project")
         if self.positions is not None:
@@ -78,6 +83,14 @@ class Embedding:
         if self.norm is not None:
             hidden = self.norm(values.scoped("norm", self.norm), hidden)
         return hidden
+
+
+def _block_rows(ids: HloValue, width: int, dtype: str, *parts: HloValue | None) -> HloValue:
+    """Rows `ids` [b, n] of a table in GGUF blocks, widened: [b, n, width] in dtype."""
+    b, n = ids.dims
+    rows = [None if part is None else reshape(_rows(part, ids, part.dims[1]), (b * n, part.dims[1]))
+            for part in parts]
+    return reshape(dequantize_blocks(*rows, dtype=dtype), (b, n, width))
 
 
 def _rows(table: HloValue, ids: HloValue, width: int) -> HloValue:

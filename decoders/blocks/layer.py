@@ -86,10 +86,5 @@ class Decoder:
         layer = replace(self.layer, attention=attention)
         return replace(self, layer=layer)
 
-    def shared_params(self, one_table: bool) -> list[Param]:
-        """Parameters outside the layers: the embedding's, the final norm and the LM head.
-        `one_table`: the LM head serves as the token table too (tied, same element type)."""
-        return self.embedding.params(include_tokens=not one_table) + self.head.params()
-
     def token_table(self, one_table: bool) -> str:
         return HEAD_WEIGHT if one_table else TOKENS

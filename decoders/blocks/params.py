@@ -91,11 +91,11 @@ class Param:
     # Attention projections: the parts (indices into segments; (0,) for a lone k or v weight)
     # that hold keys or values, which some GQA strategies hold whole or split by features.
     kv_segments: tuple[int, ...] = ()
-    # Weight quantization (decoders/quantization.py): this linear weight is stored int8
-    # (`quantized`), or this vector holds the per-row scales of the linear weight named
-    # `scale_of`, read from the same checkpoint tensor.
-    quantized: bool = False
-    scale_of: str | None = None
+    # Weight quantization (decoders/quantization.py): the form this linear weight is stored in
+    # ("s8": int8 per-row; a GGUF block form: "q8_0", "q4_0", "q4_1"), or the quantized weight
+    # named `part_of` this array (its scales or minimums) belongs to, read from the same tensor.
+    quant: str | None = None
+    part_of: str | None = None
 
     def __post_init__(self) -> None:
         if self.segments and sum(self.segments) != self.shape[0]:
@@ -137,16 +137,34 @@ def transposed() -> Transform:
 
 
 def read(param: Param, checkpoint, layer: int | None) -> np.ndarray:
-    """The parameter's array, in its logical shape, as stored (f32 for floats); for the scales
-    of a quantized weight (`scale_of`), the weight's array they are computed from."""
+    """The parameter's array, in its logical shape, as stored (f32 for floats); for an array
+    that belongs to a quantized weight (`part_of`), the weight's array it is computed from; for
+    a weight in a GGUF block form (and its arrays), its blocks as the checkpoint stores them."""
     names = param.source.resolve(layer, checkpoint.__contains__)
+    if param.quant not in (None, "s8"):
+        return _read_blocks(param, checkpoint, names)
     parts = [checkpoint.get(name) for name in names]
     array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     for transform in param.source.transforms:
         array = transform(array)
-    if param.scale_of and array.ndim == 2 and array.shape[0] == param.shape[0]:
+    if param.part_of and array.ndim == 2 and array.shape[0] == param.shape[0]:
         return array
     if tuple(array.shape) != param.shape:
         raise ValueError(f"{param.name}: {' + '.join(names)} gives shape {tuple(array.shape)}, "
                          f"expected {param.shape}")
     return array
+
+
+def _read_blocks(param: Param, checkpoint, names: list[str]):
+    """A GGUF block weight's parts concatenated along rows (a fused q|k|v is three tensors)."""
+    from decoders.quantization import BlockWeight
+
+    parts = [checkpoint.blocks(name) for name in names]
+    forms = {part.form for part in parts}
+    if forms != {param.quant} or param.source.transforms:
+        raise ValueError(f"{param.name}: {' + '.join(names)} are stored {sorted(forms)}, declared {param.quant!r}"
+                         + (" with transforms" if param.source.transforms else ""))
+    joined = [np.concatenate(arrays, axis=0) if len(parts) > 1 else arrays[0]
+              for arrays in zip(*(part[1:3] for part in parts))]
+    mins = np.concatenate([p.mins for p in parts], axis=0) if param.quant == "q4_1" else None
+    return BlockWeight(param.quant, *joined, mins)

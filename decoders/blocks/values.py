@@ -39,9 +39,14 @@ class PieceValues:
 
     def linear(self, x: HloValue, name: str, out_dtype: str | None = None) -> HloValue:
         """x @ NAME.weight, plus NAME.bias when the piece declared one, as the lowering does it
-        (an int8 weight with its scales, NAME.weight.scale, when the program quantizes it)."""
+        (a quantized weight with its scales, NAME.weight.scale, and minimums, NAME.weight.min,
+        where its form has them)."""
         param = self._params[self._key(f"{name}.weight")]
         weight = self[f"{name}.weight"]
-        scale = self._values[self._key(f"{name}.weight.scale")] if weight.dtype == "s8" else None
         return self.lowering.linear(x, weight, param, bias=self.get(f"{name}.bias"), out_dtype=out_dtype,
-                                    scale=scale)
+                                    scale=self._part(f"{name}.weight.scale"), mins=self._part(f"{name}.weight.min"))
+
+    def _part(self, name: str) -> HloValue | None:
+        """An array of a quantized weight (declared by the program, not by the piece), if any."""
+        key = self._key(name)
+        return self._values[key] if key in self._values else None

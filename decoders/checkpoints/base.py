@@ -58,6 +58,19 @@ class Checkpoint:
     def tokenizer(self):
         raise NotImplementedError
 
+    def quant_type(self, name: str) -> str | None:
+        """The GGML type a GGUF file stores a tensor in (e.g. "Q4_1"); None for other formats."""
+        return None
+
+    def block_form(self, name: str) -> str | None:
+        """The GGUF block form ("q8_0", "q4_0", "q4_1") a tensor is stored in and can be read
+        as by blocks(); None: it is read as a float array only."""
+        return None
+
+    def blocks(self, name: str):
+        """A tensor in its GGUF block form, as stored (decoders.quantization.BlockWeight)."""
+        raise CheckpointError(f"{self}: {name} is not stored in GGUF blocks")
+
     def chat_template(self) -> str | None:
         return None
 

@@ -29,11 +29,33 @@ class ConvertedGGUF(HFCheckpoint):
     """The converted folder of a GGUF file; tokenizer and chat template still come from the GGUF."""
 
     def __init__(self, folder: pathlib.Path, source: pathlib.Path):
-        super().__init__(folder)
         self.source = source
+        self._source_checkpoint: GGUFCheckpoint | None = None
+        super().__init__(folder)
 
     def tokenizer(self):
-        return load_cached_tokenizer(self.source) or GGUFCheckpoint(self.source).tokenizer()
+        return load_cached_tokenizer(self.source) or self._gguf().tokenizer()
+
+    def _gguf(self) -> GGUFCheckpoint:
+        """The GGUF file itself, opened on first need (its blocks are not in the converted folder)."""
+        if self._source_checkpoint is None:
+            self._source_checkpoint = GGUFCheckpoint(self.source)
+        return self._source_checkpoint
+
+    def quant_type(self, name: str) -> str | None:
+        return self._gguf().quant_type(name)
+
+    def block_form(self, name: str) -> str | None:
+        return self._gguf().block_form(name)
+
+    def blocks(self, name: str):
+        return self._gguf().blocks(name)
+
+    def close(self) -> None:
+        super().close()
+        if self._source_checkpoint is not None:
+            self._source_checkpoint.close()
+            self._source_checkpoint = None
 
     def chat_template(self) -> str | None:
         template = self.path / "chat_template.jinja"

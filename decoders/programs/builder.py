@@ -99,7 +99,8 @@ class ProgramBuilder:
     def one_table(self) -> bool:
         """Tied embeddings stored once: the LM head table also serves as the token table (not
         under tensor parallelism, where the head is split by vocabulary and the table is not)."""
-        return self.decoder.tied and self.lowering.head_dtype == self.dtype and self.tp_degree == 1
+        return (self.decoder.tied and self.tp_degree == 1
+                and (self.lowering.head_dtype == self.dtype or HEAD_WEIGHT in self.lowering.block_forms))
 
     @property
     def vocab_shard(self) -> int:
@@ -119,13 +120,14 @@ class ProgramBuilder:
         return ParamSpec(prefix + param.name, self.lowering.param_dtype(param), self.lowering.param_dims(param))
 
     def layer_params(self) -> list[Param]:
-        declared = self.decoder.layer.params()
-        if self.lowering.quant is not None:
-            declared = quantization.declare(declared, self.lowering.quant)
-        return declared
+        return quantization.declare(self.decoder.layer.params(), self.lowering.quant, self.lowering.block_forms)
+
+    def head_params(self) -> list[Param]:
+        """The final norm's and the LM head's (its weight in a GGUF block form, if the file has it)."""
+        return quantization.declare(self.decoder.head.params(), None, self.lowering.block_forms)
 
     def shared_params(self) -> list[Param]:
-        return self.decoder.shared_params(self.one_table)
+        return self.decoder.embedding.params(include_tokens=not self.one_table) + self.head_params()
 
     def cache_spec(self, name: str) -> ParamSpec:
         """One device's KV cache of one layer."""
@@ -142,15 +144,17 @@ class ProgramBuilder:
         if self.decoder.embedding.positions is not None:
             specs.append(ParamSpec("positions", "s32", (self.batch_size, n_tokens)))
         table = self.decoder.token_table(self.one_table)
-        embedding = [p for p in self.shared_params() if p.name.startswith("embed.") or p.name == table]
+        embedding = [p for p in self.shared_params() if p.name.startswith("embed.") or table in (p.name, p.part_of)]
         return specs + [self.spec(p) for p in embedding]
 
     # -- bodies -------------------------------------------------------------------------
     def _embed(self, p: dict[str, HloValue]) -> HloValue:
         embedding = self.decoder.embedding
         values = PieceValues(p, self.lowering, "embed", embedding.params(include_tokens=not self.one_table))
-        return embedding(values, p[self.decoder.token_table(self.one_table)], p["token_ids"], p.get("positions"),
-                         self.dtype)
+        table = self.decoder.token_table(self.one_table)
+        # The LM head's GGUF blocks as the token table: its scales (and minimums) come along.
+        parts = [p[f"{table}.{part}"] for part in ("scale", "min") if f"{table}.{part}" in p]
+        return embedding(values, p[table], p["token_ids"], p.get("positions"), self.dtype, *parts)
 
     def _layer(self, p: dict[str, HloValue], n_tokens: int, n_attend: int) -> dict[str, HloValue]:
         step = Step(p["positions"], p["slot"], p["pad"], n_tokens, n_attend)
@@ -161,7 +165,7 @@ class ProgramBuilder:
         return {"hidden": hidden, "cache_k": cache_k, "cache_v": cache_v}
 
     def _head(self, p: dict[str, HloValue]) -> HloValue:
-        values = PieceValues(p, self.lowering, "", self.decoder.head.params())
+        values = PieceValues(p, self.lowering, "", self.head_params())
         return self.decoder.head(values, p["hidden"], p["last_index"])
 
     # -- programs ------------------------------------------------------------------------
@@ -180,7 +184,7 @@ class ProgramBuilder:
     def lm_head(self, n_tokens: int) -> Program:
         b = self.batch_size
         specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, self.decoder.head.hidden)),
-                 ParamSpec("last_index", "s32", (b,)), *(self.spec(p) for p in self.decoder.head.params())]
+                 ParamSpec("last_index", "s32", (b,)), *(self.spec(p) for p in self.head_params())]
         return _program(f"lm_head_n{n_tokens}", specs, ["logits"], lambda p: {"logits": self._head(p)})
 
     def model_step(self, n_tokens: int, n_attend: int) -> Program:
@@ -193,7 +197,7 @@ class ProgramBuilder:
         names = {s.name for s in embed}
         specs = [embed[0], *self._step_specs(n_tokens), ParamSpec("last_index", "s32", (b,)),
                  *[s for s in embed[1:] if s.name != "positions"],
-                 *(self.spec(p) for p in self.decoder.head.params() if p.name not in names),
+                 *(self.spec(p) for p in self.head_params() if p.name not in names),
                  *(ParamSpec(layer_prefix(i) + s.name, s.dtype, s.dims) for i in range(d.n_layers) for s in per_layer)]
         outputs = ["logits"] + [f"{layer_prefix(i)}{c}" for i in range(d.n_layers) for c in ("cache_k", "cache_v")]
 

@@ -119,12 +119,12 @@ class Session:
             def place(param, layer):
                 # Read (and quantized) once, then each kept replica's part, made as it is placed:
                 # no process holds replica-sized copies of the whole weight, nor parts it does
-                # not keep. A quantized weight's scales come from the weight just quantized.
-                if param.scale_of and last.get("key") == (param.scale_of, layer):
+                # not keep. A quantized weight's scales (and minimums) come from the weight just read.
+                if param.part_of and last.get("key") == (param.part_of, layer):
                     prepared = last["prepared"]
                 else:
                     prepared = lowering.prepare(param, read(param, checkpoint, layer))
-                last.update(key=(param.name, layer), prepared=prepared)
+                last.update(key=(param.part_of or param.name, layer), prepared=prepared)
                 return self.placement.put_parts(lambda rank: lowering.arrange(param, prepared, rank))
 
         self.shared = {p.name: place(p, None) for p in self.builder.shared_params()}
@@ -148,7 +148,7 @@ class Session:
         lowering = self.lowering
         return {"files": preshards.FILES, "tp_degree": lowering.tp_degree, "kv_split": lowering.kv_split,
                 "quant": lowering.quant.to_dict() if lowering.quant is not None else None,
-                "lowering": lowering.name,
+                "gguf_blocks": [list(pair) for pair in lowering.gguf_blocks], "lowering": lowering.name,
                 "weight_layout": lowering.weight_layout, "dtype": lowering.dtype, "head_dtype": lowering.head_dtype}
 
     def save_weights(self, directory: str | pathlib.Path) -> dict:
@@ -179,8 +179,9 @@ class Session:
         """A ValueError naming what differs when weights saved under `saved` (save_weights()'s
         manifest) are not what this session's programs take."""
         mine = self.weights_manifest()
-        saved = {"kv_split": "heads", "quant": None, **saved}    # saved before these existed
-        for key in ("tp_degree", "kv_split", "quant", "lowering", "weight_layout", "dtype", "head_dtype"):
+        saved = {"kv_split": "heads", "quant": None, "gguf_blocks": [], **saved}    # saved before these existed
+        for key in ("tp_degree", "kv_split", "quant", "gguf_blocks", "lowering", "weight_layout", "dtype",
+                    "head_dtype"):
             if saved.get(key) != mine[key]:
                 raise ValueError(f"{directory}: its presharded weights were saved for {key}={saved.get(key)!r}, "
                                  f"this model has {key}={mine[key]!r}")

@@ -54,3 +54,23 @@ def matvec_kernel(x: HloValue, w: HloValue, scale: HloValue | None = None, targe
     if quantized:
         return ffi_call(shape, [x, w, scale], target or "pyhlo_matvec_s8")
     return ffi_call(shape, [x, w], target or "pyhlo_matvec")
+
+
+def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: HloValue | None = None) -> HloValue:
+    """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] kept in one of llama.cpp's
+    GGUF block forms (pyhlo.ops.quantized has the layout): s8 values [n, k] with f16 scales
+    [n, k/32] are Q8_0; u8 values [n, k/2] with f16 scales are Q4_0, and with f16 `mins` too,
+    Q4_1. Each block is widened to f32 in registers. The kernel must be registered with the
+    backend (runtime.cpu_kernels.register()) before a program using it is compiled."""
+    per_byte = 1 if values.dtype == "s8" else 2
+    k = x.dims[-1] if x.dims else -1
+    if (x.dtype != "f32" or values.dtype not in ("s8", "u8") or len(values.dims) != 2 or k % 32
+            or values.dims[1] * per_byte != k or scales.dtype != "f16" or scales.dims != (values.dims[0], k // 32)
+            or (mins is not None and (values.dtype != "u8" or mins.dtype != "f16" or mins.dims != scales.dims))):
+        got = [f"{v.dtype}{list(v.dims)}" for v in (x, values, scales, mins) if v is not None]
+        raise HloShapeError(f"matvec_blocks_kernel: need f32 x[..., k] (k a multiple of 32), s8 values [n, k] or "
+                            f"u8 values [n, k/2], f16 scales [n, k/32] (and f16 mins [n, k/32] with u8 values); "
+                            f"got {', '.join(got)}")
+    form = "q8_0" if values.dtype == "s8" else ("q4_1" if mins is not None else "q4_0")
+    operands = [x, values, scales] + ([mins] if mins is not None else [])
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, f"pyhlo_matvec_{form}")

@@ -14,6 +14,15 @@
 // pyhlo_matvec_s8: the same with int8 weights and one f32 scale per weight row (per
 // output channel, symmetric): y[m, n] = scale[n] * sum_k x[m, k] * w[n, k]. Each int8 is
 // widened to f32 in registers, so a weight row streams a quarter of the f32 bytes.
+//
+// pyhlo_matvec_q8_0, _q4_0, _q4_1: weights in llama.cpp's GGUF block forms, as the file
+// stores them, split into arrays: each row of K values is K/32 blocks, each with an f16
+// scale d (scales f16[N, K/32]) and for Q4_1 an f16 minimum m (mins f16[N, K/32]). Q8_0
+// values are s8[N, K] (w = d * q); Q4 values are u8[N, K/2], byte j of a block's 16 holding
+// value j in its low nibble and value j + 16 in its high one (Q4_0: w = d * (q - 8);
+// Q4_1: w = d * q + m). Each block is widened to f32 in registers and its partial sum
+// multiplied by d; the -8 and the minimums are applied through the sums of x over each
+// block, computed once per call.
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -47,7 +56,48 @@ struct Problem {
   int64_t m, n, k;
   bool w_is_bf16 = false;
   bool w_is_s8 = false;
+  // GGUF block forms
+  int form = 0;                      // kNone, kQ8_0, kQ4_0, kQ4_1
+  const uint16_t* block_scale = nullptr;   // f16 [N, K/32]
+  const uint16_t* block_min = nullptr;     // f16 [N, K/32] (Q4_1)
+  const float* x_block_sum = nullptr;      // [m, K/32]: sum of x over each block (Q4 forms)
 };
+
+enum BlockForm { kNone = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3 };
+constexpr int64_t kBlock = 32;
+
+inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exponent = 113;
+    while (!(mantissa & 0x400u)) { mantissa <<= 1; --exponent; }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// The terms of a Q4 row that do not depend on its nibbles: -8 * sum_b d_b * xsum_b (Q4_0)
+// or sum_b m_b * xsum_b (Q4_1), for activation row m.
+inline float block_offset(const Problem& p, int64_t n, int64_t m) {
+  const int64_t nb = p.k / kBlock;
+  const float* xs = p.x_block_sum + m * nb;
+  float sum = 0;
+  if (p.form == kQ4_0) {
+    for (int64_t b = 0; b < nb; ++b) sum += half_to_f32(p.block_scale[n * nb + b]) * xs[b];
+    return -8.0f * sum;
+  }
+  for (int64_t b = 0; b < nb; ++b) sum += half_to_f32(p.block_min[n * nb + b]) * xs[b];
+  return sum;
+}
 
 #ifdef PYHLO_AVX512
 // Each weight row is read front to back, one row after the other, so a thread's reads
@@ -171,8 +221,45 @@ void row_s8(const Problem& p, const int8_t* w, int64_t n, int64_t m0) {
         _mm512_add_ps(_mm512_add_ps(acc[0][g], acc[1][g]), _mm512_add_ps(acc[2][g], acc[3][g])));
 }
 
+// GGUF blocks: 32 values widened to two vectors of 16 f32, multiplied by x, the partial
+// sum scaled by the block's d; two accumulators (even and odd blocks) keep the chains short.
+template <int G>
+void row_blocks(const Problem& p, int64_t n, int64_t m0) {
+  const int64_t k = p.k, nb = k / kBlock;
+  const uint16_t* scales = p.block_scale + n * nb;
+  __m512 acc[2][G];
+  for (int u = 0; u < 2; ++u)
+    for (int g = 0; g < G; ++g) acc[u][g] = _mm512_setzero_ps();
+  const __m512i low_nibble = _mm512_set1_epi32(0xF);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 lo, hi;
+    if (p.form == kQ8_0) {
+      const int8_t* q = static_cast<const int8_t*>(p.w) + n * k + b * kBlock;
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+      hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+    } else {
+      const uint8_t* q = static_cast<const uint8_t*>(p.w) + n * (k / 2) + b * (kBlock / 2);
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble));
+      hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    }
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(scales[b]));
+    for (int g = 0; g < G; ++g) {
+      const float* x = p.x + (m0 + g) * k + b * kBlock;
+      const __m512 part = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
+      acc[b & 1][g] = _mm512_fmadd_ps(part, d, acc[b & 1][g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][g], acc[1][g]));
+    if (p.form != kQ8_0) sum += block_offset(p, n, m0 + g);
+    p.y[(m0 + g) * p.n + n] = sum;
+  }
+}
+
 template <int G, typename W>
 void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
+  if (p.form != kNone) return row_blocks<G>(p, n, m0);
   if constexpr (std::is_same_v<W, int8_t>) {
     row_s8<G>(p, w, n, m0);
   } else if constexpr (sizeof(W) == 2) {
@@ -194,9 +281,38 @@ inline float to_f32(uint16_t v) {
   return out;
 }
 
+// GGUF blocks, portable form: each block widened to f32, its sum scaled by d.
+template <int G>
+void row_blocks(const Problem& p, int64_t n, int64_t m0) {
+  const int64_t k = p.k, nb = k / kBlock;
+  for (int g = 0; g < G; ++g) {
+    const float* x = p.x + (m0 + g) * k;
+    float sum = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+      float values[kBlock];
+      if (p.form == kQ8_0) {
+        const int8_t* q = static_cast<const int8_t*>(p.w) + n * k + b * kBlock;
+        for (int j = 0; j < kBlock; ++j) values[j] = float(q[j]);
+      } else {
+        const uint8_t* q = static_cast<const uint8_t*>(p.w) + n * (k / 2) + b * (kBlock / 2);
+        for (int j = 0; j < kBlock / 2; ++j) {
+          values[j] = float(q[j] & 0xF);
+          values[j + kBlock / 2] = float(q[j] >> 4);
+        }
+      }
+      float part = 0;
+      for (int j = 0; j < kBlock; ++j) part += values[j] * x[b * kBlock + j];
+      sum += half_to_f32(p.block_scale[n * nb + b]) * part;
+    }
+    if (p.form != kQ8_0) sum += block_offset(p, n, m0 + g);
+    p.y[(m0 + g) * p.n + n] = sum;
+  }
+}
+
 // Portable form: 16 independent partial sums, which compilers vectorize.
 template <int G, typename W>
 void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
+  if (p.form != kNone) return row_blocks<G>(p, n, m0);
   const int64_t k = p.k;
   const W* weights = w + n * k;
   for (int g = 0; g < G; ++g) {
@@ -258,6 +374,8 @@ struct SharedWork {
   }
 };
 
+ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p);
+
 ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, const float* scale,
                ffi::Result<ffi::AnyBuffer>& y) {
   const auto x_dims = x.dimensions();
@@ -310,6 +428,11 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, cons
     p.x_odd = x_odd.data();
   }
 
+  return Dispatch(pool, p);
+}
+
+// Splits the weight rows of `p` between the caller and the pool's threads.
+ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
   // PYHLO_MATVEC_THREADS (read once) caps the threads per product, for measurements.
   static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
   int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
@@ -345,7 +468,74 @@ ffi::Error MatvecS8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   return Run(pool, x, w, static_cast<const float*>(scale.untyped_data()), y);
 }
 
+ffi::Error RunBlocks(ffi::ThreadPool& pool, BlockForm form, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
+                     ffi::AnyBuffer& scales, ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  const int64_t per_byte = form == kQ8_0 ? 1 : 2;
+  const auto values_type = form == kQ8_0 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 || x_dims.size() < 1 ||
+      w.element_type() != values_type || w_dims.size() != 2 || x_dims[x_dims.size() - 1] != w_dims[1] * per_byte ||
+      x_dims[x_dims.size() - 1] % kBlock != 0 || scales.element_type() != ffi::DataType::F16 ||
+      scales.element_count() != static_cast<size_t>(w_dims[0] * (w_dims[1] * per_byte / kBlock)) ||
+      (mins != nullptr && (mins->element_type() != ffi::DataType::F16 ||
+                           mins->element_count() != scales.element_count())))
+    return ffi::Error::InvalidArgument(
+        "pyhlo_matvec_q8_0/q4_0/q4_1: need f32 x[..., K] (K a multiple of 32), s8 values [N, K] (Q8_0) or u8 "
+        "values [N, K/2] (Q4), f16 scales [N, K/32] and, for Q4_1, f16 mins [N, K/32]");
+  Problem p;
+  p.form = form;
+  p.k = w_dims[1] * per_byte;
+  p.n = w_dims[0];
+  p.m = x.element_count() / p.k;
+  p.x = static_cast<const float*>(x.untyped_data());
+  p.w = w.untyped_data();
+  p.y = static_cast<float*>(y->untyped_data());
+  p.block_scale = static_cast<const uint16_t*>(scales.untyped_data());
+  p.block_min = mins != nullptr ? static_cast<const uint16_t*>(mins->untyped_data()) : nullptr;
+  if (y->element_count() != static_cast<size_t>(p.m * p.n))
+    return ffi::Error::InvalidArgument("pyhlo_matvec_q8_0/q4_0/q4_1: y must have x's rows and N columns");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  std::vector<float> block_sums;
+  if (form != kQ8_0) {
+    const int64_t nb = p.k / kBlock;
+    block_sums.assign(p.m * nb, 0.0f);
+    for (int64_t m = 0; m < p.m; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        float sum = 0;
+        for (int64_t j = 0; j < kBlock; ++j) sum += p.x[m * p.k + b * kBlock + j];
+        block_sums[m * nb + b] = sum;
+      }
+    p.x_block_sum = block_sums.data();
+  }
+  return Dispatch(pool, p);
+}
+
+ffi::Error MatvecQ8_0(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  return RunBlocks(pool, kQ8_0, x, w, scales, nullptr, y);
+}
+
+ffi::Error MatvecQ4_0(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  return RunBlocks(pool, kQ4_0, x, w, scales, nullptr, y);
+}
+
+ffi::Error MatvecQ4_1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                      ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y) {
+  return RunBlocks(pool, kQ4_1, x, w, scales, &mins, y);
+}
+
 }  // namespace
+
+#define PYHLO_BLOCK_HANDLER(symbol, function, ...)                                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, function,                                             \
+                                ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() __VA_ARGS__.Ret<ffi::AnyBuffer>())
+
+PYHLO_BLOCK_HANDLER(PyhloMatvecQ8_0, MatvecQ8_0, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
+PYHLO_BLOCK_HANDLER(PyhloMatvecQ4_0, MatvecQ4_0, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
+PYHLO_BLOCK_HANDLER(PyhloMatvecQ4_1, MatvecQ4_1,
+                    .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PyhloMatvec, Matvec,
                               ffi::Ffi::Bind()

@@ -1,0 +1,77 @@
+"""pyhlo's matrix-vector kernel on weights in GGUF block forms (Q8_0, Q4_0, Q4_1) equals
+numpy on the same blocks dequantized (tests/test_quantized_blocks.py proves that numpy
+reading equal to the gguf package's), at 1-8 activation rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hlo_run import run_fn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_quantized_blocks import FORMS, random_blocks
+
+from decoders.quantization import dequantize_blocks
+from pyhlo.ops import linalg
+from pyhlo.shape_inference import HloShapeError
+from runtime import cpu_kernels
+
+SCRIBE_TYPES = {"int8": "s8", "uint8": "u8", "float16": "f16", "float32": "f32"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert cpu_kernels.register(), "the CPU kernels did not build"
+
+
+def run_kernel(x: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
+    def program(scribe):
+        params = [getattr(scribe, SCRIBE_TYPES[a.dtype.name])[a.shape].Parameter(parameter_number=i)
+                  for i, a in enumerate([x, *arrays])]
+        return linalg.matvec_blocks_kernel(*params)
+
+    (out,) = run_fn(program, x, *arrays)
+    return out
+
+
+# n covers the thread chunks and their tails; rows every group size (1-4, then 4 + 1-4).
+@settings(max_examples=40, deadline=None)
+@given(form=st.sampled_from(FORMS), lead=st.sampled_from([(1,), (3,), (4,), (5,), (8,), (2, 3)]),
+       n=st.integers(1, 70), blocks=st.integers(1, 10), seed=st.integers(0, 2**32 - 1))
+def test_block_kernels_match_numpy(form, lead, n, blocks, seed):
+    k = 32 * blocks
+    weight = random_blocks(form, n, k, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((*lead, k)).astype(np.float32)
+    out = run_kernel(x, [a for a in weight[1:] if a is not None])
+    w = dequantize_blocks(weight).astype(np.float64)
+    expected = x.astype(np.float64) @ w.T
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).T         # the size of the sum's terms
+    assert out.shape == (*lead, n) and out.dtype == np.float32
+    assert (np.abs(out - expected) <= 1e-5 * bound + 1e-30).all()
+
+
+def test_a_large_head_splits_across_threads_and_stays_exact():
+    weight = random_blocks("q8_0", 4099, 576, 7)
+    x = np.random.default_rng(0).standard_normal((1, 576)).astype(np.float32)
+    out = run_kernel(x, list(weight[1:3]))
+    w = dequantize_blocks(weight).astype(np.float64)
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).T
+    assert (np.abs(out - x.astype(np.float64) @ w.T) <= 1e-5 * bound).all()
+
+
+def test_block_kernel_rejects_shapes_it_cannot_run():
+    def build(x_shape, values, scales, mins=None):
+        def program(scribe):
+            return linalg.matvec_blocks_kernel(scribe.f32[x_shape].Parameter(parameter_number=0),
+                                               getattr(scribe, values[0])[values[1]].Parameter(parameter_number=1),
+                                               scribe.f16[scales].Parameter(parameter_number=2),
+                                               None if mins is None else scribe.f16[mins].Parameter(parameter_number=3))
+        return program
+
+    from pyhlo import compile_py_func
+
+    with pytest.raises(HloShapeError, match="k a multiple of 32"):
+        compile_py_func(build((1, 40), ("s8", (4, 40)), (4, 1)))
+    with pytest.raises(HloShapeError, match="u8 values"):
+        compile_py_func(build((1, 64), ("u8", (4, 64)), (4, 2)))              # Q4 values are k/2 bytes
+    with pytest.raises(HloShapeError, match="mins"):
+        compile_py_func(build((1, 64), ("s8", (4, 64)), (4, 2), (4, 2)))       # Q8_0 has no minimums

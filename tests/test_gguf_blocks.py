@@ -1,0 +1,134 @@
+"""GGUF weights kept in their Q8_0, Q4_0 and Q4_1 blocks compute the same function as the
+same file widened to f32 at load: a tiny Llama (every matrix quantized, the LM head too),
+with pyhlo's CPU kernels and with XLA's own dot; and SmolLM2's own Q4_1 file."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from test_families_mistral_qwen2_mixtral import write_gguf
+from test_llama_golden import relative_error
+
+from decoders import LlamaForSampling, NeuronConfig, QuantizationConfig
+
+FORMS = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+         "q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+@pytest.fixture(scope="module")
+def block_file(tiny_llama, tmp_path_factory):
+    """A tiny GQA Llama written as a GGUF file with every matrix in one block form."""
+    model, _ = tiny_llama("gqa_tied_llama3", "safetensors")
+    state = {name: tensor.float().numpy() for name, tensor in model.state_dict().items()}
+    made = {}
+
+    def get(form: str):
+        if form not in made:
+            path = tmp_path_factory.mktemp(form) / f"tiny.{form}.gguf"
+            made[form] = write_gguf(path, model, state, "llama", weights_type=FORMS[form])
+        return made[form]
+
+    return get
+
+
+def build(path, gguf_blocks, kernels, batch_size=2, amp="f32"):
+    return LlamaForSampling.from_pretrained(
+        path, batch_size=batch_size, n_positions=128, amp=amp, context_length_estimate=[16, 64],
+        neuron_config=NeuronConfig(gguf_blocks=gguf_blocks, cpu_kernels=kernels)).to_neuron()
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_blocks_compute_what_the_weights_widened_at_load_compute(block_file, form, kernels):
+    path = block_file(form)
+    kept, widened = build(path, True, kernels), build(path, False, False)
+    forms = dict(kept.lowering.gguf_blocks)
+    assert set(forms.values()) == {form} and "lm_head.weight" in forms and "mlp.down.weight" in forms
+    assert widened.lowering.gguf_blocks == ()
+    # The layers' weights on the device are the file's blocks, byte for byte: 34 (Q8_0), 18
+    # (Q4_0) or 20 (Q4_1) bytes per 32 values where f32 takes 128.
+    block_bytes = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[form]
+    kept_bytes, f32_bytes = (sum(v.nbytes for layer in m.session.layers for k, v in layer.items() if "norm" not in k)
+                             for m in (kept, widened))
+    assert kept_bytes * 128 == f32_bytes * block_bytes
+
+    prompts = [np.arange(3, 40) % 300 + 3, np.arange(90, 101)]
+    tokens, logits = kept.sample(prompts, sequence_length=100, top_k=1, eos_token_id=[], output_scores=True)
+    expected, expected_logits = widened.sample(prompts, sequence_length=100, top_k=1, eos_token_id=[],
+                                               output_scores=True)
+    for step in range(len(logits)):
+        assert relative_error(logits[step], expected_logits[step]) < 1e-5, step
+    np.testing.assert_array_equal(tokens, expected)
+
+
+def test_bf16_products_over_blocks_follow_the_widened_weights(block_file):
+    path = block_file("q4_1")
+    kept, widened = (build(path, blocks, None, batch_size=1, amp="bf16") for blocks in (True, False))
+    prompt = np.arange(5, 30)[None]
+    _, logits = kept.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
+    _, expected = widened.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
+    assert relative_error(logits[0], expected[0]) < 2e-2
+
+
+def test_presharded_save_and_load_keep_the_blocks(block_file, tmp_path):
+    path = block_file("q8_0")
+    model = build(path, None, None, batch_size=1)
+    prompt = np.arange(3, 20)[None]
+    tokens = model.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[])
+    model.save(tmp_path / "saved", sharded_weights=True)
+    again = LlamaForSampling.from_pretrained(path, batch_size=1, n_positions=128, context_length_estimate=[16, 64])
+    again.load(tmp_path / "saved").to_neuron()
+    assert again.lowering.gguf_blocks == model.lowering.gguf_blocks
+    np.testing.assert_array_equal(again.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[]), tokens)
+
+
+def test_blocks_that_cannot_be_kept_are_clear_errors(block_file, tiny_llama):
+    path = block_file("q4_0")
+    with pytest.raises(ValueError, match="tp_degree 1 only"):
+        LlamaForSampling.from_pretrained(path, tp_degree=2, n_positions=128, neuron_config=NeuronConfig(gguf_blocks=True))
+    with pytest.raises(ValueError, match="cannot be combined with quant"):
+        NeuronConfig(gguf_blocks=True, quant=QuantizationConfig())
+    _, hf_directory = tiny_llama("gqa_tied_llama3", "safetensors")
+    with pytest.raises(ValueError, match="stores no linear weight in Q8_0, Q4_0 or Q4_1 blocks"):
+        LlamaForSampling.from_pretrained(hf_directory, n_positions=128, neuron_config=NeuronConfig(gguf_blocks=True))
+    # The automatic choice widens them where blocks cannot run: under tensor parallelism, or with int8.
+    assert LlamaForSampling.from_pretrained(path, n_positions=128,
+                                            neuron_config=NeuronConfig(quant=QuantizationConfig())
+                                            ).lowering.gguf_blocks == ()
+
+
+def first_divergence(tokens: np.ndarray, expected: np.ndarray) -> int | None:
+    differ = np.nonzero(tokens != expected)[0]
+    return int(differ[0]) if len(differ) else None
+
+
+def test_smollm2_q4_1_as_stored_gives_the_tokens_of_the_file_widened_at_load(smollm2_gguf):
+    """SmolLM2's own Q4_1 file (its LM head Q8_0): 3 prompts of 64 tokens, 64 new tokens each.
+    Where a line's tokens differ, the first difference must be a near-tie of the widened
+    model's logits (the two sums differ only in f32 rounding order)."""
+    models = [LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=3, n_positions=256,
+                                               context_length_estimate=[64], neuron_config=NeuronConfig(gguf_blocks=kept))
+              for kept in (True, False)]
+    kept, widened = (m.to_neuron() for m in models)
+    assert dict(kept.lowering.gguf_blocks)["lm_head.weight"] == "q8_0"
+    assert dict(kept.lowering.gguf_blocks)["mlp.down.weight"] == "q4_1"
+    texts = ["The history of the printing press begins", "def merge_sort(items):\n    \"\"\"Sort a list",
+             "Photosynthesis is the process by which plants"]
+    prompts = []
+    for text in texts:
+        ids = kept.tokenizer(text)["input_ids"]
+        filler = kept.tokenizer(" and so on, as the story goes,")["input_ids"]
+        while len(ids) < 64:
+            ids = ids + filler
+        prompts.append(ids[:64])
+    prompt = np.array(prompts)
+    tokens, _ = kept.sample(prompt, sequence_length=128, top_k=1, eos_token_id=[], output_scores=True)
+    expected, expected_scores = widened.sample(prompt, sequence_length=128, top_k=1, eos_token_id=[],
+                                               output_scores=True)
+    for line in range(3):
+        step = first_divergence(np.asarray(tokens[line]), np.asarray(expected[line]))
+        if step is None:
+            continue
+        scores = np.asarray(expected_scores[step - 64][line])
+        gap = scores[expected[line][step]] - scores[tokens[line][step]]
+        assert 0 <= gap < 1e-3 * np.abs(scores).max(), (line, step, gap)
