@@ -437,8 +437,11 @@ class PyhloRunner:
         self.info = {"programs": len(self.model.eager_programs()), "cache_hits": programs.cache_hits,
                      "compiler_calls": programs.compiler_calls,
                      "token_buckets": self.model.token_buckets, "context_buckets": self.model.context_buckets}
-        if "neuron_config" in options:
-            self.info["quant"] = options["neuron_config"].quant.to_dict()
+        lowering = self.model.lowering
+        if lowering.quant is not None:
+            self.info["quant"] = lowering.quant.to_dict()
+        if lowering.gguf_blocks:
+            self.info["gguf_blocks"] = dict(lowering.gguf_blocks)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> dict:
         streamer = bench_peers.TimingStreamer()
