@@ -47,11 +47,11 @@ from pyhlo.scribe import HloValue
 
 log = logging.getLogger("pyhlo")
 
-# Up to this many activation rows (by weight type) a product is bound by reading the
-# weights and the kernel, reading them once for all rows, beats XLA's dot; beyond it
-# XLA's matrix-matrix dot is faster (measured on a [49152, 576] head: f32 1.5x faster
-# at 1 row, 1.5x at 4, slower at 8; bf16 20x at 1 row, 2.7x at 2, 1.5x at 4).
-MATVEC_KERNEL_MAX_ROWS = {"f32": 4, "bf16": 4, "s8": 8, "blocks": 8}
+# Up to this many activation rows (by weight type; "blocks": GGUF block forms) a product
+# runs on the matrix-vector kernel, beyond it on XLA's dot: what a CpuKernelLowering made
+# without a measurement uses. choose_lowering() takes the limits measured on the machine
+# (decoders/product_paths.py).
+DEFAULT_MAX_ROWS = {"f32": 4, "bf16": 4, "s8": 8, "blocks": 8}
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,8 @@ class CpuKernelLowering(XlaLowering):
 
     weight_layout: str = "out_in"
     whole_model_decode: bool = True
+    # (weight type, rows) pairs: products of up to that many activation rows take the kernel.
+    max_rows: tuple[tuple[str, int], ...] = tuple(DEFAULT_MAX_ROWS.items())
 
     name = "xla-cpu-kernels"
 
@@ -204,13 +206,10 @@ class CpuKernelLowering(XlaLowering):
     def linear(self, x: HloValue, weight: HloValue, param: Param, bias: HloValue | None = None,
                out_dtype: str | None = None, scale: HloValue | None = None,
                mins: HloValue | None = None) -> HloValue:
-        rows = int(np.prod(x.dims[:-1]))
-        if param.name in self.block_forms:
-            if rows <= MATVEC_KERNEL_MAX_ROWS["blocks"]:
-                product = matvec_blocks_kernel(ew.convert(x, "f32"), weight, scale, mins)
-                return self._finish(product, param, bias, out_dtype or x.dtype)
-        elif rows <= MATVEC_KERNEL_MAX_ROWS[weight.dtype]:
-            product = matvec_kernel(ew.convert(x, "f32"), weight, scale)
+        blocks = param.name in self.block_forms
+        if int(np.prod(x.dims[:-1])) <= dict(self.max_rows).get("blocks" if blocks else weight.dtype, 0):
+            rows = ew.convert(x, "f32")
+            product = matvec_blocks_kernel(rows, weight, scale, mins) if blocks else matvec_kernel(rows, weight, scale)
             return self._finish(product, param, bias, out_dtype or x.dtype)
         return super().linear(x, weight, param, bias, out_dtype, scale, mins)
 
@@ -268,7 +267,10 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
         if reasons and wanted:
             raise ValueError("NeuronConfig.cpu_kernels=True, but " + "; ".join(reasons))
         if not reasons:
+            from decoders.product_paths import kernel_max_rows
+
             return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole,
+                                     max_rows=tuple(kernel_max_rows(backend).items()),
                                      tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
                                      shard_over_sequence=neuron_config.shard_over_sequence,
                                      quant=neuron_config.quant, gguf_blocks=gguf_blocks)

@@ -236,6 +236,12 @@ def report_markdown(report: dict) -> str:
             out.append(f"- roofline {amp}: {_num(roof['weight_bytes'] / 1e6, 1)} MB of weights per step -> "
                        f"at least {roof['min_ms_per_step']:.2f} ms per step "
                        f"(at most {roof['max_tokens_per_s_batch1']:.0f} tokens/s at batch 1)")
+    paths = sorted({(r["amp"], r["batch"], json.dumps(r["info"]["kernel_rows"])) for r in report["results"]
+                    if r.get("status") == "ok" and r.get("info", {}).get("kernel_rows")})
+    if paths:
+        limits = ", ".join(f"{kind} up to {rows} rows" for kind, rows in json.loads(paths[0][2]).items())
+        out.append(f"- pyhlo's product paths, timed on this CPU: the matrix-vector kernel for {limits} "
+                   "(\"blocks\": GGUF block forms), XLA's dot beyond")
     if report.get("other_load"):
         shares = ", ".join(f"{b['amp']} batch {b['batch']} {b['other_cpu_fraction'] * 100:.0f}%"
                            for b in report["other_load"])

@@ -1,0 +1,172 @@
+"""Which products run on pyhlo's matrix-vector kernel on this machine, decided by timing.
+
+The kernel reads each weight row once for all activation rows, so it wins where a product
+is bound by streaming the weights: a decode step at a small batch size. How small depends
+on the CPU (its bandwidth, its vector units, XLA's own code for it): constants measured on
+one host chose the slower path on another. So the choice is measured here, once per CPU
+model and kernel build: for each weight type ("f32", "bf16", "s8" per-row int8, "blocks"
+the GGUF Q4_1 form) and 1, 2, 4 and 8 activation rows, the kernel and XLA's dot each run a
+chain of products over weights of a decoder MLP's shape, more of them than a last-level
+cache holds. A type's row limit is the largest count up to which the kernel wins, by more
+than 5%, at every count (0: XLA's dot always). The table is kept as JSON beside the kernel library
+(runtime.cpu_kernels.kernel_dir()) and read from there afterwards;
+PYHLO_MATVEC_MAX_ROWS="f32=4,bf16=4,s8=8,blocks=8" sets it instead of measuring.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("pyhlo")
+
+TYPES = ("f32", "bf16", "s8", "blocks")
+ROWS = (1, 2, 4, 8)
+SHAPE = (1536, 576)        # [out, in] of a small decoder's MLP products
+CHAIN_BYTES = 48 << 20     # weights per timed program: more than a last-level cache
+ENV = "PYHLO_MATVEC_MAX_ROWS"
+MARGIN = 0.05
+
+
+def parse(text: str) -> dict[str, int]:
+    """'f32=4,bf16=4,s8=8,blocks=8' -> a row limit per weight type (every type named)."""
+    table = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in TYPES or not value.strip().isdigit():
+            raise ValueError(f"{ENV}={text!r}: expected TYPE=ROWS items for each of {', '.join(TYPES)}, "
+                             f"e.g. 'f32=4,bf16=4,s8=8,blocks=8'; got {item!r}")
+        table[name] = int(value)
+    if set(table) != set(TYPES):
+        raise ValueError(f"{ENV}={text!r} must name every weight type: {', '.join(TYPES)}")
+    return table
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def table_path(library: pathlib.Path) -> pathlib.Path:
+    """Where the measured table for this kernel build lives (the library's name already
+    hashes the sources, the compiler flags, jaxlib and the CPU's features)."""
+    return library.with_name(f"{library.stem}.paths.json")
+
+
+def kernel_max_rows(backend: Any) -> dict[str, int]:
+    """The row limit per weight type on this machine: from PYHLO_MATVEC_MAX_ROWS, else the
+    table measured earlier, else measured now (and kept)."""
+    if os.environ.get(ENV):
+        return parse(os.environ[ENV])
+    from runtime import cpu_kernels
+
+    path = table_path(cpu_kernels.build())
+    try:
+        return parse(",".join(f"{k}={v}" for k, v in json.loads(path.read_text())["max_rows"].items()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    log.info("timing pyhlo's matrix-vector kernel against XLA's dot on this CPU (once, about 20 s) ...")
+    started = time.perf_counter()
+    timings = measure(backend)
+    table = {kind: limit_from(rows) for kind, rows in timings.items()}
+    record = {"cpu": _cpu_model(), "max_rows": table, "shape": list(SHAPE),
+              "microseconds": {kind: {str(r): t for r, t in rows.items()} for kind, rows in timings.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".part") as f:
+        json.dump(record, f, indent=1)
+    os.replace(f.name, path)
+    log.info("kernel row limits on %s: %s (%.0f s)", record["cpu"] or "this CPU",
+             ", ".join(f"{k} <= {v}" for k, v in table.items()), time.perf_counter() - started)
+    return table
+
+
+def limit_from(times: dict[int, tuple[float, float]]) -> int:
+    """The largest row count up to which the kernel (first time) beats XLA's dot (second) by
+    more than MARGIN at every count: a near tie is XLA's (timings move by a few percent)."""
+    limit = 0
+    for rows in sorted(times):
+        kernel, xla = times[rows]
+        if kernel >= xla * (1 - MARGIN):
+            break
+        limit = rows
+    return limit
+
+
+def measure(backend: Any, shape: tuple[int, int] = SHAPE, chain_bytes: int = CHAIN_BYTES,
+            rows: tuple[int, ...] = ROWS, repeats: int = 5) -> dict[str, dict[int, tuple[float, float]]]:
+    """Microseconds per product, (kernel, XLA's dot), by weight type and activation rows."""
+    return {kind: {r: tuple(_time_chain(backend, kind, r, shape, chain_bytes, kernel, repeats)
+                            for kernel in (True, False))
+                   for r in rows}
+            for kind in TYPES}
+
+
+def _weights(kind: str, shape: tuple[int, int], count: int, rng: np.random.Generator) -> list[list[np.ndarray]]:
+    n, k = shape
+    made = []
+    for _ in range(count):
+        if kind == "f32":
+            made.append([rng.standard_normal(shape).astype(np.float32)])
+        elif kind == "bf16":
+            from pyhlo.dtypes import numpy_dtype
+
+            made.append([rng.standard_normal(shape).astype(numpy_dtype("bf16"))])
+        elif kind == "s8":
+            made.append([rng.integers(-127, 128, shape, dtype=np.int8), rng.random(n).astype(np.float32)])
+        else:
+            made.append([rng.integers(0, 256, (n, k // 2), dtype=np.uint8),
+                         rng.random((n, k // 32)).astype(np.float16), rng.random((n, k // 32)).astype(np.float16)])
+    return made
+
+
+def _time_chain(backend: Any, kind: str, rows: int, shape: tuple[int, int], chain_bytes: int, kernel: bool,
+                repeats: int) -> float:
+    from decoders.blocks.params import Kind, Param, Shard, Source
+    from decoders.lowering import CpuKernelLowering, XlaLowering
+    from pyhlo import compile_py_func
+    from pyhlo.dtypes import name_of_numpy
+    from pyhlo.ops import elementwise as ew
+
+    dtype = "bf16" if kind == "bf16" else "f32"
+    blocks = (("w", "q4_1"),) if kind == "blocks" else ()
+    everything = {k: 8 for k in TYPES}
+    lowering = (CpuKernelLowering(dtype, head_dtype=dtype, gguf_blocks=blocks, max_rows=tuple(everything.items()))
+                if kernel else XlaLowering(dtype, "out_in", head_dtype=dtype, gguf_blocks=blocks))
+    param = Param("w", Kind.LINEAR, shape, Shard.COLUMN, Source(("w",)), quant="s8" if kind == "s8" else None)
+    rng = np.random.default_rng(0)
+    one = sum(a.nbytes for a in _weights(kind, shape, 1, rng)[0])
+    weights = _weights(kind, shape, max(1, chain_bytes // one), rng)
+    x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+    arrays = [x, *(a for w in weights for a in w)]
+
+    def program(scribe):
+        params = [getattr(scribe, name_of_numpy(a.dtype))[a.shape].Parameter(parameter_number=i)
+                  for i, a in enumerate(arrays)]
+        h, at, total = ew.convert(params[0], dtype), 1, None
+        for w in weights:
+            parts = params[at:at + len(w)]
+            at += len(w)
+            y = lowering.linear(h, parts[0], param, scale=parts[1] if len(parts) > 1 else None,
+                                mins=parts[2] if len(parts) > 2 else None, out_dtype="f32")
+            total = y if total is None else ew.add(total, y)
+        return total
+
+    executable = backend.compile(compile_py_func(program).SerializeToString())
+    buffers = [backend.to_device(a) for a in arrays]
+    backend.to_host(executable.run_buffers(buffers)[0])          # warm-up
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        backend.to_host(executable.run_buffers(buffers)[0])
+        samples.append((time.perf_counter() - started) / len(weights) * 1e6)
+    return statistics.median(samples)

@@ -1,0 +1,73 @@
+"""The kernel-or-XLA choice per weight type is measured on the machine, kept, and obeyed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from decoders import product_paths
+from runtime import cpu_kernels
+from runtime.select import get_backend
+
+
+def test_row_limits_parse_and_refuse_bad_settings():
+    assert product_paths.parse("f32=4, bf16=0,s8=8,blocks=2") == {"f32": 4, "bf16": 0, "s8": 8, "blocks": 2}
+    with pytest.raises(ValueError, match="must name every weight type"):
+        product_paths.parse("f32=4")
+    with pytest.raises(ValueError, match="TYPE=ROWS"):
+        product_paths.parse("f32=four,bf16=4,s8=8,blocks=8")
+    with pytest.raises(ValueError, match="TYPE=ROWS"):
+        product_paths.parse("f16=4,bf16=4,s8=8,blocks=8")
+
+
+def test_the_limit_is_the_last_row_count_of_an_unbroken_run_of_kernel_wins():
+    assert product_paths.limit_from({1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 2.0)}) == 2
+    assert product_paths.limit_from({1: (2.0, 1.0), 2: (1.0, 2.0)}) == 0
+    assert product_paths.limit_from({1: (1.0, 2.0), 8: (1.0, 2.0)}) == 8
+    assert product_paths.limit_from({1: (1.0, 2.0), 2: (1.97, 2.0)}) == 1      # a near tie is XLA's
+
+
+def test_measurement_times_both_paths_for_every_weight_type():
+    assert cpu_kernels.register()
+    timings = product_paths.measure(get_backend(), shape=(64, 64), chain_bytes=1 << 15, rows=(1, 3), repeats=1)
+    assert set(timings) == set(product_paths.TYPES)
+    for by_rows in timings.values():
+        assert set(by_rows) == {1, 3}
+        assert all(kernel > 0 and xla > 0 for kernel, xla in by_rows.values())
+
+
+def test_the_table_is_measured_once_and_then_read(monkeypatch, tmp_path):
+    monkeypatch.delenv(product_paths.ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "build", lambda: tmp_path / "libpyhlo_kernels-x.so")
+    fake = {kind: {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 2.0)} for kind in product_paths.TYPES}
+    fake["f32"] = {r: (2.0, 1.0) for r in product_paths.ROWS}
+    monkeypatch.setattr(product_paths, "measure", lambda backend: fake)
+    table = product_paths.kernel_max_rows(None)
+    assert table == {"f32": 0, "bf16": 2, "s8": 2, "blocks": 2}
+    kept = json.loads((tmp_path / "libpyhlo_kernels-x.paths.json").read_text())
+    assert kept["max_rows"] == table and kept["microseconds"]["f32"]["1"] == [2.0, 1.0]
+
+    def measure_again(backend):
+        raise AssertionError("measured twice")
+
+    monkeypatch.setattr(product_paths, "measure", measure_again)
+    assert product_paths.kernel_max_rows(None) == table
+
+
+def test_a_type_limited_to_zero_rows_takes_xla_dot(tiny_llama, monkeypatch):
+    from decoders import LlamaForSampling
+    from decoders.programs.keys import Block
+
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    monkeypatch.setenv(product_paths.ENV, "f32=0,bf16=4,s8=8,blocks=8")
+    model = LlamaForSampling.from_pretrained(path, n_positions=128, context_length_estimate=[16])
+    assert dict(model.lowering.max_rows)["f32"] == 0
+
+    def targets(model):
+        module = model.programs.build(Block(1, 128)).module
+        return {i.custom_call_target for c in module.computations for i in c.instructions} - {""}
+
+    assert targets(model) == {cpu_kernels.DECODE_ATTENTION_TARGET}
+    monkeypatch.setenv(product_paths.ENV, "f32=4,bf16=4,s8=8,blocks=8")
+    model = LlamaForSampling.from_pretrained(path, n_positions=128, context_length_estimate=[16])
+    assert targets(model) == {cpu_kernels.DECODE_ATTENTION_TARGET, cpu_kernels.MATVEC_TARGET}
