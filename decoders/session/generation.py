@@ -114,8 +114,16 @@ class Generation:
             return generated
         slot = prompts.longest  # where the next drawn token goes
         logits = session.forward(prompts.left_padded(), 0, self.pads)
+        tokens_device = self._next_tokens(logits, lines)
+        # Without n-gram bans (and scores to keep) the next step needs nothing from the host: it
+        # is launched before this step's tokens are read back, so the host's work overlaps the
+        # device's (a step launched past the last token is dropped; it wrote only cache slots
+        # beyond the output).
+        ahead = not self.no_repeat_ngram_size and self.scores is None
         for step in range(new_tokens):
-            tokens_device = self._next_tokens(logits, lines)
+            launched = None
+            if ahead and step + 1 < new_tokens:
+                launched = self._next_tokens(session.forward(tokens_device, slot, self.pads, n_tokens=1), lines)
             tokens = np.asarray(self.placement.host(tokens_device)).reshape(-1)
             for i, token in enumerate(tokens):
                 if not done[i]:
@@ -128,7 +136,9 @@ class Generation:
             if all(done) or step + 1 == new_tokens:
                 break
             # The token just drawn goes at `slot`; its logits give the next one.
-            logits = session.forward(tokens_device, slot, self.pads, n_tokens=1)
+            if launched is None:
+                launched = self._next_tokens(session.forward(tokens_device, slot, self.pads, n_tokens=1), lines)
+            tokens_device = launched
             slot += 1
         if streamer is not None:
             streamer.end()

@@ -46,6 +46,9 @@ class Session:
         self.kv_cache: KVCache | None = None
         self._pads: np.ndarray | None = None
         self._pad_buffer = None
+        # A decode step's small inputs (positions, slot, last index) on the device, by value:
+        # uploaded once, not at every token (a host-to-device copy costs about 0.3 ms).
+        self._step_buffers: dict[tuple, Any] = {}
         # The unrolled decode program's names of each layer's weights and caches (load_weights()).
         self._prefixed_weights: dict[str, Any] = {}
         self._prefixed_cache_names: list[tuple[str, str]] = []
@@ -227,7 +230,16 @@ class Session:
         if self._pads is None or not np.array_equal(self._pads, pads):
             self._pads = np.array(pads, dtype=np.int32)
             self._pad_buffer = self.placement.put(self._pads)
+            self._step_buffers.clear()            # positions depend on the pads
         return self._pad_buffer
+
+    def _step_buffer(self, key: tuple, make: Any) -> Any:
+        """make() on the device, kept under `key` (for the pads of the last pad_buffer())."""
+        if key not in self._step_buffers:
+            if len(self._step_buffers) >= 4 * self.n_positions:
+                self._step_buffers.clear()
+            self._step_buffers[key] = self.placement.put(make())
+        return self._step_buffers[key]
 
     @staticmethod
     def positions(pads: np.ndarray, n_tokens: int, slot: int) -> np.ndarray:
@@ -285,9 +297,12 @@ class Session:
              last_index: int) -> Any:
         if isinstance(token_ids, np.ndarray):
             token_ids = self.placement.put(np.ascontiguousarray(token_ids, dtype=np.int32))
-        put = self.placement.put
-        step = {"positions": put(self.positions(pads, n_tokens, slot)), "slot": put(np.int32(slot)),
-                "pad": self.pad_buffer(pads), "last_index": put(np.full((self.batch_size,), last_index, np.int32)),
+        pad = self.pad_buffer(pads)
+        kept = self._step_buffer
+        step = {"positions": kept(("positions", n_tokens, slot), lambda: self.positions(pads, n_tokens, slot)),
+                "slot": kept(("slot", slot), lambda: np.int32(slot)), "pad": pad,
+                "last_index": kept(("last_index", last_index),
+                                   lambda: np.full((self.batch_size,), last_index, np.int32)),
                 "token_ids": token_ids}
         if self.lowering.whole_model_decode and n_tokens == 1:
             return self._run_whole(step, n_tokens, n_attend)
