@@ -132,3 +132,24 @@ def test_smollm2_q4_1_as_stored_gives_the_tokens_of_the_file_widened_at_load(smo
         scores = np.asarray(expected_scores[step - 64][line])
         gap = scores[expected[line][step]] - scores[tokens[line][step]]
         assert 0 <= gap < 1e-3 * np.abs(scores).max(), (line, step, gap)
+
+
+def test_a_converted_file_serves_its_blocks_without_parsing_the_gguf(block_file, monkeypatch):
+    from decoders.checkpoints import gguf_cache, open_checkpoint
+    from decoders.checkpoints.gguf import GGUFCheckpoint
+
+    path = block_file("q4_1")
+    open_checkpoint(path).close()                    # converted, if it was not already
+    direct = GGUFCheckpoint(path)
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed")
+
+    monkeypatch.setattr(gguf_cache, "GGUFCheckpoint", no_parsing)
+    converted = open_checkpoint(path)
+    assert isinstance(converted, gguf_cache.ConvertedGGUF)
+    name = "model.layers.1.self_attn.k_proj.weight"       # rope rows restored to HF's order
+    assert converted.block_form(name) == "q4_1" and converted.quant_type(name) == "Q4_1"
+    assert converted.block_form("model.norm.weight") is None and converted.quant_type("model.norm.weight") == "F32"
+    for ours, theirs in zip(converted.blocks(name), direct.blocks(name)):
+        assert ours == theirs if isinstance(ours, str) else np.array_equal(ours, theirs)

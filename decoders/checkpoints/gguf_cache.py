@@ -1,9 +1,12 @@
-"""GGUF files converted once into a folder of f32 safetensors, for fast later opens.
+"""GGUF files converted once into a folder of safetensors, for fast later opens.
 
 Parsing a GGUF file and dequantizing its tensors takes seconds every time; the
 converted folder (config.json + model.safetensors, memory-mapped) opens in a
-fraction of that. The folder is keyed by the file's path, size and modification
-time, written atomically, and skipped when PYHLO_GGUF_CACHE=0.
+fraction of that. Tensors stored in a block form pyhlo runs as stored (Q8_0, Q4_0,
+Q4_1) are also kept as their blocks (blocks.safetensors: NAME:values, NAME:scales,
+NAME:mins; the forms and every tensor's GGML type in its metadata). The folder is
+keyed by the file's path, size and modification time, written atomically, and
+skipped when PYHLO_GGUF_CACHE=0.
 """
 from __future__ import annotations
 
@@ -22,7 +25,12 @@ def converted_dir(path: pathlib.Path) -> pathlib.Path | None:
     root = os.environ.get("PYHLO_GGUF_CACHE", str(pathlib.Path.home() / ".cache" / "pyhlo" / "converted"))
     if root in ("", "0"):
         return None
-    return pathlib.Path(root) / f"{path.stem}-{_cache_key(path)}"
+    return pathlib.Path(root) / f"{path.stem}-{_cache_key(path)}-{LAYOUT}"
+
+
+# The converted folder's layout: a new one converts the file again.
+LAYOUT = "v2"
+BLOCKS = "blocks.safetensors"
 
 
 class ConvertedGGUF(HFCheckpoint):
@@ -31,7 +39,14 @@ class ConvertedGGUF(HFCheckpoint):
     def __init__(self, folder: pathlib.Path, source: pathlib.Path):
         self.source = source
         self._source_checkpoint: GGUFCheckpoint | None = None
+        self._blocks = None
         super().__init__(folder)
+        from safetensors import safe_open
+
+        self._blocks = safe_open(str(folder / BLOCKS), framework="numpy")
+        metadata = self._blocks.metadata() or {}
+        self._forms = json.loads(metadata.get("forms", "{}"))
+        self._types = json.loads(metadata.get("types", "{}"))
 
     def tokenizer(self):
         return load_cached_tokenizer(self.source) or self._gguf().tokenizer()
@@ -43,16 +58,25 @@ class ConvertedGGUF(HFCheckpoint):
         return self._source_checkpoint
 
     def quant_type(self, name: str) -> str | None:
-        return self._gguf().quant_type(name)
+        self._require(name)
+        return self._types.get(name)
 
     def block_form(self, name: str) -> str | None:
-        return self._gguf().block_form(name)
+        self._require(name)
+        return self._forms.get(name)
 
     def blocks(self, name: str):
-        return self._gguf().blocks(name)
+        from decoders.quantization import BlockWeight
+
+        form = self.block_form(name)
+        if form is None:
+            return self._gguf().blocks(name)     # names the GGML type it has instead
+        parts = [self._blocks.get_tensor(f"{name}:{part}") for part in ("values", "scales")]
+        return BlockWeight(form, *parts, self._blocks.get_tensor(f"{name}:mins") if form == "q4_1" else None)
 
     def close(self) -> None:
         super().close()
+        self._blocks = None
         if self._source_checkpoint is not None:
             self._source_checkpoint.close()
             self._source_checkpoint = None
@@ -74,6 +98,16 @@ def convert(checkpoint: GGUFCheckpoint, target: pathlib.Path) -> None:
     try:
         tensors = {name: checkpoint.get(name, keep_dtype=True) for name in checkpoint.names()}
         save_file(tensors, str(staging / "model.safetensors"))
+        del tensors
+        forms = {name: checkpoint.block_form(name) for name in checkpoint.names() if checkpoint.block_form(name)}
+        blocks = {}
+        for name in forms:
+            weight = checkpoint.blocks(name)
+            blocks.update({f"{name}:values": weight.values, f"{name}:scales": weight.scales})
+            if weight.mins is not None:
+                blocks[f"{name}:mins"] = weight.mins
+        types = {name: checkpoint.quant_type(name) for name in checkpoint.names()}
+        save_file(blocks, str(staging / BLOCKS), metadata={"forms": json.dumps(forms), "types": json.dumps(types)})
         (staging / "config.json").write_text(json.dumps(checkpoint.config, indent=2))
         template = checkpoint.chat_template()
         if template:
