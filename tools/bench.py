@@ -21,7 +21,7 @@ measured generation the bench waits for the CPUs to be idle (--quiet-wait), repe
 generation (at most twice) when other processes took over 10% of the CPUs meanwhile, and
 reports how much CPU they took. llama.cpp (llama-cpp-python) is used when it can be
 imported; it reads F32, BF16 or Q8_0 GGUF files written from our dequantized weights and
-cached next to the model.
+cached next to the model, or, for gguf, the model's own file.
 
 Precisions (--amp): f32 and bf16 run every weight in that type. s8 is int8 weights for the
 linear products inside the decoder layers, in f32 models: pyhlo with
@@ -42,6 +42,7 @@ examples:
   pyhlo bench --quick                          # a smoke run with tiny settings
   pyhlo bench --engines pyhlo,hf --amp bf16 --batch 1 --repeats 5 --no-compile-times
   pyhlo bench --amp s8,f32 --batch 1                # int8 weights beside f32
+  pyhlo bench --amp gguf --batch 1                  # the GGUF file's Q4_1 blocks as stored
 """
 from __future__ import annotations
 
