@@ -133,6 +133,10 @@ class NeuronConfig:
     # product). None: where they can (tp_degree 1, no `quant`); True: insist; False: widen
     # them to the amp type at load.
     gguf_blocks: bool | None = None
+    # KV caches quantized to int8 (NxD Inference's kv_cache_quant): each slot's key and value
+    # of each KV head stored as head_dim int8 values and an f32 scale (max |x| / 127), about
+    # a quarter of f32 caches' bytes and half of bf16's. True is "s8"; False keeps the amp type.
+    kv_cache_quant: bool | str = False
     on_device_generation: GenerationConfig | None = None
     padding_side: str = "right"
     output_all_logits: bool = False
@@ -192,6 +196,11 @@ class NeuronConfig:
         if self.gguf_blocks and self.quant is not None:
             raise ValueError("NeuronConfig.gguf_blocks=True keeps a GGUF file's own quantization; it cannot be "
                              "combined with quant (drop one of them)")
+        if self.kv_cache_quant == "s8":
+            self.kv_cache_quant = True
+        if self.kv_cache_quant not in (True, False):
+            raise ValueError(f"NeuronConfig.kv_cache_quant must be False, True or 's8' (int8 caches with a scale "
+                             f"per slot and head), got {self.kv_cache_quant!r}")
         if self.cpu_kernels not in (None, True, False):
             raise ValueError(f"NeuronConfig.cpu_kernels must be None, True or False, got {self.cpu_kernels!r}")
         if self.extra:

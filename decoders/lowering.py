@@ -81,6 +81,8 @@ class XlaLowering:
     # Weights a GGUF file stores in a block form, run as stored: (parameter name, form) pairs
     # (decoders/quantization.py; chosen by the model from the file, at tp_degree 1).
     gguf_blocks: tuple[tuple[str, str], ...] = ()
+    # KV caches of packed int8 rows, a scale per line, head and slot (NeuronConfig.kv_cache_quant).
+    kv_cache_quant: bool = False
 
     name = "xla"
 
@@ -273,8 +275,10 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
                                      max_rows=tuple(kernel_max_rows(backend).items()),
                                      tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
                                      shard_over_sequence=neuron_config.shard_over_sequence,
-                                     quant=neuron_config.quant, gguf_blocks=gguf_blocks)
+                                     quant=neuron_config.quant, gguf_blocks=gguf_blocks,
+                                     kv_cache_quant=neuron_config.kv_cache_quant)
     layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
     return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), tp_degree=tp_degree,
                        gqa=neuron_config.group_query_attention, shard_over_sequence=neuron_config.shard_over_sequence,
-                       quant=neuron_config.quant, gguf_blocks=gguf_blocks)
+                       quant=neuron_config.quant, gguf_blocks=gguf_blocks,
+                       kv_cache_quant=neuron_config.kv_cache_quant)

@@ -101,9 +101,16 @@ def expected_shape(
         # Same element width keeps the dims; a wider or narrower type adds or drops the last dim.
         from pyhlo.dtypes import byte_size
 
-        if byte_size(result.dtype) != byte_size(shapes[0].dtype):
-            return None
-        return (None, shapes[0].dims)
+        wide, narrow = byte_size(shapes[0].dtype), byte_size(result.dtype)
+        dims = shapes[0].dims
+        if narrow < wide:
+            return (None, dims + (wide // narrow,))
+        if narrow > wide:
+            if not dims or dims[-1] * wide != narrow:
+                raise _fail(opcode, operands, f"a {result.dtype} is {narrow // wide} of {shapes[0].dtype}: "
+                                              "the operand's last dimension must be that many")
+            return (None, dims[:-1])
+        return (None, dims)
     if opcode == "broadcast":
         return _broadcast(result, shapes[0], attrs, operands)
     if opcode == "reshape":

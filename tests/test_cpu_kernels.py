@@ -118,6 +118,36 @@ def test_decode_attention_kernel_matches_numpy(b, kvh, group, s, d, dtype, data)
     np.testing.assert_allclose(out, reference_decode_attention(q, k, v, slot, pad, scale), rtol=1e-4, atol=1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), kvh=st.integers(1, 3), group=st.integers(1, 4), s=st.integers(1, 40),
+       d=st.sampled_from([1, 7, 16, 64, 80]), data=st.data())
+def test_decode_attention_kernel_reads_packed_int8_rows(b, kvh, group, s, d, data):
+    """Packed rows (d int8 values, then the f32 scale's bytes) attend as scale * values."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    slot = data.draw(st.integers(0, s - 1))
+    pad = np.array(data.draw(st.lists(st.integers(0, slot), min_size=b, max_size=b)), np.int32)
+    h = kvh * group
+    q = rng.standard_normal((b, h, 1, d)).astype(np.float32)
+
+    def packed_rows():
+        values = rng.integers(-127, 128, (b, kvh, s, d), dtype=np.int8)
+        scales = rng.uniform(1e-3, 0.1, (b, kvh, s, 1)).astype(np.float32)
+        return np.concatenate([values, scales.view(np.int8)], axis=3), values * scales
+
+    (k, k_wide), (v, v_wide) = packed_rows(), packed_rows()
+    scale = 1 / np.sqrt(d)
+
+    def program(scribe):
+        return decode_attention_kernel(
+            scribe.f32[q.shape].Parameter(parameter_number=0), scribe.s8[k.shape].Parameter(parameter_number=1),
+            scribe.s8[v.shape].Parameter(parameter_number=2), scribe.s32[()].Parameter(parameter_number=3),
+            scribe.s32[b].Parameter(parameter_number=4), scale)
+
+    (out,) = run_fn(program, q, k, v, np.int32(slot), pad)
+    np.testing.assert_allclose(out, reference_decode_attention(q, k_wide, v_wide, slot, pad, scale), rtol=1e-4,
+                               atol=1e-5)
+
+
 def test_matvec_kernel_rejects_shapes_it_cannot_run():
     def program(scribe):
         return linalg.matvec_kernel(scribe.f32[1, 8].Parameter(parameter_number=0),

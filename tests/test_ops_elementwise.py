@@ -223,6 +223,35 @@ def test_bitcast_convert_reinterprets_bits(dims, seed):
     np.testing.assert_array_equal(back, x)
 
 
+@SETTINGS
+@given(dims=shapes, seed=seeds)
+def test_bitcast_convert_changes_width_in_memory_order(dims, seed):
+    x = _inputs(seed, dims, "f32")
+
+    def program(scribe):
+        a = _param(scribe, "f32", dims, 0)
+        narrow = ew.bitcast_convert(a, "s8")
+        halves = ew.bitcast_convert(a, "u16")
+        return [narrow, halves, ew.bitcast_convert(narrow, "f32"), ew.bitcast_convert(halves, "f32")]
+
+    narrow, halves, back, back_from_halves = run_fn(program, x)
+    np.testing.assert_array_equal(narrow, x.view(np.int8).reshape(*dims, 4))
+    np.testing.assert_array_equal(halves, x.view(np.uint16).reshape(*dims, 2))
+    np.testing.assert_array_equal(back, x)
+    np.testing.assert_array_equal(back_from_halves, x)
+
+
+def test_bitcast_convert_to_a_wider_type_needs_the_matching_last_dimension():
+    from pyhlo import compile_py_func
+    from pyhlo.shape_inference import HloShapeError
+
+    def program(scribe):
+        return ew.bitcast_convert(_param(scribe, "s8", (3, 2), 0), "f32")
+
+    with pytest.raises(HloShapeError, match="last dimension must be that many"):
+        compile_py_func(program)
+
+
 def test_constants_and_broadcast_scalar():
     def program(scribe):
         vector = ew.constant(scribe, "s32", [3, 1, 4], (3,))

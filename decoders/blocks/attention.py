@@ -4,7 +4,9 @@ heads, over an in-place KV cache.
 
 Caches are [batch, kv_heads, n_positions, head_dim]; each step writes its new keys and
 values at `step.slot` (one in-place update for the whole batch) and attends over the first
-`step.n_attend` slots, masking each line's left padding and the future.
+`step.n_attend` slots, masking each line's left padding and the future. A quantized cache
+(`kv_quant`) holds each slot's key (value) of each head as a packed int8 row, head_dim
+values and the 4 bytes of their f32 scale (pyhlo.ops.quantized.quantize_rows).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from pyhlo.ops import elementwise as ew
 from pyhlo.ops import nn
 from pyhlo.ops.attention import attention, combine_attention_parts, partial_attention
 from pyhlo.ops.collectives import all_gather
+from pyhlo.ops.quantized import SCALE_BYTES, dequantize_rows, quantize_rows
 from pyhlo.ops.shape_ops import (
     broadcast,
     dynamic_slice,
@@ -103,6 +106,8 @@ class Attention:
     # "gather" (K and V projected by features, gathered, then its query heads' KV heads) or
     # "sequence" (every KV head, for its stretch of cache slots: flash decoding).
     kv_layout: str = "heads"
+    # KV caches of packed int8 rows, one scale per line, head and slot (NeuronConfig.kv_cache_quant).
+    kv_quant: bool = False
 
     def __post_init__(self) -> None:
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
@@ -152,7 +157,19 @@ class Attention:
                              f"not divide n_positions {cache_len}; use an n_positions that it divides")
         lines = batch_size // self.tp_degree if self.kv_layout == "batch" else batch_size
         slots = cache_len // self.tp_degree if self.kv_layout == "sequence" else cache_len
-        return lines, self.n_kv_heads, slots, self.head_dim
+        return lines, self.n_kv_heads, slots, self.head_dim + (SCALE_BYTES if self.kv_quant else 0)
+
+    def cache_dtype(self, amp: str) -> str:
+        """The caches' element type: the amp type, or s8 for packed int8 rows."""
+        return "s8" if self.kv_quant else amp
+
+    def _to_cache(self, t: HloValue) -> HloValue:
+        """Keys or values [b, heads, n, head_dim] as the cache stores them."""
+        return quantize_rows(t) if self.kv_quant else t
+
+    def _from_cache(self, cache: HloValue, dtype: str) -> HloValue:
+        """Cache rows as keys or values in `dtype`."""
+        return dequantize_rows(cache, dtype) if self.kv_quant else cache
 
     @property
     def scale(self) -> float:
@@ -245,8 +262,8 @@ class Attention:
                      cache_k: HloValue, cache_v: HloValue) -> tuple[HloValue, HloValue, HloValue]:
         """Attention over caches that hold every slot of their lines: this step's keys and
         values written at step.slot, then the lowering's decode attention or the generic one."""
-        cache_k = dynamic_update_slice(cache_k, k, [0, 0, step.slot, 0])
-        cache_v = dynamic_update_slice(cache_v, v, [0, 0, step.slot, 0])
+        cache_k = dynamic_update_slice(cache_k, self._to_cache(k), [0, 0, step.slot, 0])
+        cache_v = dynamic_update_slice(cache_v, self._to_cache(v), [0, 0, step.slot, 0])
         context = None
         if step.n_tokens == 1 and self.plain(cache_k.dims[2]):
             context = values.lowering.decode_attention(q, cache_k, cache_v, step.slot, step.pad, self.scale)
@@ -262,10 +279,11 @@ class Attention:
         tp, length = self.tp_degree, cache_k.dims[2]
         q = all_gather(q, 1, parallel.group(tp))
         first = parallel.block_start(q.scribe, length)
-        cache_k = parallel.write_stretch(cache_k, k, step.slot, first)
-        cache_v = parallel.write_stretch(cache_v, v, step.slot, first)
+        cache_k = parallel.write_stretch(cache_k, self._to_cache(k), step.slot, first)
+        cache_v = parallel.write_stretch(cache_v, self._to_cache(v), step.slot, first)
         bias = self._alibi(step, first, length) if isinstance(self.positions, Alibi) else None
-        parts = partial_attention(q, cache_k, cache_v, self._mask(step, first, length), self.scale, bias)
+        keys, values = self._from_cache(cache_k, q.dtype), self._from_cache(cache_v, q.dtype)
+        parts = partial_attention(q, keys, values, self._mask(step, first, length), self.scale, bias)
         context = combine_attention_parts(*parts, parallel.group(tp))
         return parallel.own_block(ew.convert(context, q.dtype), 1, self.n_heads), cache_k, cache_v
 
@@ -435,6 +453,7 @@ class Attention:
             q_, k_, v_, mask_, *bias = (get_tuple_element(packed, i) for i in range(len(operands)))
             if n_attend < cache_len:
                 k_, v_ = slice_along(k_, 2, 0, n_attend), slice_along(v_, 2, 0, n_attend)
+            k_, v_ = self._from_cache(k_, q_.dtype), self._from_cache(v_, q_.dtype)
             return attention(q_, k_, v_, mask_, self.scale, bias=bias[0] if bias else None)
 
         packed = make_tuple(*operands)

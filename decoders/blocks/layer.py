@@ -86,5 +86,9 @@ class Decoder:
         layer = replace(self.layer, attention=attention)
         return replace(self, layer=layer)
 
+    def with_kv_quant(self) -> Decoder:
+        """The same pieces over KV caches of packed int8 rows (Attention.kv_quant)."""
+        return replace(self, layer=replace(self.layer, attention=replace(self.layer.attention, kv_quant=True)))
+
     def token_table(self, one_table: bool) -> str:
         return HEAD_WEIGHT if one_table else TOKENS

@@ -93,7 +93,8 @@ class ProgramBuilder:
     @property
     def device_decoder(self) -> Decoder:
         """The pieces as one device runs them (its share of the heads under tensor parallelism)."""
-        return self.decoder.sharded(self.tp_degree, self.lowering.gqa, self.lowering.shard_over_sequence)
+        decoder = self.decoder.sharded(self.tp_degree, self.lowering.gqa, self.lowering.shard_over_sequence)
+        return decoder.with_kv_quant() if self.lowering.kv_cache_quant else decoder
 
     @property
     def one_table(self) -> bool:
@@ -132,7 +133,7 @@ class ProgramBuilder:
     def cache_spec(self, name: str) -> ParamSpec:
         """One device's KV cache of one layer."""
         attention = self.device_decoder.layer.attention
-        return ParamSpec(name, self.dtype, attention.cache_dims(self.batch_size, self.cache_len))
+        return ParamSpec(name, attention.cache_dtype(self.dtype), attention.cache_dims(self.batch_size, self.cache_len))
 
     def _step_specs(self, n_tokens: int) -> list[ParamSpec]:
         b = self.batch_size

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Union
 
+from pyhlo.dtypes import byte_size
 from pyhlo.scribe import HloValue, Scribe
 
 Operand = Union[HloValue, int, float]
@@ -156,5 +157,8 @@ def convert(x: HloValue, dtype: str) -> HloValue:
 
 
 def bitcast_convert(x: HloValue, dtype: str) -> HloValue:
-    """Reinterpret the bits of x as `dtype` (same byte size)."""
-    return getattr(x.scribe, dtype)[x.dims].BitcastConvert(x)
+    """Reinterpret the bits of x as `dtype`, in memory order (numpy's `view`). A narrower
+    type adds a last dimension (f32[n] -> s8[n, 4]); a wider one consumes it (s8[n, 4] -> f32[n])."""
+    wide, narrow = byte_size(x.dtype), byte_size(dtype)
+    dims = x.dims + (wide // narrow,) if narrow < wide else x.dims[:-1] if narrow > wide else x.dims
+    return getattr(x.scribe, dtype)[dims].BitcastConvert(x)

@@ -6,8 +6,9 @@
 // step attends to exactly the filled part of the cache without copying a prefix of it
 // (XLA materializes a slice of the cache before its dot). Sums and softmax are f32.
 //
-// Operands: q f32[b, h, 1, d]; k, v f32 or bf16 [b, kvh, S, d]; slot s32[]; pad s32[b];
-// scale f32[]. Result: f32[b, h, 1, d].
+// Operands: q f32[b, h, 1, d]; k, v f32 or bf16 [b, kvh, S, d], or packed int8 rows
+// s8[b, kvh, S, d + 4] (d values, then the 4 bytes of the row's f32 scale: the row is
+// scale * values); slot s32[]; pad s32[b]; scale f32[]. Result: f32[b, h, 1, d].
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -21,6 +22,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const int8_t* p, int64_t i) { return float(p[i]); }
 inline float load(const uint16_t* p, int64_t i) {
   uint32_t bits = uint32_t(p[i]) << 16;
   float out;
@@ -41,10 +43,20 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return sum;
 }
 
-// Each cache row is read once for the query heads that share its kv head.
+// The factor a stored row's values are multiplied by: 1, or a packed int8 row's own scale,
+// which follows its d values.
+inline float row_scale(const float*, int64_t) { return 1.0f; }
+inline float row_scale(const uint16_t*, int64_t) { return 1.0f; }
+inline float row_scale(const int8_t* row, int64_t d) {
+  float out;
+  std::memcpy(&out, row + d, sizeof(out));
+  return out;
+}
+
+// Each cache row (`stride` elements apart) is read once for the query heads that share its kv head.
 template <typename T>
 void attend(const float* q, const T* k, const T* v, float* out, int64_t b, int64_t h, int64_t kvh,
-            int64_t s, int64_t d, int64_t slot, const int32_t* pad, float scale) {
+            int64_t s, int64_t d, int64_t stride, int64_t slot, const int32_t* pad, float scale) {
   const int64_t group = h / kvh;
   std::vector<float> scores(group * s), top(group), total(group);
   for (int64_t i = 0; i < b; ++i) {
@@ -53,17 +65,20 @@ void attend(const float* q, const T* k, const T* v, float* out, int64_t b, int64
     for (int64_t c = 0; c < kvh; ++c) {
       const float* qc = q + (i * h + c * group) * d;     // the group's query heads, one after another
       float* oc = out + (i * h + c * group) * d;
-      const T* kc = k + (i * kvh + c) * s * d;
-      const T* vc = v + (i * kvh + c) * s * d;
+      const T* kc = k + (i * kvh + c) * s * stride;
+      const T* vc = v + (i * kvh + c) * s * stride;
       std::fill(oc, oc + group * d, 0.0f);
       if (first > last) continue;
       std::fill(top.begin(), top.end(), -INFINITY);
-      for (int64_t t = first; t <= last; ++t)
+      for (int64_t t = first; t <= last; ++t) {
+        const T* row = kc + t * stride;
+        const float row_factor = row_scale(row, d) * scale;
         for (int64_t g = 0; g < group; ++g) {
-          const float score = dot(qc + g * d, kc + t * d, d) * scale;
+          const float score = dot(qc + g * d, row, d) * row_factor;
           scores[g * s + t] = score;
           top[g] = score > top[g] ? score : top[g];
         }
+      }
       std::fill(total.begin(), total.end(), 0.0f);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t t = first; t <= last; ++t) {
@@ -71,9 +86,10 @@ void attend(const float* q, const T* k, const T* v, float* out, int64_t b, int64
           total[g] += scores[g * s + t];
         }
       for (int64_t t = first; t <= last; ++t) {
-        const T* row = vc + t * d;
+        const T* row = vc + t * stride;
+        const float row_factor = row_scale(row, d);
         for (int64_t g = 0; g < group; ++g) {
-          const float weight = scores[g * s + t] / total[g];
+          const float weight = scores[g * s + t] / total[g] * row_factor;
           float* og = oc + g * d;
           for (int64_t e = 0; e < d; ++e) og[e] += weight * load(row, e);
         }
@@ -89,26 +105,31 @@ ffi::Error DecodeAttention(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   const auto kd = k.dimensions();
   if (q.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("pyhlo_decode_attention: q and the result must be f32");
-  if (k.element_type() != v.element_type() ||
-      (k.element_type() != ffi::DataType::F32 && k.element_type() != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("pyhlo_decode_attention: k and v must both be f32 or bf16");
-  if (qd.size() != 4 || kd.size() != 4 || qd[2] != 1 || qd[0] != kd[0] || qd[3] != kd[3] ||
+  const auto type = k.element_type();
+  if (type != v.element_type() ||
+      (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::S8))
+    return ffi::Error::InvalidArgument("pyhlo_decode_attention: k and v must both be f32, bf16 or packed s8 rows");
+  const int64_t packed = type == ffi::DataType::S8 ? int64_t(sizeof(float)) : 0;
+  if (qd.size() != 4 || kd.size() != 4 || qd[2] != 1 || qd[0] != kd[0] || qd[3] + packed != kd[3] ||
       kd[1] == 0 || qd[1] % kd[1] != 0 || v.element_count() != k.element_count() ||
       pad.element_count() != static_cast<size_t>(qd[0]))
     return ffi::Error::InvalidArgument(
-        "pyhlo_decode_attention: need q[b, h, 1, d], k and v [b, kvh, S, d] with h a multiple of "
-        "kvh, and pad[b]");
-  const int64_t b = qd[0], h = qd[1], d = qd[3], kvh = kd[1], s = kd[2];
+        "pyhlo_decode_attention: need q[b, h, 1, d], k and v [b, kvh, S, d] (d + 4 for packed s8 "
+        "rows) with h a multiple of kvh, and pad[b]");
+  const int64_t b = qd[0], h = qd[1], d = qd[3], kvh = kd[1], s = kd[2], stride = kd[3];
   const float* qp = static_cast<const float*>(q.untyped_data());
   float* op = static_cast<float*>(out->untyped_data());
   const int64_t at = slot.typed_data()[0];
   const float sc = scale.typed_data()[0];
-  if (k.element_type() == ffi::DataType::F32) {
+  if (type == ffi::DataType::F32) {
     attend(qp, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()), op,
-           b, h, kvh, s, d, at, pad.typed_data(), sc);
-  } else {
+           b, h, kvh, s, d, stride, at, pad.typed_data(), sc);
+  } else if (type == ffi::DataType::BF16) {
     attend(qp, static_cast<const uint16_t*>(k.untyped_data()), static_cast<const uint16_t*>(v.untyped_data()),
-           op, b, h, kvh, s, d, at, pad.typed_data(), sc);
+           op, b, h, kvh, s, d, stride, at, pad.typed_data(), sc);
+  } else {
+    attend(qp, static_cast<const int8_t*>(k.untyped_data()), static_cast<const int8_t*>(v.untyped_data()),
+           op, b, h, kvh, s, d, stride, at, pad.typed_data(), sc);
   }
   return ffi::Error::Success();
 }
