@@ -19,7 +19,7 @@
       checkpoints/   HF directories (safetensors, sharded, .bin), GGUF files, the default model
 """
 from decoders.auto import NeuronAutoModelForCausalLM
-from decoders.config import GQA, GenerationConfig, NeuronConfig, NotSupportedYet
+from decoders.config import GQA, ContinuousBatchingConfig, GenerationConfig, NeuronConfig, NotSupportedYet
 from decoders.families.bloom import BloomForSampling
 from decoders.families.gpt2 import GPT2ForSampling, GPT2ForSamplingWithContextBroadcasting
 from decoders.families.gpt_neox import GPTNeoXForSampling
@@ -33,7 +33,7 @@ from decoders.quantization import QuantizationConfig
 
 __all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",
            "GPTNeoXForSampling", "GQA", "GenerationConfig", "HuggingFaceGenerationModelAdapter", "LlamaForSampling",
-           "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM", "NeuronConfig",
+           "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM", "NeuronConfig", "ContinuousBatchingConfig",
            "NotSupportedYet", "OPTForSampling", "QuantizationConfig", "Qwen2ForSampling"]
 
 

@@ -120,6 +120,20 @@ class GenerationConfig:
 
 
 @dataclass
+class ContinuousBatchingConfig:
+    """transformers-neuronx's continuous batching: the KV caches hold this many sequences, one
+    per batch line, each at its own length; new sequences are prefilled into free lines while
+    the others keep decoding (forward(input_ids, cache_ids, start_ids=seq_ids))."""
+
+    batch_size_for_shared_caches: int
+
+    def __post_init__(self) -> None:
+        size = self.batch_size_for_shared_caches
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"ContinuousBatchingConfig.batch_size_for_shared_caches must be an int >= 1, got {size!r}")
+
+
+@dataclass
 class NeuronConfig:
     """How the programs are built. Defaults are what pyhlo builds today."""
 
@@ -140,7 +154,8 @@ class NeuronConfig:
     on_device_generation: GenerationConfig | None = None
     padding_side: str = "right"
     output_all_logits: bool = False
-    continuous_batching: Any = None
+    # A ContinuousBatchingConfig: one sequence per batch line, each at its own length.
+    continuous_batching: ContinuousBatchingConfig | None = None
     cast_logits_dtype: str = "f32"
     # Flash decoding: the KV cache split along the sequence over the tp_degree devices.
     shard_over_sequence: bool = False
@@ -180,8 +195,14 @@ class NeuronConfig:
                            "on the right")
         if self.output_all_logits:
             raise _not_yet("output_all_logits", True)
+        if isinstance(self.continuous_batching, dict):
+            self.continuous_batching = ContinuousBatchingConfig(**self.continuous_batching)
         if self.continuous_batching is not None:
-            raise _not_yet("continuous_batching", self.continuous_batching)
+            if not isinstance(self.continuous_batching, ContinuousBatchingConfig):
+                raise ValueError(f"NeuronConfig.continuous_batching must be None or a ContinuousBatchingConfig, "
+                                 f"got {self.continuous_batching!r}")
+            if self.shard_over_sequence:
+                raise _not_yet("shard_over_sequence", True, " with continuous_batching")
         if self.cast_logits_dtype not in ("f32", "float32"):
             raise _not_yet("cast_logits_dtype", self.cast_logits_dtype, "; logits are f32")
         if self.compilation_worker_count is not None and self.compilation_worker_count < 1:

@@ -27,6 +27,7 @@ from decoders.programs.keys import ProgramKey
 from decoders.quantization import gguf_block_forms
 from decoders.session.generation import Generation, sampler_bound
 from decoders.session.inputs import check_sampling, parse_prompts, per_line
+from decoders.session.lines import forward_sequences
 from decoders.session.session import Session
 
 log = logging.getLogger("pyhlo")
@@ -67,7 +68,8 @@ class DecoderForSampling:
             backend = get_backend()
         lowering = choose_lowering(self.neuron_config, backend, self.dtype, batch_size, tp_degree,
                                    self._gguf_blocks(tp_degree))
-        builder = ProgramBuilder(self.decoder, batch_size, self.n_positions, lowering)
+        builder = ProgramBuilder(self.decoder, batch_size, self.n_positions + self._scratch_slots(), lowering,
+                                 per_line_slots=self.continuous_batching)
         builder.check_sharding()                 # heads or rows that do not split fail here, naming the fix
         self.session = Session(builder, backend, self.token_buckets, self.context_buckets,
                                workers=self.neuron_config.compilation_worker_count)
@@ -89,6 +91,22 @@ class DecoderForSampling:
         return cls(path, batch_size=batch_size, n_positions=n_positions, tp_degree=tp_degree,
                    amp=amp, context_length_estimate=context_length_estimate,
                    neuron_config=neuron_config, **kwargs)
+
+    @property
+    def continuous_batching(self) -> bool:
+        return self.neuron_config.continuous_batching is not None
+
+    def _scratch_slots(self) -> int:
+        """Cache slots past n_positions under continuous batching: a line writes a whole chunk
+        (a context bucket) from its own length, or, when it has no part in a step, there."""
+        cb = self.neuron_config.continuous_batching
+        if cb is None:
+            return 0
+        if cb.batch_size_for_shared_caches != self.batch_size:
+            raise ValueError(f"ContinuousBatchingConfig(batch_size_for_shared_caches="
+                             f"{cb.batch_size_for_shared_caches}) must equal batch_size={self.batch_size}: "
+                             f"each batch line holds one sequence")
+        return self.context_buckets[-1]
 
     def _check_family(self, config: dict) -> None:
         model_type = config.get("model_type")
@@ -173,11 +191,18 @@ class DecoderForSampling:
         default 0..n-1, a new sequence). start_ids: per line, the offset of its first real
         token in a left-padded batch (default 0). Keys and values stay in the KV cache for
         the next call, as in transformers-neuronx.
+
+        Under continuous batching, as transformers-neuronx has it: input_ids [k, n] are k
+        sequences' next tokens, start_ids their batch lines (seq_ids), cache_ids [k, n] their
+        positions (each row its own); logits [k, vocab], rows in that order
+        (decoders/session/lines.py).
         """
         import torch
 
         self._require_loaded()
         ids = parse_prompts(input_ids, vocab_size=self.decoder.head.vocab_size).as_given().astype(np.int32)
+        if self.continuous_batching:
+            return torch.from_numpy(forward_sequences(self.session, ids, cache_ids, start_ids))
         if ids.shape[0] != self.batch_size:
             raise ValueError(f"input_ids has {ids.shape[0]} lines; the model was compiled for "
                              f"batch_size={self.batch_size}")

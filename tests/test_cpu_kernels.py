@@ -84,7 +84,7 @@ def reference_decode_attention(q, k, v, slot, pad, scale):
     group = h // k.shape[1]
     out = np.zeros((b, h, 1, d))
     for i in range(b):
-        visible = slice(max(pad[i], 0), slot + 1)
+        visible = slice(max(pad[i], 0), slot[i] + 1)
         for j in range(h):
             keys, values = k[i, j // group, visible].astype(np.float64), v[i, j // group, visible].astype(np.float64)
             if len(keys) == 0:
@@ -100,8 +100,9 @@ def reference_decode_attention(q, k, v, slot, pad, scale):
        d=st.sampled_from([1, 7, 16, 64, 80]), dtype=st.sampled_from(["f32", "bf16"]), data=st.data())
 def test_decode_attention_kernel_matches_numpy(b, kvh, group, s, d, dtype, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    slot = data.draw(st.integers(0, s - 1))
-    pad = np.array(data.draw(st.lists(st.integers(0, slot), min_size=b, max_size=b)), np.int32)
+    # Each line at its own length (continuous batching), its left padding below it.
+    slot = np.array(data.draw(st.lists(st.integers(0, s - 1), min_size=b, max_size=b)), np.int32)
+    pad = np.array([data.draw(st.integers(0, int(last))) for last in slot], np.int32)
     h = kvh * group
     q = rng.standard_normal((b, h, 1, d)).astype(np.float32)
     k = rng.standard_normal((b, kvh, s, d)).astype(numpy_dtype(dtype))
@@ -111,10 +112,10 @@ def test_decode_attention_kernel_matches_numpy(b, kvh, group, s, d, dtype, data)
     def program(scribe):
         return decode_attention_kernel(
             scribe.f32[q.shape].Parameter(parameter_number=0), getattr(scribe, dtype)[k.shape].Parameter(parameter_number=1),
-            getattr(scribe, dtype)[v.shape].Parameter(parameter_number=2), scribe.s32[()].Parameter(parameter_number=3),
+            getattr(scribe, dtype)[v.shape].Parameter(parameter_number=2), scribe.s32[b].Parameter(parameter_number=3),
             scribe.s32[b].Parameter(parameter_number=4), scale)
 
-    (out,) = run_fn(program, q, k, v, np.int32(slot), pad)
+    (out,) = run_fn(program, q, k, v, slot, pad)
     np.testing.assert_allclose(out, reference_decode_attention(q, k, v, slot, pad, scale), rtol=1e-4, atol=1e-5)
 
 
@@ -124,8 +125,9 @@ def test_decode_attention_kernel_matches_numpy(b, kvh, group, s, d, dtype, data)
 def test_decode_attention_kernel_reads_packed_int8_rows(b, kvh, group, s, d, data):
     """Packed rows (d int8 values, then the f32 scale's bytes) attend as scale * values."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    slot = data.draw(st.integers(0, s - 1))
-    pad = np.array(data.draw(st.lists(st.integers(0, slot), min_size=b, max_size=b)), np.int32)
+    # Each line at its own length (continuous batching), its left padding below it.
+    slot = np.array(data.draw(st.lists(st.integers(0, s - 1), min_size=b, max_size=b)), np.int32)
+    pad = np.array([data.draw(st.integers(0, int(last))) for last in slot], np.int32)
     h = kvh * group
     q = rng.standard_normal((b, h, 1, d)).astype(np.float32)
 
@@ -140,10 +142,10 @@ def test_decode_attention_kernel_reads_packed_int8_rows(b, kvh, group, s, d, dat
     def program(scribe):
         return decode_attention_kernel(
             scribe.f32[q.shape].Parameter(parameter_number=0), scribe.s8[k.shape].Parameter(parameter_number=1),
-            scribe.s8[v.shape].Parameter(parameter_number=2), scribe.s32[()].Parameter(parameter_number=3),
+            scribe.s8[v.shape].Parameter(parameter_number=2), scribe.s32[b].Parameter(parameter_number=3),
             scribe.s32[b].Parameter(parameter_number=4), scale)
 
-    (out,) = run_fn(program, q, k, v, np.int32(slot), pad)
+    (out,) = run_fn(program, q, k, v, slot, pad)
     np.testing.assert_allclose(out, reference_decode_attention(q, k_wide, v_wide, slot, pad, scale), rtol=1e-4,
                                atol=1e-5)
 

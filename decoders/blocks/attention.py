@@ -249,7 +249,8 @@ class Attention:
             lines = b // self.tp_degree
             q = parallel.exchange(q, 1, 0, self.tp_degree)
             k, v = parallel.own_block(k, 0, lines), parallel.own_block(v, 0, lines)
-            step = Step(parallel.own_block(step.positions, 0, lines), step.slot, parallel.own_block(step.pad, 0, lines),
+            slot = parallel.own_block(step.slot, 0, lines) if step.per_line else step.slot
+            step = Step(parallel.own_block(step.positions, 0, lines), slot, parallel.own_block(step.pad, 0, lines),
                         step.n_tokens, step.n_attend)
             context, cache_k, cache_v = self._attend_here(values, q, k, v, step, cache_k, cache_v)
             context = parallel.exchange(context, 0, 1, self.tp_degree)
@@ -262,14 +263,24 @@ class Attention:
                      cache_k: HloValue, cache_v: HloValue) -> tuple[HloValue, HloValue, HloValue]:
         """Attention over caches that hold every slot of their lines: this step's keys and
         values written at step.slot, then the lowering's decode attention or the generic one."""
-        cache_k = dynamic_update_slice(cache_k, self._to_cache(k), [0, 0, step.slot, 0])
-        cache_v = dynamic_update_slice(cache_v, self._to_cache(v), [0, 0, step.slot, 0])
+        cache_k = self._write(cache_k, self._to_cache(k), step)
+        cache_v = self._write(cache_v, self._to_cache(v), step)
         context = None
         if step.n_tokens == 1 and self.plain(cache_k.dims[2]):
-            context = values.lowering.decode_attention(q, cache_k, cache_v, step.slot, step.pad, self.scale)
+            context = values.lowering.decode_attention(q, cache_k, cache_v, step.line_slots(), step.pad, self.scale)
         if context is None:
             context = self._attend(q, cache_k, cache_v, step)
         return context, cache_k, cache_v
+
+    @staticmethod
+    def _write(cache: HloValue, new: HloValue, step: Step) -> HloValue:
+        """The cache with new [b, heads, n, d] written at the step's slot: one in-place update
+        for the batch, or one per line at its own slot (continuous batching)."""
+        if not step.per_line:
+            return dynamic_update_slice(cache, new, [0, 0, step.slot, 0])
+        for line in range(step.batch_size):
+            cache = dynamic_update_slice(cache, slice_along(new, 0, line, line + 1), [line, 0, step.line_slot(line), 0])
+        return cache
 
     def _attend_stretch(self, q: HloValue, k: HloValue, v: HloValue, step: Step, cache_k: HloValue,
                         cache_v: HloValue) -> tuple[HloValue, HloValue, HloValue]:
@@ -325,7 +336,8 @@ class Attention:
         b, n, s = step.batch_size, step.n_tokens, n_keys or step.n_attend
         scribe = step.slot.scribe
         start = step.slot if first is None else ew.subtract(step.slot, first)
-        query_slots = ew.add(iota(scribe, "s32", (b, n), 1), ew.broadcast_scalar(start, (b, n)))
+        starts = broadcast(start, (b, n), [0]) if step.per_line else ew.broadcast_scalar(start, (b, n))
+        query_slots = ew.add(iota(scribe, "s32", (b, n), 1), starts)
         causal = nn.causal_mask(query_slots, s, self.window)    # in slots counted from `first`
         key_slots = self._key_slots(scribe, (b, n, s), 2, first)
         return scribe.pred[b, n, s].And(causal, ew.compare(key_slots, broadcast(step.pad, (b, n, s), [0]), "GE"))
@@ -457,4 +469,5 @@ class Attention:
             return attention(q_, k_, v_, mask_, self.scale, bias=bias[0] if bias else None)
 
         packed = make_tuple(*operands)
-        return q.shape.Conditional(step.slot, packed, packed, branch_computations=[attend_prefix, attend_prefix])
+        return q.shape.Conditional(step.line_slot(0), packed, packed,
+                                   branch_computations=[attend_prefix, attend_prefix])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pyhlo.ops.shape_ops import broadcast, reshape, slice_along
 from pyhlo.scribe import HloValue
 
 
@@ -12,11 +13,13 @@ class Step:
     attending to the first `n_attend` slots.
 
     Batch lines are left-padded: line i's real tokens start at slot pad[i], and its positions
-    (rotary, learned, ALiBi) count from there: position = slot - pad[i].
+    (rotary, learned, ALiBi) count from there: position = slot - pad[i]. Under continuous
+    batching `slot` holds one slot per line (s32[batch]): each line is its own sequence, at
+    its own length.
     """
 
     positions: HloValue     # s32[batch, n_tokens]
-    slot: HloValue          # s32[]
+    slot: HloValue          # s32[], or s32[batch] per line
     pad: HloValue           # s32[batch]
     n_tokens: int
     n_attend: int
@@ -24,3 +27,15 @@ class Step:
     @property
     def batch_size(self) -> int:
         return self.pad.dims[0]
+
+    @property
+    def per_line(self) -> bool:
+        return len(self.slot.dims) == 1
+
+    def line_slot(self, line: int) -> HloValue:
+        """s32[]: where line `line` writes its first new token."""
+        return reshape(slice_along(self.slot, 0, line, line + 1), ()) if self.per_line else self.slot
+
+    def line_slots(self) -> HloValue:
+        """s32[batch]: every line's first slot."""
+        return self.slot if self.per_line else broadcast(self.slot, (self.batch_size,), [])

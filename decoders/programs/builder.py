@@ -79,8 +79,10 @@ def layer_prefix(layer: int) -> str:
 class ProgramBuilder:
     decoder: Decoder
     batch_size: int
-    cache_len: int          # n_positions: every layer's cache holds this many positions
+    cache_len: int          # every layer's cache holds this many slots (n_positions, plus scratch)
     lowering: XlaLowering
+    # Continuous batching: each line writes at its own slot (`slot` is s32[batch]).
+    per_line_slots: bool = False
 
     @property
     def dtype(self) -> str:
@@ -137,7 +139,8 @@ class ProgramBuilder:
 
     def _step_specs(self, n_tokens: int) -> list[ParamSpec]:
         b = self.batch_size
-        return [ParamSpec("positions", "s32", (b, n_tokens)), ParamSpec("slot", "s32", ()),
+        slot = (b,) if self.per_line_slots else ()
+        return [ParamSpec("positions", "s32", (b, n_tokens)), ParamSpec("slot", "s32", slot),
                 ParamSpec("pad", "s32", (b,))]
 
     def _embed_specs(self, n_tokens: int) -> list[ParamSpec]:

@@ -9,6 +9,12 @@ and the one way to run the model over them.
 one token per line is a decode step (the whole model in one program, or embed, a block
 program per layer and the LM head), more is prefill in context-bucket chunks. sample(),
 the model's forward() and an HF generate() adapter are clients of it.
+
+Under continuous batching (builder.per_line_slots) every line is its own sequence at its
+own length: `forward_lines(token_ids, slots, last_index)` writes line i's tokens from its
+own slot. A chunk runs from each line's length into the scratch slots past n_positions
+(tokens past a line's last index are padding: written beyond its length, never attended,
+overwritten by its next tokens); a line with no part in a step writes at n_positions.
 """
 from __future__ import annotations
 
@@ -91,7 +97,15 @@ class Session:
             keys += [Embed(1), LMHead(1)] + [Block(1, s) for s in self.decode_buckets()]
         for c in self.context_buckets:
             keys += [Embed(c), Block(c, c), LMHead(c)]
+            if self.per_line:
+                # A chunk joins lines at any length: it attends as far as the longest.
+                keys += [Block(c, s) for s in self.token_buckets if s > c]
         return keys
+
+    @property
+    def per_line(self) -> bool:
+        """Continuous batching: each line writes at its own slot."""
+        return self.builder.per_line_slots
 
     def compile(self) -> None:
         self.programs.compile_all(self.eager_programs())
@@ -242,9 +256,10 @@ class Session:
         return self._step_buffers[key]
 
     @staticmethod
-    def positions(pads: np.ndarray, n_tokens: int, slot: int) -> np.ndarray:
-        """Positions of n_tokens written at `slot`: slot minus each line's left padding."""
-        slots = slot + np.arange(n_tokens, dtype=np.int32)[None, :]
+    def positions(pads: np.ndarray, n_tokens: int, slot: int | np.ndarray) -> np.ndarray:
+        """Positions of n_tokens written at `slot` (or at each line's own slot): the slot
+        minus each line's left padding."""
+        slots = np.asarray(slot, np.int32).reshape(-1, 1) + np.arange(n_tokens, dtype=np.int32)[None, :]
         return np.maximum(slots - pads[:, None], 0).astype(np.int32)
 
     def forward(self, token_ids: Any, slot: int, pads: np.ndarray, n_tokens: int | None = None) -> Any:
@@ -293,16 +308,52 @@ class Session:
             logits = self._run(np.ascontiguousarray(ids[:, j:j + 1]), 1, n_attend, slot + j, pads, 0)
         return logits
 
-    def _run(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int, pads: np.ndarray,
-             last_index: int) -> Any:
+    def forward_lines(self, token_ids: np.ndarray, slots: np.ndarray, last_index: np.ndarray) -> Any:
+        """Continuous batching: line i's n tokens token_ids[i] written at its own slots
+        slots[i] .. slots[i] + n - 1 (n is 1 or a context bucket); logits (on the device) of
+        each line's token last_index[i]. A line at slot n_positions has no part in the step."""
+        if not self.per_line:
+            raise ValueError("forward_lines() needs a model built with continuous batching "
+                             "(NeuronConfig(continuous_batching=ContinuousBatchingConfig(...)))")
+        token_ids = np.asarray(token_ids, np.int32)
+        slots, last_index = np.asarray(slots, np.int32), np.asarray(last_index, np.int32)
+        b, n = token_ids.shape
+        if b != self.batch_size or slots.shape != (b,) or last_index.shape != (b,):
+            raise ValueError(f"forward_lines: token_ids [{self.batch_size}, n], slots and last_index "
+                             f"[{self.batch_size}]; got {token_ids.shape}, {slots.shape}, {last_index.shape}")
+        if n != 1 and n not in self.context_buckets:
+            raise ValueError(f"forward_lines: a chunk of {n} tokens; use 1 or a context bucket {self.context_buckets}")
+        live = slots < self.n_positions
+        if (slots < 0).any() or (slots > self.n_positions).any() or (last_index < 0).any() or (last_index >= n).any():
+            raise ValueError(f"forward_lines: slots must be in 0..{self.n_positions} ({self.n_positions}: no part "
+                             f"in the step) and last_index in 0..{n - 1}; got {slots.tolist()}, {last_index.tolist()}")
+        reach = slots[live] + last_index[live] + 1
+        if (reach > self.n_positions).any():
+            raise ValueError(f"forward_lines: a line's last token would be at slot {int(reach.max()) - 1}, past "
+                             f"n_positions {self.n_positions}")
+        longest = int(reach.max()) if live.any() else 1
+        if n == 1:
+            n_attend = bucketing.pick(self.decode_buckets(), longest)
+        else:
+            n_attend = n if longest <= n else bucketing.pick(self.token_buckets, longest)
+        return self._run(token_ids, n, n_attend, slots, np.zeros(b, np.int32), last_index)
+
+    def _run(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int | np.ndarray, pads: np.ndarray,
+             last_index: int | np.ndarray) -> Any:
         if isinstance(token_ids, np.ndarray):
             token_ids = self.placement.put(np.ascontiguousarray(token_ids, dtype=np.int32))
         pad = self.pad_buffer(pads)
         kept = self._step_buffer
-        step = {"positions": kept(("positions", n_tokens, slot), lambda: self.positions(pads, n_tokens, slot)),
-                "slot": kept(("slot", slot), lambda: np.int32(slot)), "pad": pad,
-                "last_index": kept(("last_index", last_index),
-                                   lambda: np.full((self.batch_size,), last_index, np.int32)),
+        b = self.batch_size
+        if self.per_line:
+            slot = np.broadcast_to(np.asarray(slot, np.int32), (b,))
+            slot_key, slot_value = tuple(slot.tolist()), (lambda: np.ascontiguousarray(slot))
+        else:
+            slot_key, slot_value = int(slot), (lambda: np.int32(slot))
+        lasts = np.broadcast_to(np.asarray(last_index, np.int32), (b,))
+        step = {"positions": kept(("positions", n_tokens, slot_key), lambda: self.positions(pads, n_tokens, slot)),
+                "slot": kept(("slot", slot_key), slot_value), "pad": pad,
+                "last_index": kept(("last_index", tuple(lasts.tolist())), lambda: np.ascontiguousarray(lasts)),
                 "token_ids": token_ids}
         if self.lowering.whole_model_decode and n_tokens == 1:
             return self._run_whole(step, n_tokens, n_attend)

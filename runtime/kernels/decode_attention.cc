@@ -2,13 +2,14 @@
 //
 // For line i and query head j (reading kv head j / (h / kvh), as HF's repeat_kv):
 //   out[i, j, 0, :] = softmax_t(scale * q[i, j, 0, :] . k[i, kv, t, :]) v[i, kv, t, :]
-// over the cache slots pad[i] <= t <= slot. It reads the slots in place, so a decode
+// over the cache slots pad[i] <= t <= slot[i]. It reads the slots in place, so a decode
 // step attends to exactly the filled part of the cache without copying a prefix of it
 // (XLA materializes a slice of the cache before its dot). Sums and softmax are f32.
 //
 // Operands: q f32[b, h, 1, d]; k, v f32 or bf16 [b, kvh, S, d], or packed int8 rows
 // s8[b, kvh, S, d + 4] (d values, then the 4 bytes of the row's f32 scale: the row is
-// scale * values); slot s32[]; pad s32[b]; scale f32[]. Result: f32[b, h, 1, d].
+// scale * values); slot s32[b] (each line's newest slot: lines may be at different lengths
+// under continuous batching); pad s32[b]; scale f32[]. Result: f32[b, h, 1, d].
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -56,12 +57,12 @@ inline float row_scale(const int8_t* row, int64_t d) {
 // Each cache row (`stride` elements apart) is read once for the query heads that share its kv head.
 template <typename T>
 void attend(const float* q, const T* k, const T* v, float* out, int64_t b, int64_t h, int64_t kvh,
-            int64_t s, int64_t d, int64_t stride, int64_t slot, const int32_t* pad, float scale) {
+            int64_t s, int64_t d, int64_t stride, const int32_t* slot, const int32_t* pad, float scale) {
   const int64_t group = h / kvh;
   std::vector<float> scores(group * s), top(group), total(group);
   for (int64_t i = 0; i < b; ++i) {
     const int64_t first = pad[i] < 0 ? 0 : pad[i];
-    const int64_t last = slot < s - 1 ? slot : s - 1;
+    const int64_t last = slot[i] < s - 1 ? slot[i] : s - 1;
     for (int64_t c = 0; c < kvh; ++c) {
       const float* qc = q + (i * h + c * group) * d;     // the group's query heads, one after another
       float* oc = out + (i * h + c * group) * d;
@@ -112,14 +113,14 @@ ffi::Error DecodeAttention(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   const int64_t packed = type == ffi::DataType::S8 ? int64_t(sizeof(float)) : 0;
   if (qd.size() != 4 || kd.size() != 4 || qd[2] != 1 || qd[0] != kd[0] || qd[3] + packed != kd[3] ||
       kd[1] == 0 || qd[1] % kd[1] != 0 || v.element_count() != k.element_count() ||
-      pad.element_count() != static_cast<size_t>(qd[0]))
+      pad.element_count() != static_cast<size_t>(qd[0]) || slot.element_count() != static_cast<size_t>(qd[0]))
     return ffi::Error::InvalidArgument(
         "pyhlo_decode_attention: need q[b, h, 1, d], k and v [b, kvh, S, d] (d + 4 for packed s8 "
-        "rows) with h a multiple of kvh, and pad[b]");
+        "rows) with h a multiple of kvh, slot[b] and pad[b]");
   const int64_t b = qd[0], h = qd[1], d = qd[3], kvh = kd[1], s = kd[2], stride = kd[3];
   const float* qp = static_cast<const float*>(q.untyped_data());
   float* op = static_cast<float*>(out->untyped_data());
-  const int64_t at = slot.typed_data()[0];
+  const int32_t* at = slot.typed_data();
   const float sc = scale.typed_data()[0];
   if (type == ffi::DataType::F32) {
     attend(qp, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()), op,

@@ -1,0 +1,190 @@
+"""Continuous batching: requests come and go while the batch keeps running.
+
+    batcher = ContinuousBatcher(model)            # a model built with ContinuousBatchingConfig
+    request = batcher.submit([1, 2, 3], max_new_tokens=32, on_token=print)
+    while batcher.busy:
+        batcher.step()
+
+Each batch line holds one request at a time. A step runs every active line once: lines with
+prompt tokens still to write take the next chunk of them (a context bucket wide) while the
+lines that are generating take their newest token in the same program, so a new prompt never
+stalls the others; with no prompt pending a step is a plain decode step. A request that
+ends (an end-of-sequence token, its token budget, or the end of the cache) frees its line
+for the next waiting request. Tokens are chosen on the host: greedy, or HF transformers'
+temperature / top-k / top-p warpers and a seeded torch generator per request.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+import numpy as np
+
+from decoders.programs import buckets as bucketing
+
+
+@dataclasses.dataclass
+class Request:
+    """One sequence: its prompt, how to choose its tokens, and what it has produced."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0                 # 0: no top-k filter
+    top_p: float = 1.0
+    do_sample: bool = False
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    on_token: Callable[[Request, int], None] | None = None   # called with each new token
+    on_finish: Callable[[Request], None] | None = None
+    id: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)     # generated so far
+    finish_reason: str | None = None                                 # "stop" | "length" | "cancelled"
+    line: int | None = None
+    written: int = 0               # prompt tokens already in the cache
+    _generator: Any = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def length(self) -> int:
+        """Tokens in its sequence so far (prompt and generated)."""
+        return len(self.prompt) + len(self.tokens)
+
+
+class ContinuousBatcher:
+    def __init__(self, model: Any):
+        if not getattr(model, "continuous_batching", False):
+            raise ValueError("ContinuousBatcher needs a model built with NeuronConfig(continuous_batching="
+                             "ContinuousBatchingConfig(batch_size_for_shared_caches=N))")
+        self.model = model
+        self.session = model.session
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.lines: list[Request | None] = [None] * self.session.batch_size
+        self._ids = itertools.count(1)
+        # What the runtime computed, for tests and metrics.
+        self.steps = 0
+        self.prompt_tokens_written = 0
+
+    # -- requests ----------------------------------------------------------------------
+    def submit(self, prompt: list[int], max_new_tokens: int, **options: Any) -> Request:
+        """Queue a request; its tokens arrive through on_token as steps run."""
+        prompt = [int(t) for t in prompt]
+        n_positions = self.session.n_positions
+        if not prompt:
+            raise ValueError("a request needs at least one prompt token")
+        if len(prompt) >= n_positions:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the model holds {n_positions} positions "
+                             f"(n_positions), so at most {n_positions - 1}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        vocab = self.model.decoder.head.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
+        request = Request(prompt, max_new_tokens, id=next(self._ids), **options)
+        if request.do_sample:
+            import torch
+
+            request._generator = torch.Generator()
+            request._generator.manual_seed(request.seed if request.seed is not None else int(np.random.SeedSequence()
+                                                                                             .generate_state(1)[0]))
+        self.waiting.append(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request (a client went away); its line is freed at once."""
+        if request.done:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, "cancelled")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.lines)
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self.lines)
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> None:
+        """Admit waiting requests into free lines, then run every active line once."""
+        for line, held in enumerate(self.lines):
+            if held is None and self.waiting:
+                request = self.waiting.popleft()
+                request.line = line
+                self.lines[line] = request
+        active = [r for r in self.lines if r is not None]
+        if not active:
+            return
+        session = self.session
+        prefilling = [r for r in active if r.written < len(r.prompt)]
+        largest = session.context_buckets[-1]
+        width = 1
+        if prefilling:
+            longest = max(len(r.prompt) - r.written for r in prefilling)
+            width = 1 if longest == 1 else bucketing.pick(session.context_buckets, min(longest, largest))
+        b = session.batch_size
+        tokens = np.zeros((b, width), np.int32)
+        slots = np.full(b, session.n_positions, np.int32)
+        last_index = np.zeros(b, np.int32)
+        choosing = []                       # requests whose next token this step gives
+        for r in active:
+            if r.written < len(r.prompt):
+                part = r.prompt[r.written:r.written + width]
+                tokens[r.line, :len(part)] = part
+                slots[r.line] = r.written
+                last_index[r.line] = len(part) - 1
+                r.written += len(part)
+                self.prompt_tokens_written += len(part)
+                if r.written == len(r.prompt):
+                    choosing.append(r)
+            else:
+                tokens[r.line, 0] = r.tokens[-1]
+                slots[r.line] = r.length - 1
+                choosing.append(r)
+        logits = session.forward_lines(tokens, slots, last_index)
+        self.steps += 1
+        if not choosing:
+            return
+        rows = session.host_logits(logits)
+        for r in choosing:
+            self._accept(r, self._choose(r, rows[r.line]))
+
+    def _choose(self, request: Request, logits: np.ndarray) -> int:
+        if not request.do_sample:
+            return int(np.argmax(logits))
+        import torch
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        warpers = LogitsProcessorList()
+        if request.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(request.temperature))
+        if request.top_k:
+            warpers.append(TopKLogitsWarper(request.top_k))
+        if request.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(request.top_p))
+        scores = warpers(None, torch.from_numpy(logits).reshape(1, -1))
+        probabilities = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probabilities, 1, generator=request._generator)[0, 0])
+
+    def _accept(self, request: Request, token: int) -> None:
+        request.tokens.append(token)
+        if request.on_token is not None:
+            request.on_token(request, token)
+        if token in request.eos_token_ids:
+            self._finish(request, "stop")
+        elif len(request.tokens) >= request.max_new_tokens or request.length >= self.session.n_positions:
+            self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        if request.line is not None and self.lines[request.line] is request:
+            self.lines[request.line] = None
+        if request.on_finish is not None:
+            request.on_finish(request)

@@ -1,0 +1,155 @@
+"""Continuous batching: sequences at their own lengths in the lines of one batch, each giving
+exactly the greedy tokens HF transformers gives it alone; transformers-neuronx's forward()
+with seq_ids; the batcher that admits and retires requests while the batch runs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
+from decoders.session.batcher import ContinuousBatcher
+
+SHAPE = dict(n_positions=64, context_length_estimate=[8, 16])
+
+
+def batched_model(path, lines: int = 4, **options):
+    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=lines), **options)
+    return LlamaForSampling.from_pretrained(path, batch_size=lines, neuron_config=config, **SHAPE).to_neuron()
+
+
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kernels", [None, False])
+def test_forward_with_seq_ids_runs_sequences_at_their_own_lengths(tiny_llama, kernels):
+    """transformers-neuronx's API: a prompt prefilled into line 2 while line 0 is mid-decode,
+    then both decoded in one call, each at its own cache position."""
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = batched_model(path, cpu_kernels=kernels)
+    first, second = list(range(5, 24)), [30, 31, 32]
+    logits = model.forward(torch.tensor([first]), torch.tensor([list(range(len(first)))]), torch.tensor([0]))
+    assert logits.shape == (1, 320)
+    got_first = [int(logits[0].argmax())]
+    for step in range(5):
+        logits = model.forward(torch.tensor([[got_first[-1]]]), torch.tensor([[len(first) + step]]), torch.tensor([0]))
+        got_first.append(int(logits[0].argmax()))
+    got_second = [int(model.forward(torch.tensor([second]), None, torch.tensor([2]))[0].argmax())]
+    for step in range(12):
+        logits = model.forward(torch.tensor([[got_second[-1]], [got_first[-1]]]),
+                               torch.tensor([[len(second) + step], [len(first) + 5 + step]]), torch.tensor([2, 0]))
+        got_second.append(int(logits[0].argmax()))
+        got_first.append(int(logits[1].argmax()))
+    assert got_first == hf_greedy(hf, first, 18)
+    assert got_second == hf_greedy(hf, second, 13)
+
+
+def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(tiny_llama):
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = batched_model(path)
+    batcher = ContinuousBatcher(model)
+    rng = np.random.default_rng(0)
+    lengths = [1, 3, 7, 8, 9, 15, 16, 17, 25, 33, 4, 12]          # under, at and over the buckets; chunked
+    budgets = [20, 5, 12, 30, 8, 16, 3, 24, 10, 6, 28, 14]
+    requests, streamed = [], {}
+
+    def on_token(request, token):
+        streamed.setdefault(request.id, []).append(token)
+
+    for length, budget in zip(lengths, budgets):
+        prompt = rng.integers(1, 320, length).tolist()
+        requests.append(batcher.submit(prompt, max_new_tokens=budget, on_token=on_token))
+    most_active = 0
+    while batcher.busy:
+        batcher.step()
+        most_active = max(most_active, batcher.active)
+    assert most_active == 4
+    for request in requests:
+        assert request.finish_reason == "length"
+        assert request.tokens == hf_greedy(hf, request.prompt, request.max_new_tokens), request.id
+        assert streamed[request.id] == request.tokens
+    # Steps ran lines together: far fewer than one request after another would take.
+    alone = sum(-(-length // 16) + budget - 1 for length, budget in zip(lengths, budgets))
+    assert batcher.steps < 0.5 * alone, (batcher.steps, alone)
+    assert batcher.prompt_tokens_written == sum(lengths)
+
+
+def test_a_request_that_arrives_later_joins_a_running_batch(tiny_llama):
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    batcher = ContinuousBatcher(batched_model(path, lines=2))
+    early = batcher.submit([5, 6, 7], max_new_tokens=20)
+    for _ in range(6):
+        batcher.step()
+    late = batcher.submit(list(range(40, 60)), max_new_tokens=10)      # chunked while `early` decodes
+    while batcher.busy:
+        batcher.step()
+    assert early.tokens == hf_greedy(hf, [5, 6, 7], 20)
+    assert late.tokens == hf_greedy(hf, list(range(40, 60)), 10)
+
+
+def test_eos_cancel_and_the_end_of_the_cache_free_their_lines(tiny_llama):
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    batcher = ContinuousBatcher(batched_model(path, lines=2))
+    expected = hf_greedy(hf, [5, 6, 7], 10)
+    stops = batcher.submit([5, 6, 7], max_new_tokens=10, eos_token_ids=(expected[3],))
+    long = batcher.submit(list(range(1, 50)), max_new_tokens=100)
+    cancelled = batcher.submit([9, 9, 9], max_new_tokens=10)
+    batcher.cancel(cancelled)
+    while batcher.busy:
+        batcher.step()
+    assert stops.finish_reason == "stop" and stops.tokens == expected[:expected.index(expected[3]) + 1]
+    assert long.finish_reason == "length" and long.length == 64       # n_positions
+    assert long.tokens == hf_greedy(hf, list(range(1, 50)), 15)
+    assert cancelled.finish_reason == "cancelled" and cancelled.tokens == []
+
+
+def test_sampling_with_a_seed_reproduces(tiny_llama):
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = batched_model(path, lines=2)
+    runs = []
+    for seeds in ((7, 8), (7, 8), (9, 8)):
+        batcher = ContinuousBatcher(model)
+        made = [batcher.submit([5, 6, 7], max_new_tokens=25, do_sample=True, top_k=50, top_p=0.9, temperature=1.3,
+                               seed=seed) for seed in seeds]
+        while batcher.busy:
+            batcher.step()
+        runs.append([r.tokens for r in made])
+    assert runs[0] == runs[1]
+    assert runs[2][0] != runs[0][0] and runs[2][1] == runs[0][1]
+
+
+def test_sample_still_runs_a_whole_batch(tiny_llama):
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13], [14, 15, 16]]
+    plain = LlamaForSampling.from_pretrained(path, batch_size=4, **SHAPE).to_neuron()
+    expected = plain.sample(prompts, sequence_length=30, top_k=1, eos_token_id=[])
+    assert torch.equal(batched_model(path).sample(prompts, sequence_length=30, top_k=1, eos_token_id=[]), expected)
+
+
+def test_bad_continuous_batching_input_is_a_clear_error(tiny_llama):
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    with pytest.raises(ValueError, match="must equal batch_size=2"):
+        LlamaForSampling.from_pretrained(path, batch_size=2, neuron_config=NeuronConfig(
+            continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=4)), **SHAPE)
+    with pytest.raises(ValueError, match="batch_size_for_shared_caches must be an int"):
+        ContinuousBatchingConfig(batch_size_for_shared_caches=0)
+    model = batched_model(path, lines=2)
+    with pytest.raises(ValueError, match="needs start_ids=seq_ids"):
+        model.forward(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="distinct batch lines in 0..1"):
+        model.forward(torch.tensor([[1, 2, 3]]), None, torch.tensor([2]))
+    with pytest.raises(ValueError, match="consecutive positions"):
+        model.forward(torch.tensor([[1, 2, 3]]), torch.tensor([[0, 2, 3]]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="cache_ids is needed"):
+        model.forward(torch.tensor([[1]]), None, torch.tensor([0]))
+    batcher = ContinuousBatcher(model)
+    with pytest.raises(ValueError, match="at most 63"):
+        batcher.submit(list(range(1, 65)), max_new_tokens=1)
+    with pytest.raises(ValueError, match="ContinuousBatcher needs"):
+        ContinuousBatcher(LlamaForSampling.from_pretrained(path, **SHAPE))
+    with pytest.raises(ValueError, match="forward_lines\\(\\) needs"):
+        LlamaForSampling.from_pretrained(path, **SHAPE).session.forward_lines(np.zeros((1, 1)), [0], [0])
