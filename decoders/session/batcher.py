@@ -160,7 +160,12 @@ class ContinuousBatcher:
         if not request.do_sample:
             return int(np.argmax(logits))
         import torch
-        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+        from transformers import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
 
         warpers = LogitsProcessorList()
         if request.temperature != 1.0:
