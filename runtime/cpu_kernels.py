@@ -11,6 +11,8 @@ CPU (-march=native), into a cache directory (env PYHLO_KERNEL_DIR, default
 ~/.cache/pyhlo/kernels) under a name that hashes the source, the compiler flags, the
 jaxlib version and the CPU, and reused from there. PYHLO_CPU_KERNELS=0 turns them off;
 without a compiler they are off, with one warning, and programs use XLA's own dot.
+PYHLO_KERNEL_FLAGS adds compiler flags (e.g. "-mno-avx512f" builds the AVX2 forms on an
+AVX-512 machine, as the tests do to check every form the host can run).
 """
 from __future__ import annotations
 
@@ -34,7 +36,11 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            DECODE_ATTENTION_TARGET: "PyhloDecodeAttention",
            **{target: f"PyhloMatvec{form.capitalize()}" for form, target in MATVEC_BLOCK_TARGETS.items()}}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name for name in ("matvec.cc", "decode_attention.cc")]
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+_BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+
+
+def _flags() -> list[str]:
+    return _BASE_FLAGS + os.environ.get("PYHLO_KERNEL_FLAGS", "").split()
 
 
 class KernelBuildError(RuntimeError):
@@ -76,7 +82,7 @@ def build(compiler: str | None = None) -> pathlib.Path:
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
     sources = b"\0".join(path.read_bytes() for path in _SOURCES)
     digest = hashlib.sha256(b"\0".join([
-        sources, " ".join(_FLAGS).encode(), compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
+        sources, " ".join(_flags()).encode(), compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
     ])).hexdigest()[:16]
     target = kernel_dir() / f"libpyhlo_kernels-{digest}.so"
     if target.exists():
@@ -84,7 +90,7 @@ def build(compiler: str | None = None) -> pathlib.Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = pathlib.Path(tmp) / target.name
-        command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(built)]
+        command = [compiler, *_flags(), f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(built)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")

@@ -75,3 +75,25 @@ def test_block_kernel_rejects_shapes_it_cannot_run():
         compile_py_func(build((1, 64), ("u8", (4, 64)), (4, 2)))              # Q4 values are k/2 bytes
     with pytest.raises(HloShapeError, match="mins"):
         compile_py_func(build((1, 64), ("s8", (4, 64)), (4, 2), (4, 2)))       # Q8_0 has no minimums
+
+
+KERNEL_FORMS = {"avx2": "-mno-avx512f", "portable": "-mno-avx2 -mno-avx512f"}
+
+
+@pytest.mark.parametrize("form", sorted(KERNEL_FORMS))
+def test_every_instruction_set_form_of_the_kernels_matches_numpy(form):
+    """The kernels built without AVX-512 (the AVX2 forms, on a host with AVX2) and without
+    AVX2 (the portable forms) pass this file's and the decode-attention kernel's checks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYHLO_KERNEL_FLAGS=KERNEL_FORMS[form], PYTHONPATH=str(here.parent))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           str(here / "test_cpu_kernels_blocks.py"), str(here / "test_cpu_kernels.py"),
+                           "-k", "(match or packed or large_head) and not instruction_set"],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout
