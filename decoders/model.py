@@ -318,7 +318,7 @@ class DecoderForSampling:
         if no_repeat_ngram_size is not None and (not isinstance(no_repeat_ngram_size, int)
                                                  or no_repeat_ngram_size < 1):
             raise ValueError(f"no_repeat_ngram_size must be an int >= 1, got {no_repeat_ngram_size!r}")
-        eos_ids = self._eos_ids(eos_token_id if eos_token_id is not None else configured.eos_token_id)
+        eos_ids = self.eos_ids(eos_token_id if eos_token_id is not None else configured.eos_token_id)
         k_max = sampler_bound(top_ks, self.decoder.head.vocab_size, configured.global_top_k,
                               self.session.sampler_k_max)
         generation = Generation(self.session, prompts, top_ks, top_ps, temperatures, seed, no_repeat_ngram_size,
@@ -329,7 +329,8 @@ class DecoderForSampling:
             return out, [torch.from_numpy(s) for s in generation.scores]
         return out
 
-    def _eos_ids(self, eos_token_id: Any) -> list[int]:
+    def eos_ids(self, eos_token_id: Any = None) -> list[int]:
+        """The end-of-sequence ids: the given id(s), else the checkpoint config's."""
         ids = eos_token_id if eos_token_id is not None else self.config.get("eos_token_id")
         if ids is None:
             return []

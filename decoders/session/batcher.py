@@ -41,7 +41,7 @@ class Request:
     on_finish: Callable[[Request], None] | None = None
     id: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)     # generated so far
-    finish_reason: str | None = None                                 # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None             # "stop" | "length" | "cancelled" | "error"
     line: int | None = None
     written: int = 0               # prompt tokens already in the cache
     _generator: Any = None
@@ -73,6 +73,12 @@ class ContinuousBatcher:
     # -- requests ----------------------------------------------------------------------
     def submit(self, prompt: list[int], max_new_tokens: int, **options: Any) -> Request:
         """Queue a request; its tokens arrive through on_token as steps run."""
+        request = self.request(prompt, max_new_tokens, **options)
+        self.add(request)
+        return request
+
+    def request(self, prompt: list[int], max_new_tokens: int, **options: Any) -> Request:
+        """A checked request, not yet queued (add() queues it): safe from any thread."""
         prompt = [int(t) for t in prompt]
         n_positions = self.session.n_positions
         if not prompt:
@@ -89,11 +95,15 @@ class ContinuousBatcher:
         if request.do_sample:
             import torch
 
+            seed = request.seed if request.seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
             request._generator = torch.Generator()
-            request._generator.manual_seed(request.seed if request.seed is not None else int(np.random.SeedSequence()
-                                                                                             .generate_state(1)[0]))
-        self.waiting.append(request)
+            request._generator.manual_seed(seed)
         return request
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by request()."""
+        if not request.done:
+            self.waiting.append(request)
 
     def cancel(self, request: Request) -> None:
         """Stop a request (a client went away); its line is freed at once."""
@@ -102,6 +112,12 @@ class ContinuousBatcher:
         if request in self.waiting:
             self.waiting.remove(request)
         self._finish(request, "cancelled")
+
+    def fail_all(self) -> None:
+        """End every request, queued or running, with finish_reason "error" (a step failed)."""
+        for request in [*self.waiting, *(r for r in self.lines if r is not None)]:
+            self._finish(request, "error")
+        self.waiting.clear()
 
     @property
     def busy(self) -> bool:

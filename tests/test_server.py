@@ -1,0 +1,200 @@
+"""`pyhlo serve`'s OpenAI-compatible API on SmolLM2, started on a free loopback port: the
+official openai client, streaming, concurrent clients getting what sample() gives each
+prompt alone, errors in OpenAI's shape, and clients that go away freeing their lines.
+Every wait here is bounded."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+LINES = 4
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf):
+    import uvicorn
+
+    from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
+    from tools.openai_api import create_app
+    from tools.serving_engine import Engine
+
+    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=LINES))
+    model = LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=LINES, n_positions=256,
+                                             context_length_estimate=[32, 64], neuron_config=config).to_neuron()
+    engine = Engine(model, "smollm2").start()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    running = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=running.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not running.started:
+        assert time.monotonic() < deadline, "the server did not start in 30 s"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    running.should_exit = True
+    thread.join(timeout=30)
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def alone(smollm2_gguf):
+    """The text sample() gives a prompt alone (greedy, batch 1, no continuous batching)."""
+    from decoders import LlamaForSampling
+
+    model = LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=1, n_positions=256,
+                                             context_length_estimate=[32, 64]).to_neuron()
+    tokenizer = model.tokenizer
+    eos = set(model.eos_ids())
+
+    def text(prompt_ids: list[int], max_tokens: int) -> str:
+        out = model.sample([prompt_ids], sequence_length=len(prompt_ids) + max_tokens, top_k=1)
+        new = [t for t in out[0, len(prompt_ids):].tolist() if t not in eos]
+        return tokenizer.decode(new, skip_special_tokens=True)
+
+    return model, text
+
+
+def client(base: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=base + "/v1", api_key="none", timeout=60, max_retries=0)
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_the_openai_client_gets_a_completion_and_a_streamed_chat_completion(server, alone):
+    base, _ = server
+    model, text = alone
+    api = client(base)
+    done = api.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12, temperature=0)
+    prompt_ids = list(model.tokenizer("The capital of France is")["input_ids"])
+    assert done.choices[0].text == text(prompt_ids, 12)
+    assert done.usage.prompt_tokens == len(prompt_ids) and done.usage.completion_tokens == 12
+    assert done.choices[0].finish_reason == "length"
+
+    question = "What is the capital of France?"
+    stream = api.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                         max_tokens=40, temperature=0, stream=True)
+    pieces, reasons = [], []
+    for chunk in stream:
+        pieces.append(chunk.choices[0].delta.content or "")
+        reasons.append(chunk.choices[0].finish_reason)
+    answer = "".join(pieces)
+    assert answer == text(chat_ids(model.tokenizer, question), 40)
+    assert "Paris" in answer and reasons[-1] in ("stop", "length")
+    whole = api.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                        max_tokens=40, temperature=0)
+    assert whole.choices[0].message.content == answer
+
+
+def test_sixteen_concurrent_streams_each_get_what_sample_gives_their_prompt_alone(server, alone):
+    from openai import AsyncOpenAI
+
+    base, engine = server
+    model, text = alone
+    topics = ["the sea", "a cat", "winter", "coffee", "the moon", "trains", "music", "bread", "rain", "a garden",
+              "mountains", "a library", "fire", "the desert", "bees", "a clock"]
+    questions = [f"Write one sentence about {topic}." for topic in topics]
+    api = AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
+
+    async def one(question: str) -> str:
+        stream = await api.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                                   max_tokens=24, temperature=0, stream=True)
+        return "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
+
+    async def everyone():
+        return await asyncio.wait_for(asyncio.gather(*(one(q) for q in questions)), timeout=300)
+
+    steps_before = engine.batcher.steps
+    answers = asyncio.run(everyone())
+    for question, answer in zip(questions, answers):
+        assert answer == text(chat_ids(model.tokenizer, question), 24), question
+    # Requests shared steps: 16 answers of up to 24 tokens took far fewer than 16 * 24 steps.
+    assert engine.batcher.steps - steps_before < 16 * 24 / 2
+
+
+def test_bad_requests_get_4xx_in_openais_shape_and_the_server_keeps_answering(server):
+    base, _ = server
+    with httpx.Client(base_url=base, timeout=30) as http:
+        cases = [
+            ({"prompt": "word " * 400, "max_tokens": 4}, 400, "context_length_exceeded"),
+            ({"prompt": "hello", "max_tokens": 300}, 400, "context_length_exceeded"),
+            ({"prompt": "hello", "model": "gpt-9"}, 404, "model_not_found"),
+            ({"prompt": "hello", "temperature": -1}, 400, None),
+            ({"prompt": "hello", "n": 2}, 400, None),
+            ({"max_tokens": 4}, 400, None),
+            ({"prompt": [999999], "max_tokens": 4}, 400, None),
+        ]
+        for body, status, code in cases:
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == status, (body, response.text)
+            error = response.json()["error"]
+            assert error["message"] and error["type"] == "invalid_request_error" and error["code"] == code
+        broken = http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
+        no_messages = http.post("/v1/chat/completions", json={"messages": []})
+        assert no_messages.status_code == 400
+        assert http.get("/health").json() == {"status": "ok"}
+        models = http.get("/v1/models").json()
+        assert models["data"][0]["id"] == "smollm2" and models["data"][0]["max_model_len"] == 256
+        ok = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_stop_strings_and_seeds(server):
+    base, _ = server
+    api = client(base)
+    whole = api.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0).choices[0].text
+    stop = whole.strip().split(",")[1].strip()             # a number the answer goes on to write
+    cut = api.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == whole[:whole.index(stop)] and cut.choices[0].finish_reason == "stop"
+    sampled = [api.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95,
+                                      seed=seed, extra_body={"top_k": 40}).choices[0].text for seed in (5, 5, 6)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+
+
+def test_fifty_clients_a_quarter_leaving_mid_stream_leave_no_line_in_use(server):
+    base, engine = server
+
+    async def one(i: int, http: httpx.AsyncClient) -> int:
+        body = {"prompt": f"Story number {i}:", "max_tokens": 32, "temperature": 0, "stream": True}
+        received = 0
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    json.loads(line[6:])
+                    received += 1
+                    if i % 4 == 0 and received == 2:
+                        return received            # leaves: the connection is closed mid-stream
+        return received
+
+    async def everyone():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            return await asyncio.wait_for(asyncio.gather(*(one(i, http) for i in range(50))), timeout=400)
+
+    received = asyncio.run(everyone())
+    assert all(count >= 2 for count in received)
+    deadline = time.monotonic() + 60
+    while not engine.idle():
+        assert time.monotonic() < deadline, "lines still in use 60 s after every client finished or left"
+        time.sleep(0.1)
+    assert engine.batcher.active == 0 and not engine.batcher.waiting
+    with httpx.Client(base_url=base, timeout=30) as http:
+        metrics = http.get("/metrics").text
+        assert "pyhlo_busy_lines 0.0" in metrics
+        assert 'pyhlo_requests_total{finish_reason="cancelled"}' in metrics
+        assert "pyhlo_time_to_first_token_seconds_count" in metrics
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200

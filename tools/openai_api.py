@@ -1,0 +1,234 @@
+"""OpenAI-compatible HTTP API over an Engine, on FastAPI (served by uvicorn).
+
+    POST /v1/completions         prompt (text or token ids) -> text; "stream": true for SSE
+    POST /v1/chat/completions    messages, through the model's chat template
+    GET  /v1/models, /health, /metrics (Prometheus text)
+
+Per request: max_tokens, temperature (0: greedy), top_p, top_k, stop, seed. Errors come in
+OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: a prompt
+over the context length, malformed JSON, a wrong field, an unknown model. A client that
+goes away mid-stream has its request cancelled, which frees its batch line.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from tools.serving_engine import Engine, Sampling
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")          # fields we do not use (user, logit_bias...) are ignored
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """text up to the first stop string, and whether one was found."""
+    found = [text.index(s) for s in stops if s in text]
+    return (text[:min(found)], True) if found else (text, False)
+
+
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="pyhlo", description="OpenAI-compatible completions over a pyhlo model")
+    app.state.engine = engine
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> JSONResponse:
+        return _error(error.status, error.message, error.param, error.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        return _error(400, f"{where}: {message}" if where else message, where or None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return _error(error.status_code, str(error.detail))
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, "", engine.name):
+            raise ApiError(404, f"the model {name!r} does not exist; this server has {engine.name!r}", "model",
+                           "model_not_found")
+
+    def sampling(body: _Common, prompt_tokens: int) -> Sampling:
+        room = engine.n_positions - prompt_tokens
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this model's context is "
+                                f"{engine.n_positions} tokens, so at most {engine.n_positions - 1}",
+                           "messages" if isinstance(body, ChatRequest) else "prompt", "context_length_exceeded")
+        wanted = body.max_completion_tokens or body.max_tokens
+        if wanted is not None and wanted > room:
+            raise ApiError(400, f"max_tokens {wanted} + the prompt's {prompt_tokens} tokens exceed the context of "
+                                f"{engine.n_positions} tokens", "max_tokens", "context_length_exceeded")
+        default = 16 if isinstance(body, CompletionRequest) else room
+        return Sampling(max_tokens=wanted or min(default, room), temperature=body.temperature, top_p=body.top_p,
+                        top_k=body.top_k, seed=body.seed)
+
+    def completion_prompt(body: CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, "one prompt per request (n=1 and a single prompt)", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return list(engine.tokenizer(prompt)["input_ids"])
+        return list(prompt)
+
+    def chat_prompt(body: ChatRequest) -> list[int]:
+        tokenizer = engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
+        ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    async def run(http: Request, body: _Common, prompt: list[int], chat: bool):
+        check_model(body.model)
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        settings = sampling(body, len(prompt))
+        loop = asyncio.get_running_loop()
+        try:
+            request, pieces = engine.submit(prompt, settings, loop)
+        except ValueError as error:
+            raise ApiError(400, str(error), "prompt") from None
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stops = _stops(body.stop)
+        if body.stream:
+            return StreamingResponse(_stream(http, request, pieces, ident, created, chat, stops),
+                                     media_type="text/event-stream")
+        text, stopped = "", False
+        try:
+            while (piece := await pieces.get()) is not None:
+                text, stopped = _cut_at_stop(text + piece, stops)
+                if stopped:
+                    engine.cancel(request)
+                    break
+        except asyncio.CancelledError:
+            engine.cancel(request)
+            raise
+        reason = "stop" if stopped else _reason(request.finish_reason)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(request.tokens),
+                 "total_tokens": len(prompt) + len(request.tokens)}
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                      "logprobs": None}
+            return {"id": ident, "object": "chat.completion", "created": created, "model": engine.name,
+                    "choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        return {"id": ident, "object": "text_completion", "created": created, "model": engine.name,
+                "choices": [choice], "usage": usage}
+
+    async def _stream(http: Request, request, pieces: asyncio.Queue, ident: str, created: int, chat: bool,
+                      stops: list[str]):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(text: str | None, reason: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            chunk = {"id": ident, "object": kind, "created": created, "model": engine.name, "choices": [choice]}
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        sent, stopped = "", False
+        try:
+            if chat:
+                yield event(None, None, first=True)
+            while (piece := await pieces.get()) is not None:
+                text, stopped = _cut_at_stop(sent + piece, stops)
+                if len(text) > len(sent):
+                    yield event(text[len(sent):], None)
+                    sent = text
+                if stopped:
+                    engine.cancel(request)
+                    break
+            yield event(None, "stop" if stopped else _reason(request.finish_reason))
+            yield "data: [DONE]\n\n"
+        finally:
+            # The client went away (the generator is closed) or the answer is done: either way
+            # the request holds no batch line once this returns.
+            engine.cancel(request)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request, body: CompletionRequest):
+        return await run(http, body, completion_prompt(body), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request, body: ChatRequest):
+        return await run(http, body, chat_prompt(body), chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": 0,
+                                            "owned_by": "pyhlo", "max_model_len": engine.n_positions}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _reason(finish_reason: str | None) -> str:
+    """OpenAI's finish_reason for the batcher's."""
+    return {"stop": "stop", "length": "length"}.get(finish_reason or "", "stop")

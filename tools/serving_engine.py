@@ -1,0 +1,148 @@
+"""The model behind the server: one thread runs the continuous batcher; asyncio handlers
+submit requests and read their text from queues.
+
+Handlers never wait for a step: they hand requests and cancellations to the engine thread
+through an inbox, which it empties before each step.
+
+Each request's tokens go through HF transformers' TextStreamer (its word-boundary and
+UTF-8-safe decoding) into an asyncio queue of text pieces, closed by None. Prometheus
+metrics count requests, tokens, queue length, busy lines and time to first token.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue as queues
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from transformers import TextStreamer
+
+from decoders.session.batcher import ContinuousBatcher, Request
+
+log = logging.getLogger("pyhlo")
+
+
+@dataclass
+class Sampling:
+    """What a request asks of the token choice and of its end."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+class _QueueStreamer(TextStreamer):
+    """TextStreamer whose finished text pieces go to an asyncio queue (from the engine thread)."""
+
+    def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
+        self.loop, self.queue = loop, queue
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if text:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, text)
+
+
+class Engine:
+    def __init__(self, model: Any, name: str):
+        self.model = model
+        self.name = name
+        self.tokenizer = model.tokenizer
+        self.batcher = ContinuousBatcher(model)
+        self.eos_token_ids = tuple(model.eos_ids(None))
+        self._inbox: queues.SimpleQueue = queues.SimpleQueue()     # ("add" | "cancel" | "stop", request)
+        self._thread = threading.Thread(target=self._loop, name="pyhlo-engine", daemon=True)
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pyhlo_requests", "Requests by how they ended", ["finish_reason"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("pyhlo_prompt_tokens", "Prompt tokens received", registry=self.registry)
+        self.generated_tokens = Counter("pyhlo_generated_tokens", "Tokens generated", registry=self.registry)
+        self.waiting = Gauge("pyhlo_waiting_requests", "Requests waiting for a batch line", registry=self.registry)
+        self.busy_lines = Gauge("pyhlo_busy_lines", "Batch lines holding a request", registry=self.registry)
+        self.lines = Gauge("pyhlo_lines", "Batch lines (KV cache lines)", registry=self.registry)
+        self.lines.set(model.batch_size)
+        self.ttft = Histogram("pyhlo_time_to_first_token_seconds", "From arrival to the first token",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry)
+        self.steps = Counter("pyhlo_steps", "Batch steps run", registry=self.registry)
+
+    @property
+    def n_positions(self) -> int:
+        return self.model.n_positions
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    # -- requests (from the event loop) ----------------------------------------------------
+    def submit(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop
+               ) -> tuple[Request, asyncio.Queue]:
+        """Queue a request; text pieces arrive on the returned queue, then None."""
+        queue: asyncio.Queue = asyncio.Queue()
+        streamer = _QueueStreamer(self.tokenizer, loop, queue)
+        arrived = time.perf_counter()
+
+        def on_token(request: Request, token: int) -> None:
+            if len(request.tokens) == 1:
+                self.ttft.observe(time.perf_counter() - arrived)
+            self.generated_tokens.inc()
+            if token not in request.eos_token_ids:
+                import torch
+
+                streamer.put(torch.tensor([token]))
+
+        def on_finish(request: Request) -> None:
+            streamer.end()
+            self.requests.labels(request.finish_reason).inc()
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        greedy = sampling.temperature == 0
+        options = dict(do_sample=not greedy, temperature=sampling.temperature if not greedy else 1.0,
+                       top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+                       eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish)
+        request = self.batcher.request(prompt, sampling.max_tokens, **options)     # a ValueError: bad request
+        self.prompt_tokens.inc(len(prompt))
+        self._inbox.put(("add", request))
+        return request, queue
+
+    def cancel(self, request: Request) -> None:
+        self._inbox.put(("cancel", request))
+
+    def idle(self) -> bool:
+        """No request queued, running, or on its way in."""
+        return self._inbox.empty() and not self.batcher.busy
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        batcher = self.batcher
+        while True:
+            # Block for work when idle; otherwise take whatever arrived since the last step.
+            while True:
+                try:
+                    kind, request = self._inbox.get(block=not batcher.busy)
+                except queues.Empty:
+                    break
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    batcher.add(request)
+                else:
+                    batcher.cancel(request)
+            self.waiting.set(len(batcher.waiting))
+            if batcher.busy:
+                try:
+                    batcher.step()
+                except Exception:            # the server lives on; these requests end with an error
+                    log.exception("a batch step failed; ending its requests")
+                    batcher.fail_all()
+                self.steps.inc()
+            self.busy_lines.set(batcher.active)
