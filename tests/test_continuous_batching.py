@@ -75,7 +75,7 @@ def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(
     # Steps ran lines together: far fewer than one request after another would take.
     alone = sum(-(-length // 16) + budget - 1 for length, budget in zip(lengths, budgets))
     assert batcher.steps < 0.5 * alone, (batcher.steps, alone)
-    assert batcher.prompt_tokens_written == sum(lengths)
+    assert batcher.prompt_tokens_written + batcher.prompt_tokens_reused == sum(lengths)
 
 
 def test_a_request_that_arrives_later_joins_a_running_batch(tiny_llama):
@@ -153,3 +153,40 @@ def test_bad_continuous_batching_input_is_a_clear_error(tiny_llama):
         ContinuousBatcher(LlamaForSampling.from_pretrained(path, **SHAPE))
     with pytest.raises(ValueError, match="forward_lines\\(\\) needs"):
         LlamaForSampling.from_pretrained(path, **SHAPE).session.forward_lines(np.zeros((1, 1)), [0], [0])
+
+
+def test_a_prompt_sharing_a_cached_prefix_computes_only_the_rest(tiny_llama):
+    """Prefix caching: a second request sharing a 100-token prefix reuses it (counted by the
+    batcher), with the tokens HF gives it alone; a chat's next turn reuses the whole first
+    exchange; an unrelated request takes the least recently used line."""
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=2))
+    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=256, context_length_estimate=[16, 64],
+                                             neuron_config=config).to_neuron()
+    batcher = ContinuousBatcher(model)
+    prefix = np.random.default_rng(1).integers(1, 320, 100).tolist()
+
+    def run(prompt, new_tokens):
+        request = batcher.submit(prompt, max_new_tokens=new_tokens)
+        while batcher.busy:
+            batcher.step()
+        return request
+
+    first = run(prefix + [7, 8, 9], 10)
+    assert first.reused == 0 and batcher.prompt_tokens_written == 103
+    second = run(prefix + [11, 12], 12)
+    assert second.reused == 100 and second.line == first.line
+    assert batcher.prompt_tokens_written == 103 + 2
+    assert second.tokens == hf_greedy(hf, prefix + [11, 12], 12)
+
+    # The next turn of a chat: the first exchange (all but its last token are in the cache).
+    turn = second.prompt + second.tokens + [13, 14]
+    reply = run(turn, 8)
+    assert reply.reused == len(second.prompt) + len(second.tokens) - 1 and reply.line == second.line
+    assert reply.tokens == hf_greedy(hf, turn, 8)
+
+    # No shared prefix: the other line (least recently used) is taken, the chat's prefix kept.
+    other = run([200, 201, 202], 5)
+    assert other.reused == 0 and other.line != reply.line
+    again = run(turn, 8)
+    assert again.reused == len(turn) - 1 and again.tokens == reply.tokens

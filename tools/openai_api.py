@@ -163,7 +163,8 @@ def create_app(engine: Engine) -> FastAPI:
             raise
         reason = "stop" if stopped else _reason(request.finish_reason)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(request.tokens),
-                 "total_tokens": len(prompt) + len(request.tokens)}
+                 "total_tokens": len(prompt) + len(request.tokens),
+                 "prompt_tokens_details": {"cached_tokens": request.reused}}
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                       "logprobs": None}

@@ -62,6 +62,8 @@ class Engine:
         self.requests = Counter("pyhlo_requests", "Requests by how they ended", ["finish_reason"],
                                 registry=self.registry)
         self.prompt_tokens = Counter("pyhlo_prompt_tokens", "Prompt tokens received", registry=self.registry)
+        self.cached_tokens = Counter("pyhlo_prompt_tokens_cached", "Prompt tokens found in a line's cached prefix",
+                                     registry=self.registry)
         self.generated_tokens = Counter("pyhlo_generated_tokens", "Tokens generated", registry=self.registry)
         self.waiting = Gauge("pyhlo_waiting_requests", "Requests waiting for a batch line", registry=self.registry)
         self.busy_lines = Gauge("pyhlo_busy_lines", "Batch lines holding a request", registry=self.registry)
@@ -94,6 +96,7 @@ class Engine:
         def on_token(request: Request, token: int) -> None:
             if len(request.tokens) == 1:
                 self.ttft.observe(time.perf_counter() - arrived)
+                self.cached_tokens.inc(request.reused)
             self.generated_tokens.inc()
             if token not in request.eos_token_ids:
                 import torch

@@ -10,7 +10,13 @@ prompt tokens still to write take the next chunk of them (a context bucket wide)
 lines that are generating take their newest token in the same program, so a new prompt never
 stalls the others; with no prompt pending a step is a plain decode step. A request that
 ends (an end-of-sequence token, its token budget, or the end of the cache) frees its line
-for the next waiting request. Tokens are chosen on the host: greedy, or HF transformers'
+for the next waiting request.
+
+Prefix caching: a free line keeps the keys and values of the tokens its last request wrote.
+A new request goes to the free line whose kept tokens share the longest prefix with its
+prompt (the least recently used free line when none does, so the others' prefixes live
+longest), and only the rest of its prompt is computed: a shared system prompt or a chat's
+earlier turns are not prefilled again. Tokens are chosen on the host: greedy, or HF transformers'
 temperature / top-k / top-p warpers and a seeded torch generator per request.
 """
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Request:
     finish_reason: str | None = None             # "stop" | "length" | "cancelled" | "error"
     line: int | None = None
     written: int = 0               # prompt tokens already in the cache
+    reused: int = 0                # of those, taken from the line's kept prefix (not computed)
     _generator: Any = None
 
     @property
@@ -65,10 +72,15 @@ class ContinuousBatcher:
         self.session = model.session
         self.waiting: collections.deque[Request] = collections.deque()
         self.lines: list[Request | None] = [None] * self.session.batch_size
+        # Per line: the tokens whose keys and values its cache holds from slot 0 (while it is
+        # free), and the step it was last used at.
+        self.kept: list[list[int]] = [[] for _ in self.lines]
+        self.last_used: list[int] = [0] * len(self.lines)
         self._ids = itertools.count(1)
         # What the runtime computed, for tests and metrics.
         self.steps = 0
-        self.prompt_tokens_written = 0
+        self.prompt_tokens_written = 0        # computed (not reused) prompt tokens
+        self.prompt_tokens_reused = 0
 
     # -- requests ----------------------------------------------------------------------
     def submit(self, prompt: list[int], max_new_tokens: int, **options: Any) -> Request:
@@ -130,11 +142,7 @@ class ContinuousBatcher:
     # -- one step ------------------------------------------------------------------------
     def step(self) -> None:
         """Admit waiting requests into free lines, then run every active line once."""
-        for line, held in enumerate(self.lines):
-            if held is None and self.waiting:
-                request = self.waiting.popleft()
-                request.line = line
-                self.lines[line] = request
+        self._admit()
         active = [r for r in self.lines if r is not None]
         if not active:
             return
@@ -172,6 +180,21 @@ class ContinuousBatcher:
         for r in choosing:
             self._accept(r, self._choose(r, rows[r.line]))
 
+    def _admit(self) -> None:
+        """Waiting requests, first come first served, each into the free line that holds the
+        longest prefix of its prompt (the least recently used one when none does)."""
+        while self.waiting and None in self.lines:
+            request = self.waiting.popleft()
+            free = [i for i, held in enumerate(self.lines) if held is None]
+            # The prompt's last token always runs: its logits give the first new token.
+            shared = {i: _common_prefix(self.kept[i], request.prompt[:-1]) for i in free}
+            line = max(free, key=lambda i: (shared[i], -self.last_used[i]))
+            request.line, request.written = line, shared[line]
+            request.reused = shared[line]
+            self.prompt_tokens_reused += shared[line]
+            self.lines[line] = request
+            self.kept[line] = []
+
     def _choose(self, request: Request, logits: np.ndarray) -> int:
         if not request.do_sample:
             return int(np.argmax(logits))
@@ -207,5 +230,19 @@ class ContinuousBatcher:
         request.finish_reason = reason
         if request.line is not None and self.lines[request.line] is request:
             self.lines[request.line] = None
+            # What the cache holds: the prompt as far as it was written, then every generated
+            # token but the last (which was never fed back).
+            fed = len(request.prompt) + max(len(request.tokens) - 1, 0) \
+                if request.written == len(request.prompt) else request.written
+            self.kept[request.line] = (request.prompt + request.tokens)[:fed]
+            self.last_used[request.line] = self.steps
         if request.on_finish is not None:
             request.on_finish(request)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
