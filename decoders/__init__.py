@@ -30,11 +30,13 @@ from decoders.families.mixtral import MixtralForSampling
 from decoders.families.opt import OPTForSampling
 from decoders.families.qwen2 import Qwen2ForSampling
 from decoders.quantization import QuantizationConfig
+from decoders.session.speculative import SpeculativeGenerator
 
 __all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",
            "GPTNeoXForSampling", "GQA", "GenerationConfig", "HuggingFaceGenerationModelAdapter", "LlamaForSampling",
            "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM", "NeuronConfig", "ContinuousBatchingConfig",
-           "NotSupportedYet", "OPTForSampling", "QuantizationConfig", "Qwen2ForSampling"]
+           "NotSupportedYet", "OPTForSampling", "QuantizationConfig", "Qwen2ForSampling",
+           "SpeculativeGenerator"]
 
 
 def __getattr__(name: str):

@@ -183,6 +183,16 @@ class DecoderForSampling:
         if not self.session.loaded:
             raise RuntimeError("call model.to_neuron() before sample() or forward()")
 
+    def enable_speculative_decoder(self, speculation_length: int) -> None:
+        """As transformers-neuronx: build the program that checks `speculation_length` draft
+        tokens (and the token before them) in one call, for SpeculativeGenerator. Call it
+        before to_neuron(), which then compiles that program too."""
+        if not isinstance(speculation_length, int) or speculation_length < 1:
+            raise ValueError(f"speculation_length must be an int >= 1, got {speculation_length!r}")
+        if speculation_length + 1 > self.n_positions:
+            raise ValueError(f"speculation_length {speculation_length} does not fit n_positions {self.n_positions}")
+        self.session.speculation_length = speculation_length
+
     # -- forward -----------------------------------------------------------------
     def forward(self, input_ids: Any, cache_ids: Any = None, start_ids: Any = None):
         """Run input_ids [batch, n] through the model; f32 logits [batch, vocab] of the last token.

@@ -152,6 +152,17 @@ class Head:
                 index = reshape(dynamic_slice(last_index, [i], [1]), ())
                 picked.append(dynamic_slice(hidden, [i, index, 0], [1, 1, width]))
             rows = reshape(concatenate(picked, 0), (b, width))
+        return self.project(values, rows)
+
+    def every_position(self, values: PieceValues, hidden: HloValue) -> HloValue:
+        """f32 logits [b, n, vocab] of every position (speculative decoding's check of the
+        draft tokens)."""
+        b, n, width = hidden.dims
+        logits = self.project(values, reshape(hidden, (b * n, width)))
+        return reshape(logits, (b, n, logits.dims[1]))
+
+    def project(self, values: PieceValues, rows: HloValue) -> HloValue:
+        """Final norm and vocabulary projection of hidden rows [r, hidden] -> f32 logits [r, vocab]."""
         if self.norm is not None:
             rows = self.norm(values.scoped("final_norm", self.norm), rows)
         if self.projection is not None:

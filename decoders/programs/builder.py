@@ -191,6 +191,17 @@ class ProgramBuilder:
                  ParamSpec("last_index", "s32", (b,)), *(self.spec(p) for p in self.head_params())]
         return _program(f"lm_head_n{n_tokens}", specs, ["logits"], lambda p: {"logits": self._head(p)})
 
+    def lm_head_all(self, n_tokens: int) -> Program:
+        b = self.batch_size
+        specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, self.decoder.head.hidden)),
+                 *(self.spec(p) for p in self.head_params())]
+
+        def body(p):
+            values = PieceValues(p, self.lowering, "", self.head_params())
+            return {"logits": self.decoder.head.every_position(values, p["hidden"])}
+
+        return _program(f"lm_head_all_n{n_tokens}", specs, ["logits"], body)
+
     def model_step(self, n_tokens: int, n_attend: int) -> Program:
         """The whole model unrolled into one program: token ids -> logits, every layer's
         caches updated in place. Parameters of layer i are named `layer{i}.NAME`."""

@@ -45,6 +45,17 @@ class LMHead:
 
 
 @dataclass(frozen=True)
+class LMHeadAll:
+    """Final norm and vocabulary projection of every one of n_tokens positions -> f32 logits
+    [b, n_tokens, vocab] (speculative decoding)."""
+
+    n_tokens: int
+
+    def build(self, builder: ProgramBuilder) -> Program:
+        return builder.lm_head_all(self.n_tokens)
+
+
+@dataclass(frozen=True)
 class ModelStep:
     """The whole model unrolled: token ids -> logits, every layer's caches updated."""
 

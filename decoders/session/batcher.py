@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from decoders.programs import buckets as bucketing
+from decoders.session import choice
 
 
 @dataclasses.dataclass
@@ -105,11 +106,7 @@ class ContinuousBatcher:
             raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
         request = Request(prompt, max_new_tokens, id=next(self._ids), **options)
         if request.do_sample:
-            import torch
-
-            seed = request.seed if request.seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
-            request._generator = torch.Generator()
-            request._generator.manual_seed(seed)
+            request._generator = choice.seeded_generator(request.seed)
         return request
 
     def add(self, request: Request) -> None:
@@ -198,24 +195,8 @@ class ContinuousBatcher:
     def _choose(self, request: Request, logits: np.ndarray) -> int:
         if not request.do_sample:
             return int(np.argmax(logits))
-        import torch
-        from transformers import (
-            LogitsProcessorList,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        warpers = LogitsProcessorList()
-        if request.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(request.temperature))
-        if request.top_k:
-            warpers.append(TopKLogitsWarper(request.top_k))
-        if request.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(request.top_p))
-        scores = warpers(None, torch.from_numpy(logits).reshape(1, -1))
-        probabilities = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probabilities, 1, generator=request._generator)[0, 0])
+        return choice.draw(choice.probabilities(logits, request.temperature, request.top_k, request.top_p),
+                           request._generator)
 
     def _accept(self, request: Request, token: int) -> None:
         request.tokens.append(token)

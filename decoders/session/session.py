@@ -28,7 +28,7 @@ from decoders.blocks.params import read
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder, layer_prefix
 from decoders.programs.compiled import ProgramSet
-from decoders.programs.keys import Block, Embed, Greedy, LMHead, ModelStep, ProgramKey, Sampler
+from decoders.programs.keys import Block, Embed, Greedy, LMHead, LMHeadAll, ModelStep, ProgramKey, Sampler
 from decoders.session import presharded as preshards
 from pyhlo.dtypes import numpy_dtype
 from runtime.kv_cache import KVCache
@@ -58,6 +58,9 @@ class Session:
         # The unrolled decode program's names of each layer's weights and caches (load_weights()).
         self._prefixed_weights: dict[str, Any] = {}
         self._prefixed_cache_names: list[tuple[str, str]] = []
+        # Speculative decoding (enable_speculative_decoder): the target checks this many draft
+        # tokens, plus the token before them, in one program (forward_all()).
+        self.speculation_length: int | None = None
         # The sampler bound of NeuronConfig.on_device_generation, compiled with the rest so that
         # changing its settings later compiles nothing (None: the sampler is built on first use).
         self.sampler_k_max: int | None = None
@@ -100,6 +103,9 @@ class Session:
             if self.per_line:
                 # A chunk joins lines at any length: it attends as far as the longest.
                 keys += [Block(c, s) for s in self.token_buckets if s > c]
+        if self.speculation_length is not None:
+            n = self.speculation_length + 1
+            keys += [Embed(n), LMHeadAll(n)] + [Block(n, s) for s in self.token_buckets]
         return keys
 
     @property
@@ -224,10 +230,11 @@ class Session:
 
     # -- logits on the host -----------------------------------------------------------------
     def host_logits(self, logits: Any) -> np.ndarray:
-        """forward()'s logits as a new numpy f32 [batch, vocab]: the replicas' blocks joined,
-        the padding past the vocabulary trimmed. The one place full logits are gathered."""
+        """forward()'s logits as a new numpy f32 [batch, vocab] (forward_all()'s [batch, n,
+        vocab]): the replicas' blocks joined, the padding past the vocabulary trimmed. The one
+        place full logits are gathered."""
         parts = [self.placement.host(logits, r) for r in range(self.builder.tp_degree)]
-        return np.ascontiguousarray(np.concatenate(parts, axis=1)[:, :self.builder.decoder.head.vocab_size])
+        return np.ascontiguousarray(np.concatenate(parts, axis=-1)[..., :self.builder.decoder.head.vocab_size])
 
     def device_logits(self, host: np.ndarray) -> Any:
         """host_logits()'s inverse: f32 [batch, vocab] put back as forward() returns them, each
@@ -338,8 +345,18 @@ class Session:
             n_attend = n if longest <= n else bucketing.pick(self.token_buckets, longest)
         return self._run(token_ids, n, n_attend, slots, np.zeros(b, np.int32), last_index)
 
+    def forward_all(self, token_ids: np.ndarray, slot: int, pads: np.ndarray) -> Any:
+        """Logits (on the device) of every one of the n tokens written at `slot`, f32 [batch,
+        n, vocab]: speculative decoding's check of draft tokens in one program."""
+        token_ids = np.asarray(token_ids, np.int32)
+        n = token_ids.shape[1]
+        if slot < 0 or slot + n > self.n_positions:
+            raise ValueError(f"cache slots {slot}..{slot + n - 1} are outside the cache of n_positions {self.n_positions}")
+        n_attend = bucketing.pick(self.token_buckets, slot + n)
+        return self._run(token_ids, n, n_attend, slot, np.asarray(pads, np.int32), 0, every_position=True)
+
     def _run(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int | np.ndarray, pads: np.ndarray,
-             last_index: int | np.ndarray) -> Any:
+             last_index: int | np.ndarray, every_position: bool = False) -> Any:
         if isinstance(token_ids, np.ndarray):
             token_ids = self.placement.put(np.ascontiguousarray(token_ids, dtype=np.int32))
         pad = self.pad_buffer(pads)
@@ -355,12 +372,12 @@ class Session:
                 "slot": kept(("slot", slot_key), slot_value), "pad": pad,
                 "last_index": kept(("last_index", tuple(lasts.tolist())), lambda: np.ascontiguousarray(lasts)),
                 "token_ids": token_ids}
-        if self.lowering.whole_model_decode and n_tokens == 1:
+        if self.lowering.whole_model_decode and n_tokens == 1 and not every_position:
             return self._run_whole(step, n_tokens, n_attend)
         embed = self.programs.get(Embed(n_tokens))
         hidden = embed.run({**step, **self.shared})["hidden"]
         hidden = self._run_layers(hidden, step, n_tokens, n_attend)
-        head = self.programs.get(LMHead(n_tokens))
+        head = self.programs.get(LMHeadAll(n_tokens) if every_position else LMHead(n_tokens))
         return head.run({**step, "hidden": hidden, **self.shared})["logits"]
 
     def _run_layers(self, hidden: Any, step: dict[str, Any], n_tokens: int, n_attend: int) -> Any:
