@@ -296,3 +296,14 @@ def test_quick_run_writes_table_json_and_chart(tiny_llama, tmp_path, capsys):
     assert {b["bucket"] for b in report["buckets"]} == {128, 256}
     assert (out / "bench.md").read_text().startswith("# pyhlo bench")
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_serving_table_puts_pyhlo_beside_llama_cpp():
+    from tools.bench_serve import table
+
+    rows = [{"engine": engine, "clients": clients, "requests": 8, "tokens": 512, "seconds": 4.0,
+             "tokens_per_s": rate, "ttft_p50_ms": 50.0, "ttft_p95_ms": 90.0}
+            for engine, clients, rate in (("pyhlo", 4, 300.0), ("llamacpp", 4, 150.0), ("pyhlo", 8, 400.0))]
+    text = table(rows).splitlines()
+    assert text[2].startswith("| pyhlo | 4 |") and text[2].endswith("| 2.00x |")
+    assert text[3].startswith("| llamacpp | 4 |") and text[4].endswith("|  |")      # no peer row at 8 clients

@@ -112,6 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile-times", action="store_true",
                         help="skip the cold compile into an empty cache; use the usual compile cache")
     parser.add_argument("--no-buckets", action="store_true", help="skip the per-bucket decode latency run")
+    parser.add_argument("--serve", action="store_true",
+                        help="instead: `pyhlo serve` against llama.cpp's server on the model's GGUF file, 1, 4 and "
+                             "8 concurrent streaming clients (tools/bench_serve.py)")
+    parser.add_argument("--serve-requests", type=int, default=24, metavar="N",
+                        help="--serve: requests per concurrency level (default 24)")
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each measured generation, wait up to this many seconds for other "
                              "processes to leave the CPUs idle, and repeat generations they disturbed "
@@ -698,7 +703,38 @@ def busy_notes(busy: list[dict]) -> list[str]:
             f"kept the CPUs busy (after waiting --quiet-wait seconds)" for b in busy if b["busy_starts"]]
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from tools import bench_serve
+
+    if args.model:
+        model_path = pathlib.Path(args.model)
+    else:
+        from decoders.checkpoints.default_model import default_model_path
+
+        model_path = default_model_path()
+    if model_path.suffix != ".gguf":
+        raise ValueError("--serve compares with llama.cpp's server, which reads .gguf models: give a .gguf --model")
+    engines, unavailable = resolve_engines(args.engines or "pyhlo,llamacpp")
+    engines = [e for e in engines if e != "hf" and e not in unavailable]
+    out = pathlib.Path(args.out)
+    rows = bench_serve.measure(model_path, engines, [1, 4, 8], args.serve_requests, args.new_tokens or 64,
+                               args.threads, out)
+    info = machine_info()
+    text = (f"Serving: {model_path.name} as stored, {args.serve_requests} chat requests per level, "
+            f"max_tokens {args.new_tokens or 64}, greedy, streamed; pyhlo serve with 8 lines; "
+            f"CPU {info.get('cpu')}, {args.threads} threads\n\n" + bench_serve.table(rows))
+    for engine, why in unavailable.items():
+        text += f"\n\n{engine} left out: {why}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.md").write_text(text + "\n")
+    (out / "serve.json").write_text(json.dumps(rows, indent=1))
+    print(text)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.serve:
+        return run_serve(args)
     settings = resolve_settings(args)
     engines, unavailable = resolve_engines(args.engines)
     if args.model:

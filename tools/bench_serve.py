@@ -1,0 +1,133 @@
+"""`pyhlo bench --serve`: `pyhlo serve` against llama.cpp's server (llama-cpp-python's
+`llama_cpp.server`) on the same GGUF file, each started in a process of its own on a free
+loopback port, then driven by 1, 4 and 8 concurrent streaming clients through the official
+`openai` client. Each client sends its share of the requests one after another (distinct
+chat prompts, greedy, max_tokens fixed). Reported per server and concurrency: generated
+tokens per second over the whole run (the answers' tokens counted with the model's
+tokenizer) and the median and 95th percentile of the time to first token.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TOPICS = ["the sea", "a cat", "winter", "coffee", "the moon", "trains", "music", "bread", "rain", "a garden",
+          "mountains", "a library", "fire", "the desert", "bees", "a clock", "rivers", "a lighthouse", "snow",
+          "the city", "tea", "a bridge", "stars", "a forest"]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_ready(base: str, process: subprocess.Popen, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode}")
+        try:
+            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer within {timeout:.0f} s")
+
+
+def start(engine: str, model: Path, lines: int, context: int, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    if engine == "pyhlo":
+        command = [sys.executable, "-m", "tools.cli", "serve", str(model), "--port", str(port),
+                   "--batch-size", str(lines), "--n-positions", str(context)]
+    else:
+        command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
+                   "--host", "127.0.0.1", "--n_ctx", str(context), "--n_threads", str(threads),
+                   "--n_batch", "512"]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               cwd=Path(__file__).resolve().parents[1], env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base, process, timeout=600)
+    except RuntimeError:
+        process.kill()
+        raise
+    return process, base
+
+
+async def _drive(base: str, clients: int, requests: int, max_tokens: int) -> tuple[list[float], list[str], float]:
+    from openai import AsyncOpenAI
+
+    api = AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=600, max_retries=0)
+    model = (await api.models.list()).data[0].id
+    first_token, texts = [], []
+
+    async def client(index: int) -> None:
+        for number in range(index, requests, clients):
+            question = f"Write two sentences about {TOPICS[number % len(TOPICS)]}."
+            sent = time.perf_counter()
+            stream = await api.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                                       max_tokens=max_tokens, temperature=0, stream=True)
+            pieces, seen = [], False
+            async for chunk in stream:
+                piece = chunk.choices[0].delta.content if chunk.choices else None
+                if piece and not seen:
+                    first_token.append(time.perf_counter() - sent)
+                    seen = True
+                pieces.append(piece or "")
+            texts.append("".join(pieces))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    return first_token, texts, time.perf_counter() - started
+
+
+def measure(model: Path, engines: list[str], concurrency: list[int], requests: int, max_tokens: int, threads: int,
+            out: Path) -> list[dict]:
+    """One row per engine and concurrency."""
+    from decoders.checkpoints import open_checkpoint
+
+    tokenizer = open_checkpoint(model).tokenizer()
+    rows = []
+    for engine in engines:
+        print(f"[serve] {engine}: starting", file=sys.stderr, flush=True)
+        process, base = start(engine, model, max(concurrency), 1024, threads, out / "logs" / f"serve-{engine}.log")
+        try:
+            asyncio.run(_drive(base, 1, 1, 8))                     # warm-up
+            for clients in concurrency:
+                print(f"[serve] {engine}: {clients} clients", file=sys.stderr, flush=True)
+                ttft, texts, seconds = asyncio.run(_drive(base, clients, requests, max_tokens))
+                tokens = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts)
+                ordered = sorted(ttft)
+                rows.append({"engine": engine, "clients": clients, "requests": len(texts), "tokens": tokens,
+                             "seconds": seconds, "tokens_per_s": tokens / seconds,
+                             "ttft_p50_ms": 1e3 * statistics.median(ordered),
+                             "ttft_p95_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]})
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| server | clients | requests | tokens | tok/s | TTFT p50 ms | TTFT p95 ms | vs llama.cpp tok/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    peer = {r["clients"]: r["tokens_per_s"] for r in rows if r["engine"] == "llamacpp"}
+    for r in rows:
+        ratio = f"{r['tokens_per_s'] / peer[r['clients']]:.2f}x" if r["engine"] == "pyhlo" and r["clients"] in peer else ""
+        lines.append(f"| {r['engine']} | {r['clients']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | {ratio} |")
+    return "\n".join(lines)
