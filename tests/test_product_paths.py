@@ -25,6 +25,8 @@ def test_the_limit_is_the_last_row_count_of_an_unbroken_run_of_kernel_wins():
     assert product_paths.limit_from({1: (2.0, 1.0), 2: (1.0, 2.0)}) == 0
     assert product_paths.limit_from({1: (1.0, 2.0), 8: (1.0, 2.0)}) == 8
     assert product_paths.limit_from({1: (1.0, 2.0), 2: (1.97, 2.0)}) == 1      # a near tie is XLA's
+    assert product_paths.limit_from({1: (1.0, 1.01), 2: (1.0, 2.0)}) == 2      # nor does it stop the search
+    assert product_paths.limit_from({1: (1.0, 1.01), 2: (1.0, 1.02)}) == 0
 
 
 def test_measurement_times_both_paths_for_every_weight_type():
