@@ -190,3 +190,9 @@ def test_a_prompt_sharing_a_cached_prefix_computes_only_the_rest(tiny_llama):
     assert other.reused == 0 and other.line != reply.line
     again = run(turn, 8)
     assert again.reused == len(turn) - 1 and again.tokens == reply.tokens
+
+
+def test_the_configuration_round_trips_through_a_dict():
+    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=4))
+    again = NeuronConfig.from_dict(config.to_dict())
+    assert again.continuous_batching == ContinuousBatchingConfig(batch_size_for_shared_caches=4)

@@ -2,7 +2,8 @@
 `llama_cpp.server`) on the same GGUF file, each started in a process of its own on a free
 loopback port, then driven by 1, 4 and 8 concurrent streaming clients through the official
 `openai` client. Each client sends its share of the requests one after another (distinct
-chat prompts, greedy, max_tokens fixed). Reported per server and concurrency: generated
+chat prompts, greedy, max_tokens fixed; llama.cpp's server is told not to interrupt a running
+request for a new one, so that it queues them). Reported per server and concurrency: generated
 tokens per second over the whole run (the answers' tokens counted with the model's
 tokenizer) and the median and 95th percentile of the time to first token.
 """
@@ -52,7 +53,7 @@ def start(engine: str, model: Path, lines: int, context: int, threads: int, log:
     else:
         command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
                    "--host", "127.0.0.1", "--n_ctx", str(context), "--n_threads", str(threads),
-                   "--n_batch", "512"]
+                   "--n_batch", "512", "--interrupt_requests", "False"]
     log.parent.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                cwd=Path(__file__).resolve().parents[1], env=dict(os.environ))
@@ -68,7 +69,11 @@ def start(engine: str, model: Path, lines: int, context: int, threads: int, log:
 async def _drive(base: str, clients: int, requests: int, max_tokens: int) -> tuple[list[float], list[str], float]:
     from openai import AsyncOpenAI
 
-    api = AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=600, max_retries=0)
+    async with AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=600, max_retries=0) as api:
+        return await _clients(api, clients, requests, max_tokens)
+
+
+async def _clients(api, clients: int, requests: int, max_tokens: int) -> tuple[list[float], list[str], float]:
     model = (await api.models.list()).data[0].id
     first_token, texts = [], []
 

@@ -343,7 +343,10 @@ class Session:
             n_attend = bucketing.pick(self.decode_buckets(), longest)
         else:
             n_attend = n if longest <= n else bucketing.pick(self.token_buckets, longest)
-        return self._run(token_ids, n, n_attend, slots, np.zeros(b, np.int32), last_index)
+        # A line with no part in the step attends to its own scratch slot only (pad = slot),
+        # not to the n_positions slots below it.
+        pads = np.where(live, 0, self.n_positions).astype(np.int32)
+        return self._run(token_ids, n, n_attend, slots, pads, last_index)
 
     def forward_all(self, token_ids: np.ndarray, slot: int, pads: np.ndarray) -> Any:
         """Logits (on the device) of every one of the n tokens written at `slot`, f32 [batch,
