@@ -48,6 +48,46 @@ def test_forward_with_seq_ids_runs_sequences_at_their_own_lengths(tiny_llama, ke
     assert got_second == hf_greedy(hf, second, 13)
 
 
+def test_a_prompt_chunk_runs_in_a_program_for_its_line_alone(tiny_llama):
+    """Session.forward_line: a chunk written into one line gives the logits the every-line
+    program gives that line, and leaves the other lines' caches as they were, bit for bit."""
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = batched_model(path)
+    session = model.session
+    assert session.row_prefill
+    first = list(range(5, 24))
+    model.forward(torch.tensor([first]), torch.tensor([list(range(len(first)))]), torch.tensor([0]))
+    host = session.placement.host
+
+    def caches():
+        return [host(c) for c in (*session.kv_cache.keys, *session.kv_cache.values)]
+
+    before = caches()
+    chunk = np.zeros((1, 16), np.int32)
+    chunk[0, :11] = np.arange(40, 51)
+    alone = session.host_logits(session.forward_line(chunk, 2, 0, 10))[0]
+    after = caches()
+    for old, new in zip(before, after):
+        others = [0, 1, 3]
+        assert np.array_equal(old[others], new[others])
+        assert not np.array_equal(old[2], new[2])
+    # The same chunk through the program over every line, into line 3 (line 2's twin).
+    tokens = np.zeros((4, 16), np.int32)
+    tokens[3] = chunk[0]
+    slots = np.full(4, session.n_positions, np.int32)
+    slots[3] = 0
+    last = np.zeros(4, np.int32)
+    last[3] = 10
+    together = session.host_logits(session.forward_lines(tokens, slots, last))[3]
+    np.testing.assert_allclose(alone, together, rtol=1e-5, atol=1e-5)
+    for cache in caches():
+        np.testing.assert_allclose(cache[2, :, :11], cache[3, :, :11], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="context bucket"):
+        session.forward_line(np.zeros((1, 5), np.int32), 2, 0, 4)
+    with pytest.raises(ValueError, match="line in 0..3"):
+        session.forward_line(chunk, 4, 0, 10)
+
+
 def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(tiny_llama):
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
     model = batched_model(path)
@@ -56,6 +96,11 @@ def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(
     lengths = [1, 3, 7, 8, 9, 15, 16, 17, 25, 33, 4, 12]          # under, at and over the buckets; chunked
     budgets = [20, 5, 12, 30, 8, 16, 3, 24, 10, 6, 28, 14]
     requests, streamed = [], {}
+    # Prompt chunks go through the one-line programs; the every-line program only decodes.
+    widths, chunks = [], []
+    every_line, one_line = model.session.forward_lines, model.session.forward_line
+    model.session.forward_lines = lambda tokens, *rest: widths.append(tokens.shape[1]) or every_line(tokens, *rest)
+    model.session.forward_line = lambda tokens, *rest: chunks.append(tokens.shape[1]) or one_line(tokens, *rest)
 
     def on_token(request, token):
         streamed.setdefault(request.id, []).append(token)
@@ -75,6 +120,7 @@ def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(
     # Steps ran lines together: far fewer than one request after another would take.
     alone = sum(-(-length // 16) + budget - 1 for length, budget in zip(lengths, budgets))
     assert batcher.steps < 0.5 * alone, (batcher.steps, alone)
+    assert set(widths) == {1} and len(chunks) >= sum(length > 1 for length in lengths)
     assert batcher.prompt_tokens_written + batcher.prompt_tokens_reused == sum(lengths)
 
 

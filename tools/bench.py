@@ -117,6 +117,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "8 concurrent streaming clients (tools/bench_serve.py)")
     parser.add_argument("--serve-requests", type=int, default=24, metavar="N",
                         help="--serve: requests per concurrency level (default 24)")
+    parser.add_argument("--speculative", type=int, metavar="K",
+                        help="instead: speculative decoding's speed-up, k=K drafts a round: the model widened to "
+                             "f32 as target, its GGUF blocks as stored as draft, greedy, 3 chat prompts "
+                             "(tools/bench_speculative.py; --new-tokens, default 128)")
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each measured generation, wait up to this many seconds for other "
                              "processes to leave the CPUs idle, and repeat generations they disturbed "
@@ -706,12 +710,7 @@ def busy_notes(busy: list[dict]) -> list[str]:
 def run_serve(args: argparse.Namespace) -> int:
     from tools import bench_serve
 
-    if args.model:
-        model_path = pathlib.Path(args.model)
-    else:
-        from decoders.checkpoints.default_model import default_model_path
-
-        model_path = default_model_path()
+    model_path = _default_or_given_model(args)
     if model_path.suffix != ".gguf":
         raise ValueError("--serve compares with llama.cpp's server, which reads .gguf models: give a .gguf --model")
     engines, unavailable = resolve_engines(args.engines or "pyhlo,llamacpp")
@@ -732,9 +731,41 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_or_given_model(args: argparse.Namespace) -> pathlib.Path:
+    if args.model:
+        return pathlib.Path(args.model)
+    from decoders.checkpoints.default_model import default_model_path
+
+    return default_model_path()
+
+
+def run_speculative(args: argparse.Namespace) -> int:
+    from tools import bench_speculative
+
+    model_path = _default_or_given_model(args)
+    if model_path.suffix != ".gguf":
+        raise ValueError("--speculative drafts with the model's GGUF blocks as stored: give a .gguf --model")
+    if args.speculative < 1:
+        raise ValueError(f"--speculative K needs K >= 1, got {args.speculative}")
+    result = bench_speculative.measure(model_path, args.speculative, args.new_tokens or 128)
+    info = machine_info()
+    text = (f"Speculative decoding: target {model_path.name} widened to f32, draft the same file's blocks as "
+            f"stored, k={result['k']}, greedy, {result['new_tokens']} new tokens; "
+            f"{result['tokens_per_target_call']:.2f} tokens per target call; "
+            f"CPU {info.get('cpu')}, {args.threads} threads\n\n" + bench_speculative.table(result))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculative.md").write_text(text + "\n")
+    (out / "speculative.json").write_text(json.dumps(result, indent=1))
+    print(text)
+    return 0 if result["all_same_tokens"] else 1
+
+
 def run(args: argparse.Namespace) -> int:
     if args.serve:
         return run_serve(args)
+    if args.speculative is not None:
+        return run_speculative(args)
     settings = resolve_settings(args)
     engines, unavailable = resolve_engines(args.engines)
     if args.model:

@@ -36,6 +36,7 @@ from pyhlo.ops.collectives import all_gather
 from pyhlo.ops.quantized import SCALE_BYTES, dequantize_rows, quantize_rows
 from pyhlo.ops.shape_ops import (
     broadcast,
+    concatenate,
     dynamic_slice,
     dynamic_update_slice,
     get_tuple_element,
@@ -266,7 +267,7 @@ class Attention:
         cache_k = self._write(cache_k, self._to_cache(k), step)
         cache_v = self._write(cache_v, self._to_cache(v), step)
         context = None
-        if step.n_tokens == 1 and self.plain(cache_k.dims[2]):
+        if step.n_tokens == 1 and step.lines is None and self.plain(cache_k.dims[2]):
             context = values.lowering.decode_attention(q, cache_k, cache_v, step.line_slots(), step.pad, self.scale)
         if context is None:
             context = self._attend(q, cache_k, cache_v, step)
@@ -278,8 +279,9 @@ class Attention:
         for the batch, or one per line at its own slot (continuous batching)."""
         if not step.per_line:
             return dynamic_update_slice(cache, new, [0, 0, step.slot, 0])
-        for line in range(step.batch_size):
-            cache = dynamic_update_slice(cache, slice_along(new, 0, line, line + 1), [line, 0, step.line_slot(line), 0])
+        for row in range(step.batch_size):
+            cache = dynamic_update_slice(cache, slice_along(new, 0, row, row + 1),
+                                         [step.cache_line(row), 0, step.line_slot(row), 0])
         return cache
 
     def _attend_stretch(self, q: HloValue, k: HloValue, v: HloValue, step: Step, cache_k: HloValue,
@@ -447,6 +449,14 @@ class Attention:
             works.append(f"shard_over_sequence works with an n_positions that {tp} divides")
         return "; ".join(works) if works else f"no strategy splits {self.n_heads} query heads over tp_degree {tp}"
 
+    @staticmethod
+    def _rows_of(cache: HloValue, lines: HloValue, n_attend: int) -> HloValue:
+        """cache [lines, heads, slots, d] -> [rows, heads, n_attend, d]: row i's line lines[i]."""
+        _, heads, _, d = cache.dims
+        parts = [dynamic_slice(cache, [reshape(slice_along(lines, 0, i, i + 1), ()), 0, 0, 0],
+                               [1, heads, n_attend, d]) for i in range(lines.dims[0])]
+        return parts[0] if len(parts) == 1 else concatenate(parts, 0)
+
     def _attend(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, step: Step) -> HloValue:
         """Attention over the first n_attend slots of the just-updated caches.
 
@@ -458,13 +468,20 @@ class Attention:
         operands = [q, cache_k, cache_v, self._mask(step)]
         if isinstance(self.positions, Alibi):
             operands.append(self._alibi(step))
+        if step.lines is not None:
+            operands.append(step.lines)
         n_attend, cache_len = step.n_attend, cache_k.dims[2]
 
         def attend_prefix(scribe):
             packed = scribe.tuple(*(o.shape for o in operands)).Parameter(parameter_number=0)
-            q_, k_, v_, mask_, *bias = (get_tuple_element(packed, i) for i in range(len(operands)))
-            if n_attend < cache_len:
+            q_, k_, v_, mask_, *rest = (get_tuple_element(packed, i) for i in range(len(operands)))
+            if step.lines is not None:
+                # Rows of some lines: each row's own line of the caches, its first n_attend slots.
+                lines_ = rest.pop()
+                k_, v_ = (self._rows_of(c, lines_, n_attend) for c in (k_, v_))
+            elif n_attend < cache_len:
                 k_, v_ = slice_along(k_, 2, 0, n_attend), slice_along(v_, 2, 0, n_attend)
+            bias = rest
             k_, v_ = self._from_cache(k_, q_.dtype), self._from_cache(v_, q_.dtype)
             return attention(q_, k_, v_, mask_, self.scale, bias=bias[0] if bias else None)
 

@@ -15,7 +15,8 @@ class Step:
     Batch lines are left-padded: line i's real tokens start at slot pad[i], and its positions
     (rotary, learned, ALiBi) count from there: position = slot - pad[i]. Under continuous
     batching `slot` holds one slot per line (s32[batch]): each line is its own sequence, at
-    its own length.
+    its own length. A program for some of the lines (a prompt prefilled into its own line while
+    the others wait) names the cache line of each of its rows in `lines` (s32[rows]).
     """
 
     positions: HloValue     # s32[batch, n_tokens]
@@ -23,6 +24,7 @@ class Step:
     pad: HloValue           # s32[batch]
     n_tokens: int
     n_attend: int
+    lines: HloValue | None = None   # s32[rows]: each row's cache line; None: row i is line i
 
     @property
     def batch_size(self) -> int:
@@ -35,6 +37,10 @@ class Step:
     def line_slot(self, line: int) -> HloValue:
         """s32[]: where line `line` writes its first new token."""
         return reshape(slice_along(self.slot, 0, line, line + 1), ()) if self.per_line else self.slot
+
+    def cache_line(self, row: int) -> HloValue | int:
+        """The cache line that row `row` reads and writes."""
+        return row if self.lines is None else reshape(slice_along(self.lines, 0, row, row + 1), ())
 
     def line_slots(self) -> HloValue:
         """s32[batch]: every line's first slot."""

@@ -137,16 +137,28 @@ class ProgramBuilder:
         attention = self.device_decoder.layer.attention
         return ParamSpec(name, attention.cache_dtype(self.dtype), attention.cache_dims(self.batch_size, self.cache_len))
 
-    def _step_specs(self, n_tokens: int) -> list[ParamSpec]:
-        b = self.batch_size
-        slot = (b,) if self.per_line_slots else ()
-        return [ParamSpec("positions", "s32", (b, n_tokens)), ParamSpec("slot", "s32", slot),
-                ParamSpec("pad", "s32", (b,))]
+    def _rows(self, rows: int | None) -> int:
+        """A program's batch: every line (None), or `rows` of them (continuous batching)."""
+        if rows is None or rows == self.batch_size:
+            return self.batch_size
+        if not self.per_line_slots or not 1 <= rows < self.batch_size:
+            raise ValueError(f"programs for {rows} of the {self.batch_size} lines need continuous batching")
+        return rows
 
-    def _embed_specs(self, n_tokens: int) -> list[ParamSpec]:
-        specs = [ParamSpec("token_ids", "s32", (self.batch_size, n_tokens))]
+    def _step_specs(self, n_tokens: int, rows: int | None = None) -> list[ParamSpec]:
+        b = self._rows(rows)
+        slot = (b,) if self.per_line_slots else ()
+        specs = [ParamSpec("positions", "s32", (b, n_tokens)), ParamSpec("slot", "s32", slot),
+                 ParamSpec("pad", "s32", (b,))]
+        if b != self.batch_size:
+            specs.append(ParamSpec("lines", "s32", (b,)))      # each row's cache line
+        return specs
+
+    def _embed_specs(self, n_tokens: int, rows: int | None = None) -> list[ParamSpec]:
+        b = self._rows(rows)
+        specs = [ParamSpec("token_ids", "s32", (b, n_tokens))]
         if self.decoder.embedding.positions is not None:
-            specs.append(ParamSpec("positions", "s32", (self.batch_size, n_tokens)))
+            specs.append(ParamSpec("positions", "s32", (b, n_tokens)))
         table = self.decoder.token_table(self.one_table)
         embedding = [p for p in self.shared_params() if p.name.startswith("embed.") or table in (p.name, p.part_of)]
         return specs + [self.spec(p) for p in embedding]
@@ -161,7 +173,7 @@ class ProgramBuilder:
         return embedding(values, p[table], p["token_ids"], p.get("positions"), self.dtype, *parts)
 
     def _layer(self, p: dict[str, HloValue], n_tokens: int, n_attend: int) -> dict[str, HloValue]:
-        step = Step(p["positions"], p["slot"], p["pad"], n_tokens, n_attend)
+        step = Step(p["positions"], p["slot"], p["pad"], n_tokens, n_attend, p.get("lines"))
         hidden, cache_k, cache_v = self.device_decoder.layer(p, self.lowering, p["hidden"], step, p["cache_k"],
                                                              p["cache_v"])
         cache_k.set_alias_to(p["cache_k"], must=True)
@@ -173,23 +185,29 @@ class ProgramBuilder:
         return self.decoder.head(values, p["hidden"], p["last_index"])
 
     # -- programs ------------------------------------------------------------------------
-    def embed(self, n_tokens: int) -> Program:
-        return _program(f"embed_n{n_tokens}", self._embed_specs(n_tokens), ["hidden"],
+    def _rows_suffix(self, rows: int | None) -> str:
+        return "" if self._rows(rows) == self.batch_size else f"_r{rows}"
+
+    def embed(self, n_tokens: int, rows: int | None = None) -> Program:
+        return _program(f"embed_n{n_tokens}{self._rows_suffix(rows)}", self._embed_specs(n_tokens, rows), ["hidden"],
                         lambda p: {"hidden": self._embed(p)})
 
-    def block(self, n_tokens: int, n_attend: int) -> Program:
-        d, b = self.decoder, self.batch_size
-        specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, d.embedding.hidden)), *self._step_specs(n_tokens),
-                 self.cache_spec("cache_k"), self.cache_spec("cache_v"),
+    def block(self, n_tokens: int, n_attend: int, rows: int | None = None) -> Program:
+        """One layer over n_tokens of every line, or of `rows` lines named by the `lines`
+        input (whose caches are still every line's)."""
+        d, b = self.decoder, self._rows(rows)
+        specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, d.embedding.hidden)),
+                 *self._step_specs(n_tokens, rows), self.cache_spec("cache_k"), self.cache_spec("cache_v"),
                  *(self.spec(p) for p in self.layer_params())]
-        return _program(f"block_n{n_tokens}_s{n_attend}", specs, ["hidden", "cache_k", "cache_v"],
-                        lambda p: self._layer(p, n_tokens, n_attend))
+        return _program(f"block_n{n_tokens}_s{n_attend}{self._rows_suffix(rows)}", specs,
+                        ["hidden", "cache_k", "cache_v"], lambda p: self._layer(p, n_tokens, n_attend))
 
-    def lm_head(self, n_tokens: int) -> Program:
-        b = self.batch_size
+    def lm_head(self, n_tokens: int, rows: int | None = None) -> Program:
+        b = self._rows(rows)
         specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, self.decoder.head.hidden)),
                  ParamSpec("last_index", "s32", (b,)), *(self.spec(p) for p in self.head_params())]
-        return _program(f"lm_head_n{n_tokens}", specs, ["logits"], lambda p: {"logits": self._head(p)})
+        return _program(f"lm_head_n{n_tokens}{self._rows_suffix(rows)}", specs, ["logits"],
+                        lambda p: {"logits": self._head(p)})
 
     def lm_head_all(self, n_tokens: int) -> Program:
         b = self.batch_size

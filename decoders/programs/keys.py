@@ -13,24 +13,27 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Embed:
-    """Token ids [b, n] -> hidden states."""
+    """Token ids [b, n] -> hidden states (b: every line, or `rows` of them)."""
 
     n_tokens: int
+    rows: int | None = None
 
     def build(self, builder: ProgramBuilder) -> Program:
-        return builder.embed(self.n_tokens)
+        return builder.embed(self.n_tokens, self.rows)
 
 
 @dataclass(frozen=True)
 class Block:
     """One decoder layer over n_tokens per line, attending to n_attend cache slots; every
-    layer runs it with its own weights and caches."""
+    layer runs it with its own weights and caches. With `rows`, continuous batching's program
+    for that many lines, each row naming its cache line."""
 
     n_tokens: int
     n_attend: int
+    rows: int | None = None
 
     def build(self, builder: ProgramBuilder) -> Program:
-        return builder.block(self.n_tokens, self.n_attend)
+        return builder.block(self.n_tokens, self.n_attend, self.rows)
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,10 @@ class LMHead:
     tensor parallelism, each replica's block of the vocabulary)."""
 
     n_tokens: int
+    rows: int | None = None
 
     def build(self, builder: ProgramBuilder) -> Program:
-        return builder.lm_head(self.n_tokens)
+        return builder.lm_head(self.n_tokens, self.rows)
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,12 @@
     while batcher.busy:
         batcher.step()
 
-Each batch line holds one request at a time. A step runs every active line once: lines with
-prompt tokens still to write take the next chunk of them (a context bucket wide) while the
-lines that are generating take their newest token in the same program, so a new prompt never
-stalls the others; with no prompt pending a step is a plain decode step. A request that
+Each batch line holds one request at a time. A step runs every active line once: a line with
+prompt tokens still to write takes the next chunk of them (a context bucket wide) in a
+program for that line alone, costing its own tokens only (Session.forward_line); then the
+lines that are generating take their newest token in one decode step, so a new prompt stalls
+the others for one chunk at most. Where the caches are spread over replicas (no one-line
+programs) the chunks and the newest tokens share one program over every line instead. A request that
 ends (an end-of-sequence token, its token budget, or the end of the cache) frees its line
 for the next waiting request.
 
@@ -143,6 +145,33 @@ class ContinuousBatcher:
         active = [r for r in self.lines if r is not None]
         if not active:
             return
+        if self.session.row_prefill:
+            # Each prompt's next chunk in a program for its line alone (the cost of its own
+            # tokens), then one decode step for the lines that are generating.
+            chunked = [r for r in active if len(r.prompt) - r.written > 1]
+            for r in chunked:
+                self._prefill_line(r)
+            active = [r for r in active if r not in chunked]
+        if active:
+            self._run_lines(active)
+        self.steps += 1
+
+    def _prefill_line(self, r: Request) -> None:
+        session = self.session
+        remaining = len(r.prompt) - r.written
+        width = bucketing.pick(session.context_buckets, min(remaining, session.context_buckets[-1]))
+        part = r.prompt[r.written:r.written + width]
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :len(part)] = part
+        logits = session.forward_line(tokens, r.line, r.written, len(part) - 1)
+        r.written += len(part)
+        self.prompt_tokens_written += len(part)
+        if r.written == len(r.prompt):
+            self._accept(r, self._choose(r, session.host_logits(logits)[0]))
+
+    def _run_lines(self, active: list[Request]) -> None:
+        """One program over every line: a chunk of each pending prompt, the newest token of
+        each generating line (lines not in `active` have no part)."""
         session = self.session
         prefilling = [r for r in active if r.written < len(r.prompt)]
         largest = session.context_buckets[-1]
@@ -170,7 +199,6 @@ class ContinuousBatcher:
                 slots[r.line] = r.length - 1
                 choosing.append(r)
         logits = session.forward_lines(tokens, slots, last_index)
-        self.steps += 1
         if not choosing:
             return
         rows = session.host_logits(logits)

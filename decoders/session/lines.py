@@ -56,6 +56,10 @@ def forward_sequences(session: Any, token_ids: np.ndarray, cache_ids: Any, seq_i
     lines = sequence_lines(seq_ids, rows, b)
     first = first_positions(cache_ids, rows, n, n_positions)
     largest = session.context_buckets[-1]
+    if n > 1 and rows < b and session.row_prefill:
+        # A prompt per row, each through the programs for its line alone.
+        return np.concatenate([_forward_line(session, token_ids[i], int(lines[i]), int(first[i]))
+                               for i in range(rows)])
     done = 0
     while done < n:
         size = min(n - done, largest)
@@ -69,3 +73,15 @@ def forward_sequences(session: Any, token_ids: np.ndarray, cache_ids: Any, seq_i
         logits = session.forward_lines(chunk, slots, last_index)
         done += size
     return session.host_logits(logits)[lines]
+
+
+def _forward_line(session: Any, tokens: np.ndarray, line: int, first: int) -> np.ndarray:
+    """Logits [1, vocab] of the last of `tokens` written into `line` from slot `first`."""
+    largest, done = session.context_buckets[-1], 0
+    while done < len(tokens):
+        size = min(len(tokens) - done, largest)
+        chunk = np.zeros((1, bucketing.pick(session.context_buckets, size)), np.int32)
+        chunk[0, :size] = tokens[done:done + size]
+        logits = session.forward_line(chunk, line, first + done, size - 1)
+        done += size
+    return session.host_logits(logits)

@@ -103,6 +103,8 @@ class Session:
             if self.per_line:
                 # A chunk joins lines at any length: it attends as far as the longest.
                 keys += [Block(c, s) for s in self.token_buckets if s > c]
+            if self.row_prefill:
+                keys += [Embed(c, 1), LMHead(c, 1)] + [Block(c, s, 1) for s in self.token_buckets if s >= c]
         if self.speculation_length is not None:
             n = self.speculation_length + 1
             keys += [Embed(n), LMHeadAll(n)] + [Block(n, s) for s in self.token_buckets]
@@ -112,6 +114,14 @@ class Session:
     def per_line(self) -> bool:
         """Continuous batching: each line writes at its own slot."""
         return self.builder.per_line_slots
+
+    @property
+    def row_prefill(self) -> bool:
+        """Continuous batching with programs for one line (forward_line()): a prompt is
+        prefilled at the cost of its own tokens, not of a chunk for every line. Not where a
+        line's cache is spread over the replicas (flash decoding, lines split by replica)."""
+        layout = self.builder.device_decoder.layer.attention.kv_layout
+        return self.per_line and self.batch_size > 1 and layout in ("heads", "gather")
 
     def compile(self) -> None:
         self.programs.compile_all(self.eager_programs())
@@ -348,6 +358,28 @@ class Session:
         pads = np.where(live, 0, self.n_positions).astype(np.int32)
         return self._run(token_ids, n, n_attend, slots, pads, last_index)
 
+    def forward_line(self, token_ids: np.ndarray, line: int, slot: int, last_index: int) -> Any:
+        """Continuous batching: n tokens (a context bucket) of one line written at slots slot ..
+        slot + n - 1 of that line alone; logits (on the device) [1, vocab] of token last_index.
+        The other lines' caches are untouched and their rows are not computed."""
+        if not self.row_prefill:
+            raise ValueError("forward_line() needs a continuous-batching model of more than one line whose caches "
+                             "are not spread over replicas (no flash decoding, no lines split by replica)")
+        token_ids = np.asarray(token_ids, np.int32)
+        n = token_ids.shape[-1]
+        if token_ids.shape != (1, n) or n not in self.context_buckets:
+            raise ValueError(f"forward_line: token_ids [1, n] with n a context bucket {self.context_buckets}; got "
+                             f"{token_ids.shape}")
+        if not 0 <= line < self.batch_size or not 0 <= last_index < n or slot < 0 \
+                or slot + last_index + 1 > self.n_positions:
+            raise ValueError(f"forward_line: line in 0..{self.batch_size - 1}, last_index in 0..{n - 1} and the last "
+                             f"token's slot below n_positions {self.n_positions}; got line {line}, slot {slot}, "
+                             f"last_index {last_index}")
+        reach = slot + last_index + 1
+        n_attend = n if reach <= n else bucketing.pick(self.token_buckets, reach)
+        return self._run(token_ids, n, n_attend, np.array([slot], np.int32), np.zeros(1, np.int32),
+                         np.array([last_index], np.int32), lines=np.array([line], np.int32))
+
     def forward_all(self, token_ids: np.ndarray, slot: int, pads: np.ndarray) -> Any:
         """Logits (on the device) of every one of the n tokens written at `slot`, f32 [batch,
         n, vocab]: speculative decoding's check of draft tokens in one program."""
@@ -359,11 +391,13 @@ class Session:
         return self._run(token_ids, n, n_attend, slot, np.asarray(pads, np.int32), 0, every_position=True)
 
     def _run(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int | np.ndarray, pads: np.ndarray,
-             last_index: int | np.ndarray, every_position: bool = False) -> Any:
+             last_index: int | np.ndarray, every_position: bool = False, lines: np.ndarray | None = None) -> Any:
         if isinstance(token_ids, np.ndarray):
             token_ids = self.placement.put(np.ascontiguousarray(token_ids, dtype=np.int32))
-        pad = self.pad_buffer(pads)
         kept = self._step_buffer
+        if lines is not None:
+            return self._run_rows(token_ids, n_tokens, n_attend, slot, pads, last_index, lines)
+        pad = self.pad_buffer(pads)
         b = self.batch_size
         if self.per_line:
             slot = np.broadcast_to(np.asarray(slot, np.int32), (b,))
@@ -383,8 +417,25 @@ class Session:
         head = self.programs.get(LMHeadAll(n_tokens) if every_position else LMHead(n_tokens))
         return head.run({**step, "hidden": hidden, **self.shared})["logits"]
 
-    def _run_layers(self, hidden: Any, step: dict[str, Any], n_tokens: int, n_attend: int) -> Any:
-        block = self.programs.get(Block(n_tokens, n_attend))
+    def _run_rows(self, token_ids: Any, n_tokens: int, n_attend: int, slots: np.ndarray, pads: np.ndarray,
+                  last_index: np.ndarray, lines: np.ndarray) -> Any:
+        """Some lines' rows: the programs for len(lines) rows, each naming its cache line."""
+        rows = len(lines)
+        kept = self._step_buffer
+        step = {"positions": kept(("row_positions", n_tokens, tuple(slots.tolist())),
+                                  lambda: self.positions(pads, n_tokens, slots)),
+                "slot": kept(("row_slot", tuple(slots.tolist())), lambda: np.ascontiguousarray(slots)),
+                "pad": kept(("row_pad", tuple(pads.tolist())), lambda: np.ascontiguousarray(pads)),
+                "lines": kept(("row_lines", tuple(lines.tolist())), lambda: np.ascontiguousarray(lines)),
+                "last_index": kept(("row_last", tuple(last_index.tolist())), lambda: np.ascontiguousarray(last_index)),
+                "token_ids": token_ids}
+        hidden = self.programs.get(Embed(n_tokens, rows)).run({**step, **self.shared})["hidden"]
+        hidden = self._run_layers(hidden, step, n_tokens, n_attend, rows)
+        return self.programs.get(LMHead(n_tokens, rows)).run({**step, "hidden": hidden, **self.shared})["logits"]
+
+    def _run_layers(self, hidden: Any, step: dict[str, Any], n_tokens: int, n_attend: int,
+                    rows: int | None = None) -> Any:
+        block = self.programs.get(Block(n_tokens, n_attend, rows))
         cache = self.kv_cache
         # Checked once through the named path; the other layers reuse the same order.
         first = block.run({**self.layers[0], **step, "hidden": hidden,
