@@ -307,3 +307,18 @@ def test_the_serving_table_puts_pyhlo_beside_llama_cpp():
     text = table(rows).splitlines()
     assert text[2].startswith("| pyhlo | 4 |") and text[2].endswith("| 2.00x |")
     assert text[3].startswith("| llamacpp | 4 |") and text[4].endswith("|  |")      # no peer row at 8 clients
+
+
+def test_the_speculative_table_gives_each_prompt_and_the_median():
+    from tools.bench_speculative import table
+
+    prompts = [{"prompt_tokens": 30, "new_tokens": 128, "target_tokens_per_s": 20.0, "speculative_tokens_per_s": 30.0,
+                "same_tokens": True, "target_calls": 40, "acceptance_rate": 0.75},
+               {"prompt_tokens": 25, "new_tokens": 128, "target_tokens_per_s": 22.0, "speculative_tokens_per_s": 22.0,
+                "same_tokens": False, "target_calls": 60, "acceptance_rate": 0.4}]
+    result = {"prompts": prompts, "target_tokens_per_s": 21.0, "speculative_tokens_per_s": 26.0,
+              "speed_up": 26.0 / 21.0, "acceptance_rate": 0.57, "all_same_tokens": False}
+    text = table(result).splitlines()
+    assert text[2] == "| 30 | 128 | 20.0 | 30.0 | 1.50x | 0.75 | yes |"
+    assert text[3].endswith("| 1.00x | 0.40 | NO |")
+    assert text[4] == "| median | | 21.0 | 26.0 | 1.24x | 0.57 | NO |"
