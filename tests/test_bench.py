@@ -134,6 +134,17 @@ def test_disagreeing_tokens_are_noted():
     assert len(notes) == 2 and all("are the weights the same" in n for n in notes)
 
 
+def test_a_llama_cpp_crash_on_an_amx_cpu_says_how_to_build_it_without_amx(monkeypatch):
+    row = {**bench.new_row("llamacpp", "gguf", 1), "status": "error",
+           "error": "llamacpp worker exited with code -11: see logs"}
+    monkeypatch.setattr(bench, "machine_info", lambda: {"cpu_flags": ["amx_int8", "avx512f"]})
+    notes = bench.notes_for([row], {"new_tokens": 128})
+    assert sum("-DGGML_AMX_INT8=OFF" in note for note in notes) == 1
+    assert any("code -11" in note for note in notes)                    # the error itself, as ever
+    monkeypatch.setattr(bench, "machine_info", lambda: {"cpu_flags": ["avx2"]})
+    assert not any("AMX" in note for note in bench.notes_for([row], {"new_tokens": 128}))
+
+
 # -- the pieces that touch models -------------------------------------------------------
 def test_permute_rope_rows_undoes_the_loaders_unpermute():
     from decoders.checkpoints.gguf import unpermute_rope_rows

@@ -207,7 +207,7 @@ def machine_info() -> dict:
             versions[package] = version
     return {
         "cpu": cpu, "cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
-        "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma"}),
+        "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "fma"}),
         "memory_gib": psutil.virtual_memory().total / 2**30, "platform": platform.platform(),
         "versions": versions,
     }
@@ -655,6 +655,11 @@ def measure_buckets(worker: Worker, row: dict, prompts: list[list[int]], setting
 
 
 # -- the whole run -------------------------------------------------------------------
+LLAMACPP_WITHOUT_AMX = ("CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+                        "-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+                        "-DGGML_AMX_BF16=OFF\" pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python")
+
+
 def notes_for(results: list[dict], settings: dict) -> list[str]:
     """Things a reader should not miss: disagreeing tokens, precisions slower than expected."""
     notes = []
@@ -687,6 +692,11 @@ def notes_for(results: list[dict], settings: dict) -> list[str]:
                 notes.append(f"{bench_report.ENGINE_LABELS.get(engine, engine)} batch {batch}: {amp} decodes at "
                              f"{slow:.1f} tok/s, f32 at {fast:.1f} tok/s ({fast / slow:.2f}x slower in {amp}, "
                              f"although it reads {fewer_bytes[amp]})")
+    crashed = [r for r in results if r["engine"] == "llamacpp" and "code -11" in str(r.get("error", ""))]
+    if crashed and "amx_int8" in machine_info().get("cpu_flags", ()):
+        notes.append("llama.cpp crashed (SIGSEGV) on this CPU: a llama-cpp-python built with -march=native runs "
+                     "its AMX int8 kernels for prompts of 2 or more tokens, and they fault here. Build it without "
+                     "them: " + LLAMACPP_WITHOUT_AMX)
     for row in results:
         if row.get("disturbed_samples"):
             notes.append(f"{bench_report.ENGINE_LABELS.get(row['engine'], row['engine'])} {row['amp']} batch "
