@@ -47,11 +47,11 @@ from pyhlo.scribe import HloValue
 
 log = logging.getLogger("pyhlo")
 
-# Up to this many activation rows (by weight type; "blocks": GGUF block forms) a product
-# runs on the matrix-vector kernel, beyond it on XLA's dot: what a CpuKernelLowering made
-# without a measurement uses. choose_lowering() takes the limits measured on the machine
+# The activation rows (first, last; by weight type, "blocks": GGUF block forms) for which a
+# product runs on the matrix-vector kernel, else on XLA's dot: what a CpuKernelLowering made
+# without a measurement uses. choose_lowering() takes the rows measured on the machine
 # (decoders/product_paths.py).
-DEFAULT_MAX_ROWS = {"f32": 4, "bf16": 4, "s8": 8, "blocks": 8}
+DEFAULT_KERNEL_ROWS = {"f32": (1, 4), "bf16": (1, 4), "s8": (1, 8), "blocks": (1, 8)}
 
 
 @dataclass(frozen=True)
@@ -194,8 +194,8 @@ class CpuKernelLowering(XlaLowering):
 
     weight_layout: str = "out_in"
     whole_model_decode: bool = True
-    # (weight type, rows) pairs: products of up to that many activation rows take the kernel.
-    max_rows: tuple[tuple[str, int], ...] = tuple(DEFAULT_MAX_ROWS.items())
+    # (weight type, (first, last)): products of first to last activation rows take the kernel.
+    kernel_rows: tuple[tuple[str, tuple[int, int]], ...] = tuple(DEFAULT_KERNEL_ROWS.items())
 
     name = "xla-cpu-kernels"
 
@@ -209,7 +209,8 @@ class CpuKernelLowering(XlaLowering):
                out_dtype: str | None = None, scale: HloValue | None = None,
                mins: HloValue | None = None) -> HloValue:
         blocks = param.name in self.block_forms
-        if int(np.prod(x.dims[:-1])) <= dict(self.max_rows).get("blocks" if blocks else weight.dtype, 0):
+        first, last = dict(self.kernel_rows).get("blocks" if blocks else weight.dtype, (0, 0))
+        if 0 < first <= int(np.prod(x.dims[:-1])) <= last:
             rows = ew.convert(x, "f32")
             product = matvec_blocks_kernel(rows, weight, scale, mins) if blocks else matvec_kernel(rows, weight, scale)
             return self._finish(product, param, bias, out_dtype or x.dtype)
@@ -269,10 +270,10 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
         if reasons and wanted:
             raise ValueError("NeuronConfig.cpu_kernels=True, but " + "; ".join(reasons))
         if not reasons:
-            from decoders.product_paths import kernel_max_rows
+            from decoders.product_paths import kernel_rows
 
             return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole,
-                                     max_rows=tuple(kernel_max_rows(backend).items()),
+                                     kernel_rows=tuple(kernel_rows(backend).items()),
                                      tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
                                      shard_over_sequence=neuron_config.shard_over_sequence,
                                      quant=neuron_config.quant, gguf_blocks=gguf_blocks,

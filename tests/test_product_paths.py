@@ -10,8 +10,13 @@ from runtime import cpu_kernels
 from runtime.select import get_backend
 
 
-def test_row_limits_parse_and_refuse_bad_settings():
-    assert product_paths.parse("f32=4, bf16=0,s8=8,blocks=2") == {"f32": 4, "bf16": 0, "s8": 8, "blocks": 2}
+def test_kernel_rows_parse_and_refuse_bad_settings():
+    assert product_paths.parse("f32=4, bf16=0,s8=2-8,blocks=2") == {"f32": (1, 4), "bf16": (0, 0), "s8": (2, 8),
+                                                                     "blocks": (1, 2)}
+    with pytest.raises(ValueError, match="TYPE=ROWS"):
+        product_paths.parse("f32=4-2,bf16=4,s8=8,blocks=8")
+    with pytest.raises(ValueError, match="TYPE=ROWS"):
+        product_paths.parse("f32=0-2,bf16=4,s8=8,blocks=8")
     with pytest.raises(ValueError, match="must name every weight type"):
         product_paths.parse("f32=4")
     with pytest.raises(ValueError, match="TYPE=ROWS"):
@@ -20,13 +25,18 @@ def test_row_limits_parse_and_refuse_bad_settings():
         product_paths.parse("f16=4,bf16=4,s8=8,blocks=8")
 
 
-def test_the_limit_is_the_last_row_count_of_an_unbroken_run_of_kernel_wins():
-    assert product_paths.limit_from({1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 2.0)}) == 2
-    assert product_paths.limit_from({1: (2.0, 1.0), 2: (1.0, 2.0)}) == 0
-    assert product_paths.limit_from({1: (1.0, 2.0), 8: (1.0, 2.0)}) == 8
-    assert product_paths.limit_from({1: (1.0, 2.0), 2: (1.97, 2.0)}) == 1      # a near tie is XLA's
-    assert product_paths.limit_from({1: (1.0, 1.01), 2: (1.0, 2.0)}) == 2      # nor does it stop the search
-    assert product_paths.limit_from({1: (1.0, 1.01), 2: (1.0, 1.02)}) == 0
+def test_the_kernel_rows_are_an_unbroken_run_of_kernel_wins():
+    from_ = product_paths.range_from
+    assert from_({1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 2.0)}) == (1, 2)
+    # XLA's dot wins at one row, the kernel from two on (an AVX-512 host, f32: 150 vs 136 us
+    # at one row, 164 vs 207 at four).
+    assert from_({1: (150.0, 136.0), 2: (157.0, 206.0), 4: (164.0, 207.0), 8: (244.0, 265.0)}) == (2, 8)
+    assert from_({1: (1.0, 2.0), 8: (1.0, 2.0)}) == (1, 8)
+    assert from_({1: (1.0, 2.0), 2: (1.97, 2.0)}) == (1, 1)        # a near tie is XLA's
+    assert from_({1: (1.0, 2.0), 2: (1.97, 2.0), 4: (1.0, 2.0)}) == (1, 4)      # nor does it end the range
+    assert from_({1: (1.0, 1.01), 2: (1.0, 1.02)}) == (0, 0)
+    assert from_({1: (2.0, 1.0), 2: (2.0, 1.0)}) == (0, 0)
+    assert product_paths.describe({"f32": (2, 8), "s8": (0, 0)}) == "f32 rows 2-8, s8 none"
 
 
 def test_measurement_times_both_paths_for_every_weight_type():
@@ -38,22 +48,44 @@ def test_measurement_times_both_paths_for_every_weight_type():
         assert all(kernel > 0 and xla > 0 for kernel, xla in by_rows.values())
 
 
+def test_timed_runs_read_weights_that_left_the_caches():
+    assert product_paths.last_level_cache_bytes() >= 0
+    # A 480 MB cache and 48 MB chains: 21 copies in turn read 1 GB between two runs of one copy.
+    assert product_paths.copies_for(48 << 20, 480 << 20) == 21
+    assert product_paths.copies_for(48 << 20, 32 << 20) == 3
+    assert product_paths.copies_for(48 << 20, 0) == 2
+    assert product_paths.copies_for(1 << 15, 1 << 40) == product_paths.MAX_COPIES
+
+
+def test_a_table_kept_under_an_older_rule_is_measured_again(monkeypatch, tmp_path):
+    monkeypatch.delenv(product_paths.ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "build", lambda: tmp_path / "libpyhlo_kernels-x.so")
+    old = {kind: {"1": [1.0, 2.0]} for kind in product_paths.TYPES}
+    (tmp_path / "libpyhlo_kernels-x.paths.json").write_text(json.dumps({"microseconds": old}))
+    fresh = {kind: {r: (2.0, 1.0) for r in product_paths.ROWS} for kind in product_paths.TYPES}
+    monkeypatch.setattr(product_paths, "measure", lambda backend: fresh)
+    assert product_paths.kernel_rows(None) == {kind: (0, 0) for kind in product_paths.TYPES}
+    kept = json.loads((tmp_path / "libpyhlo_kernels-x.paths.json").read_text())
+    assert kept["rule"] == product_paths.RULE
+
+
 def test_the_table_is_measured_once_and_then_read(monkeypatch, tmp_path):
     monkeypatch.delenv(product_paths.ENV, raising=False)
     monkeypatch.setattr(cpu_kernels, "build", lambda: tmp_path / "libpyhlo_kernels-x.so")
     fake = {kind: {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 2.0)} for kind in product_paths.TYPES}
     fake["f32"] = {r: (2.0, 1.0) for r in product_paths.ROWS}
     monkeypatch.setattr(product_paths, "measure", lambda backend: fake)
-    table = product_paths.kernel_max_rows(None)
-    assert table == {"f32": 0, "bf16": 2, "s8": 2, "blocks": 2}
+    table = product_paths.kernel_rows(None)
+    assert table == {"f32": (0, 0), "bf16": (1, 2), "s8": (1, 2), "blocks": (1, 2)}
     kept = json.loads((tmp_path / "libpyhlo_kernels-x.paths.json").read_text())
-    assert kept["max_rows"] == table and kept["microseconds"]["f32"]["1"] == [2.0, 1.0]
+    assert {k: tuple(v) for k, v in kept["kernel_rows"].items()} == table
+    assert kept["microseconds"]["f32"]["1"] == [2.0, 1.0]
 
     def measure_again(backend):
         raise AssertionError("measured twice")
 
     monkeypatch.setattr(product_paths, "measure", measure_again)
-    assert product_paths.kernel_max_rows(None) == table
+    assert product_paths.kernel_rows(None) == table
 
 
 def test_a_type_limited_to_zero_rows_takes_xla_dot(tiny_llama, monkeypatch):
@@ -63,7 +95,7 @@ def test_a_type_limited_to_zero_rows_takes_xla_dot(tiny_llama, monkeypatch):
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")
     monkeypatch.setenv(product_paths.ENV, "f32=0,bf16=4,s8=8,blocks=8")
     model = LlamaForSampling.from_pretrained(path, n_positions=128, context_length_estimate=[16])
-    assert dict(model.lowering.max_rows)["f32"] == 0
+    assert dict(model.lowering.kernel_rows)["f32"] == (0, 0)
 
     def targets(model):
         module = model.programs.build(Block(1, 128)).module
@@ -72,4 +104,10 @@ def test_a_type_limited_to_zero_rows_takes_xla_dot(tiny_llama, monkeypatch):
     assert targets(model) == {cpu_kernels.DECODE_ATTENTION_TARGET}
     monkeypatch.setenv(product_paths.ENV, "f32=4,bf16=4,s8=8,blocks=8")
     model = LlamaForSampling.from_pretrained(path, n_positions=128, context_length_estimate=[16])
+    assert targets(model) == {cpu_kernels.DECODE_ATTENTION_TARGET, cpu_kernels.MATVEC_TARGET}
+    # A range from two rows: one line takes XLA's dot, two lines the kernel.
+    monkeypatch.setenv(product_paths.ENV, "f32=2-8,bf16=4,s8=8,blocks=8")
+    model = LlamaForSampling.from_pretrained(path, n_positions=128, context_length_estimate=[16])
+    assert targets(model) == {cpu_kernels.DECODE_ATTENTION_TARGET}
+    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=128, context_length_estimate=[16])
     assert targets(model) == {cpu_kernels.DECODE_ATTENTION_TARGET, cpu_kernels.MATVEC_TARGET}

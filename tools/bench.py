@@ -452,8 +452,8 @@ class PyhloRunner:
             self.info["quant"] = lowering.quant.to_dict()
         if lowering.gguf_blocks:
             self.info["gguf_blocks"] = dict(lowering.gguf_blocks)
-        if hasattr(lowering, "max_rows"):
-            self.info["kernel_rows"] = dict(lowering.max_rows)
+        if hasattr(lowering, "kernel_rows"):
+            self.info["kernel_rows"] = dict(lowering.kernel_rows)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> dict:
         streamer = bench_peers.TimingStreamer()
