@@ -82,6 +82,20 @@ def test_a_prompt_chunk_runs_in_a_program_for_its_line_alone(tiny_llama):
     np.testing.assert_allclose(alone, together, rtol=1e-5, atol=1e-5)
     for cache in caches():
         np.testing.assert_allclose(cache[2, :, :11], cache[3, :, :11], rtol=1e-6, atol=1e-6)
+    # One token for lines 2 and 3 (twins so far) through the two-row programs, then the same
+    # tokens at the same slots through the every-line program: the same logits, row by row.
+    before = caches()
+    paired = session.host_logits(session.forward_rows(np.array([7, 8]), np.array([2, 3]), np.array([11, 11])))
+    for old, new in zip(before, caches()):
+        assert np.array_equal(old[[0, 1]], new[[0, 1]])
+    tokens = np.zeros((4, 1), np.int32)
+    tokens[2:, 0] = [7, 8]
+    slots = np.array([session.n_positions, session.n_positions, 11, 11], np.int32)
+    every = session.host_logits(session.forward_lines(tokens, slots, np.zeros(4, np.int32)))
+    np.testing.assert_allclose(paired, every[2:], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(paired[0], paired[1], atol=1e-3)
+    with pytest.raises(ValueError, match="rows one of"):
+        session.forward_rows(np.zeros(3, np.int32), np.array([0, 1, 2]), np.zeros(3, np.int32))
     with pytest.raises(ValueError, match="context bucket"):
         session.forward_line(np.zeros((1, 5), np.int32), 2, 0, 4)
     with pytest.raises(ValueError, match="line in 0..3"):
@@ -101,6 +115,9 @@ def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(
     every_line, one_line = model.session.forward_lines, model.session.forward_line
     model.session.forward_lines = lambda tokens, *rest: widths.append(tokens.shape[1]) or every_line(tokens, *rest)
     model.session.forward_line = lambda tokens, *rest: chunks.append(tokens.shape[1]) or one_line(tokens, *rest)
+    # Decode steps with one or two active lines run the programs for that many rows.
+    row_steps, some_rows = [], model.session.forward_rows
+    model.session.forward_rows = lambda tokens, *rest: row_steps.append(len(tokens)) or some_rows(tokens, *rest)
 
     def on_token(request, token):
         streamed.setdefault(request.id, []).append(token)
@@ -121,6 +138,7 @@ def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(
     alone = sum(-(-length // 16) + budget - 1 for length, budget in zip(lengths, budgets))
     assert batcher.steps < 0.5 * alone, (batcher.steps, alone)
     assert set(widths) == {1} and len(chunks) >= sum(length > 1 for length in lengths)
+    assert model.session.decode_rows() == [1, 2] and set(row_steps) == {1, 2}
     assert batcher.prompt_tokens_written + batcher.prompt_tokens_reused == sum(lengths)
 
 

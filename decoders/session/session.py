@@ -105,6 +105,8 @@ class Session:
                 keys += [Block(c, s) for s in self.token_buckets if s > c]
             if self.row_prefill:
                 keys += [Embed(c, 1), LMHead(c, 1)] + [Block(c, s, 1) for s in self.token_buckets if s >= c]
+        for rows in self.decode_rows():
+            keys += [Embed(1, rows), LMHead(1, rows)] + [Block(1, s, rows) for s in self.token_buckets]
         if self.speculation_length is not None:
             n = self.speculation_length + 1
             keys += [Embed(n), LMHeadAll(n)] + [Block(n, s) for s in self.token_buckets]
@@ -122,6 +124,14 @@ class Session:
         line's cache is spread over the replicas (flash decoding, lines split by replica)."""
         layout = self.builder.device_decoder.layer.attention.kv_layout
         return self.per_line and self.batch_size > 1 and layout in ("heads", "gather")
+
+    def decode_rows(self) -> list[int]:
+        """Continuous batching: the numbers of lines (powers of two below the batch size) that
+        a decode step can run alone (forward_rows()), so that a step with few active lines
+        does not compute a row for every line."""
+        if not self.row_prefill:
+            return []
+        return [1 << i for i in range(self.batch_size.bit_length()) if 1 << i < self.batch_size]
 
     def compile(self) -> None:
         self.programs.compile_all(self.eager_programs())
@@ -379,6 +389,26 @@ class Session:
         n_attend = n if reach <= n else bucketing.pick(self.token_buckets, reach)
         return self._run(token_ids, n, n_attend, np.array([slot], np.int32), np.zeros(1, np.int32),
                          np.array([last_index], np.int32), lines=np.array([line], np.int32))
+
+    def forward_rows(self, token_ids: np.ndarray, lines: np.ndarray, slots: np.ndarray) -> Any:
+        """Continuous batching: one token each for some lines, token_ids[i] written into line
+        lines[i] at slot slots[i], in the programs for that many rows (one of decode_rows(); a
+        row whose slot is n_positions has no part: it writes into its line's scratch slot);
+        logits (on the device) [rows, vocab]. The other lines are not computed."""
+        token_ids = np.asarray(token_ids, np.int32).reshape(-1, 1)
+        lines, slots = np.asarray(lines, np.int32), np.asarray(slots, np.int32)
+        rows = token_ids.shape[0]
+        if rows not in self.decode_rows() or lines.shape != (rows,) or slots.shape != (rows,):
+            raise ValueError(f"forward_rows: token_ids [rows, 1], lines and slots [rows] with rows one of "
+                             f"{self.decode_rows()}; got {token_ids.shape}, {lines.shape}, {slots.shape}")
+        if len(set(lines.tolist())) != rows or (lines < 0).any() or (lines >= self.batch_size).any() \
+                or (slots < 0).any() or (slots > self.n_positions).any():
+            raise ValueError(f"forward_rows: distinct lines in 0..{self.batch_size - 1} and slots in "
+                             f"0..{self.n_positions}; got {lines.tolist()}, {slots.tolist()}")
+        live = slots < self.n_positions
+        n_attend = bucketing.pick(self.token_buckets, int(slots[live].max()) + 1 if live.any() else 1)
+        return self._run(token_ids, 1, n_attend, slots, np.zeros(rows, np.int32), np.zeros(rows, np.int32),
+                         lines=lines)
 
     def forward_all(self, token_ids: np.ndarray, slot: int, pads: np.ndarray) -> Any:
         """Logits (on the device) of every one of the n tokens written at `slot`, f32 [batch,
