@@ -8,8 +8,9 @@
 Each batch line holds one request at a time. A step runs every active line once: a line with
 prompt tokens still to write takes the next chunk of them (a context bucket wide) in a
 program for that line alone, costing its own tokens only (Session.forward_line); then the
-lines that are generating take their newest token in one decode step, so a new prompt stalls
-the others for one chunk at most. Where the caches are spread over replicas (no one-line
+lines that are generating take their newest token in one decode step (in the programs for
+that many rows when few lines are active), so each prompt being written delays the others by
+one chunk of its own per step. Where the caches are spread over replicas (no one-line
 programs) the chunks and the newest tokens share one program over every line instead. A request that
 ends (an end-of-sequence token, its token budget, or the end of the cache) frees its line
 for the next waiting request.
