@@ -151,6 +151,10 @@ class NeuronConfig:
     # of each KV head stored as head_dim int8 values and an f32 scale (max |x| / 127), about
     # a quarter of f32 caches' bytes and half of bf16's. True is "s8"; False keeps the amp type.
     kv_cache_quant: bool | str = False
+    # Products of GGUF block weights on pyhlo's CPU kernels (decode steps, the LM head) round
+    # the activations to int8 per 32 values (max |x| / 127, as llama.cpp does) and multiply
+    # integers: faster, within the rounding of the exact product (off: activations stay f32).
+    int8_activations: bool = False
     on_device_generation: GenerationConfig | None = None
     padding_side: str = "right"
     output_all_logits: bool = False
@@ -217,6 +221,11 @@ class NeuronConfig:
         if self.gguf_blocks and self.quant is not None:
             raise ValueError("NeuronConfig.gguf_blocks=True keeps a GGUF file's own quantization; it cannot be "
                              "combined with quant (drop one of them)")
+        if self.int8_activations not in (True, False):
+            raise ValueError(f"NeuronConfig.int8_activations must be True or False, got {self.int8_activations!r}")
+        if self.int8_activations and (self.gguf_blocks is False or self.quant is not None):
+            raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept in "
+                             "their blocks: it cannot go with gguf_blocks=False or quant")
         if self.kv_cache_quant == "s8":
             self.kv_cache_quant = True
         if self.kv_cache_quant not in (True, False):

@@ -83,6 +83,8 @@ class XlaLowering:
     gguf_blocks: tuple[tuple[str, str], ...] = ()
     # KV caches of packed int8 rows, a scale per line, head and slot (NeuronConfig.kv_cache_quant).
     kv_cache_quant: bool = False
+    # Kernel products of GGUF block weights round the activations to int8 (NeuronConfig.int8_activations).
+    int8_activations: bool = False
 
     name = "xla"
 
@@ -212,7 +214,8 @@ class CpuKernelLowering(XlaLowering):
         first, last = dict(self.kernel_rows).get("blocks" if blocks else weight.dtype, (0, 0))
         if 0 < first <= int(np.prod(x.dims[:-1])) <= last:
             rows = ew.convert(x, "f32")
-            product = matvec_blocks_kernel(rows, weight, scale, mins) if blocks else matvec_kernel(rows, weight, scale)
+            product = (matvec_blocks_kernel(rows, weight, scale, mins, self.int8_activations) if blocks
+                       else matvec_kernel(rows, weight, scale))
             return self._finish(product, param, bias, out_dtype or x.dtype)
         return super().linear(x, weight, param, bias, out_dtype, scale, mins)
 
@@ -265,6 +268,9 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
     """
     wanted = neuron_config.cpu_kernels
     whole = neuron_config.whole_model_program
+    if neuron_config.int8_activations and not gguf_blocks:
+        raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their "
+                         "blocks, and this model has none (a .gguf file with such tensors, tp_degree 1)")
     if wanted is not False:
         reasons = _cpu_kernel_obstacles(neuron_config, backend, dtype)
         if reasons and wanted:
@@ -277,7 +283,12 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
                                      tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
                                      shard_over_sequence=neuron_config.shard_over_sequence,
                                      quant=neuron_config.quant, gguf_blocks=gguf_blocks,
-                                     kv_cache_quant=neuron_config.kv_cache_quant)
+                                     kv_cache_quant=neuron_config.kv_cache_quant,
+                                     int8_activations=neuron_config.int8_activations)
+    if neuron_config.int8_activations:
+        raise ValueError("NeuronConfig.int8_activations rounds activations inside pyhlo's CPU kernels, which this "
+                         "model does not use: " + ("; ".join(_cpu_kernel_obstacles(neuron_config, backend, dtype))
+                                                   or "cpu_kernels=False"))
     layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
     return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), tp_degree=tp_degree,
                        gqa=neuron_config.group_query_attention, shard_over_sequence=neuron_config.shard_over_sequence,

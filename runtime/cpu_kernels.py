@@ -31,10 +31,13 @@ MATVEC_S8_TARGET = "pyhlo_matvec_s8"
 DECODE_ATTENTION_TARGET = "pyhlo_decode_attention"
 # GGUF block forms: "q8_0", "q4_0", "q4_1" -> the kernel's target
 MATVEC_BLOCK_TARGETS = {form: f"pyhlo_matvec_{form}" for form in ("q8_0", "q4_0", "q4_1")}
+# The same with the activations rounded to int8 per 32 values (NeuronConfig(int8_activations=True)).
+MATVEC_BLOCK_X8_TARGETS = {form: f"pyhlo_matvec_{form}_x8" for form in ("q8_0", "q4_0", "q4_1")}
 # custom-call target -> the handler symbol the library exports
 TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            DECODE_ATTENTION_TARGET: "PyhloDecodeAttention",
-           **{target: f"PyhloMatvec{form.capitalize()}" for form, target in MATVEC_BLOCK_TARGETS.items()}}
+           **{target: f"PyhloMatvec{form.capitalize()}" for form, target in MATVEC_BLOCK_TARGETS.items()},
+           **{target: f"PyhloMatvec{form.capitalize()}X8" for form, target in MATVEC_BLOCK_X8_TARGETS.items()}}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name for name in ("matvec.cc", "decode_attention.cc")]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 

@@ -23,11 +23,11 @@ def kernels():
     assert cpu_kernels.register(), "the CPU kernels did not build"
 
 
-def run_kernel(x: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
+def run_kernel(x: np.ndarray, arrays: list[np.ndarray], int8_activations: bool = False) -> np.ndarray:
     def program(scribe):
         params = [getattr(scribe, SCRIBE_TYPES[a.dtype.name])[a.shape].Parameter(parameter_number=i)
                   for i, a in enumerate([x, *arrays])]
-        return linalg.matvec_blocks_kernel(*params)
+        return linalg.matvec_blocks_kernel(*params, int8_activations=int8_activations)
 
     (out,) = run_fn(program, x, *arrays)
     return out
@@ -47,6 +47,35 @@ def test_block_kernels_match_numpy(form, lead, n, blocks, seed):
     bound = np.abs(x).astype(np.float64) @ np.abs(w).T         # the size of the sum's terms
     assert out.shape == (*lead, n) and out.dtype == np.float32
     assert (np.abs(out - expected) <= 1e-5 * bound + 1e-30).all()
+
+
+def rounded_activations(x: np.ndarray) -> np.ndarray:
+    """x rounded per 32 values as the _x8 kernels round it: d = max |x| / 127 (f32), q =
+    round(x * (1 / d)) half to even; returned as d * q."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inverse = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inverse), -127, 127)
+    return (d.astype(np.float64) * q).reshape(x.shape)
+
+
+# The integer kernels against numpy on the rounded activations: the same function, to f32
+# rounding; and within the rounding's reach of the exact product.
+@settings(max_examples=40, deadline=None)
+@given(form=st.sampled_from(FORMS), lead=st.sampled_from([(1,), (3,), (4,), (5,), (8,), (2, 3)]),
+       n=st.integers(1, 70), blocks=st.integers(1, 10), seed=st.integers(0, 2**32 - 1))
+def test_int8_activation_block_kernels_match_numpy(form, lead, n, blocks, seed):
+    k = 32 * blocks
+    weight = random_blocks(form, n, k, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((*lead, k)).astype(np.float32)
+    out = run_kernel(x, [a for a in weight[1:] if a is not None], int8_activations=True)
+    w = dequantize_blocks(weight).astype(np.float64)
+    rounded = rounded_activations(x)
+    bound = np.abs(rounded) @ np.abs(w).T
+    assert out.shape == (*lead, n) and out.dtype == np.float32
+    assert (np.abs(out - rounded @ w.T) <= 1e-5 * bound + 1e-30).all()
+    exact_bound = np.abs(x).astype(np.float64) @ np.abs(w).T
+    assert (np.abs(out - x.astype(np.float64) @ w.T) <= 0.01 * exact_bound).all()
 
 
 def test_a_large_head_splits_across_threads_and_stays_exact():

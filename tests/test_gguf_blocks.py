@@ -97,6 +97,41 @@ def test_blocks_that_cannot_be_kept_are_clear_errors(block_file, tiny_llama):
                                             ).lowering.gguf_blocks == ()
 
 
+@pytest.mark.parametrize("form", list(FORMS))
+def test_int8_activations_round_the_decode_products_only(block_file, form):
+    """NeuronConfig(int8_activations=True): products of block weights on the kernels (decode
+    steps, the LM head) run the _x8 kernels (activations rounded to int8 per 32 values), and
+    the logits stay within the rounding's reach of the exact ones."""
+    from decoders.programs.keys import Block
+
+    path = block_file(form)
+    exact = build(path, True, True, batch_size=1)
+    rounded = LlamaForSampling.from_pretrained(
+        path, batch_size=1, n_positions=128, context_length_estimate=[16, 64],
+        neuron_config=NeuronConfig(gguf_blocks=True, cpu_kernels=True, int8_activations=True)).to_neuron()
+    module = rounded.programs.build(Block(1, 128)).module
+    targets = {i.custom_call_target for c in module.computations for i in c.instructions} - {""}
+    assert f"pyhlo_matvec_{form}_x8" in targets and f"pyhlo_matvec_{form}" not in targets
+    prompt = np.arange(5, 30)[None]
+    _, logits = rounded.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
+    _, expected = exact.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
+    for step in (0, 1):                                            # the prompt's token, a decode step
+        assert 1e-7 < relative_error(logits[step], expected[step]) < 3e-2, step
+
+
+def test_int8_activations_need_block_weights_and_the_kernels(block_file, tiny_llama):
+    with pytest.raises(ValueError, match="cannot go with gguf_blocks=False or quant"):
+        NeuronConfig(gguf_blocks=False, int8_activations=True)
+    with pytest.raises(ValueError, match="must be True or False"):
+        NeuronConfig(int8_activations="yes")
+    _, hf_directory = tiny_llama("gqa_tied_llama3", "safetensors")
+    with pytest.raises(ValueError, match="this model has none"):
+        LlamaForSampling.from_pretrained(hf_directory, n_positions=128, neuron_config=NeuronConfig(int8_activations=True))
+    with pytest.raises(ValueError, match="does not use"):
+        LlamaForSampling.from_pretrained(block_file("q8_0"), n_positions=128,
+                                         neuron_config=NeuronConfig(int8_activations=True, cpu_kernels=False))
+
+
 def first_divergence(tokens: np.ndarray, expected: np.ndarray) -> int | None:
     differ = np.nonzero(tokens != expected)[0]
     return int(differ[0]) if len(differ) else None

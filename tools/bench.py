@@ -31,8 +31,10 @@ dynamic int8 quantization (torch.ao.quantization.quantize_dynamic) of the layers
 modules. Embeddings, LM head and norms stay f32 in all three. gguf is the GGUF model file
 as it is stored (SmolLM2's: Q4_1 layers, Q8_0 embedding and LM head): pyhlo runs its blocks
 as stored (NeuronConfig(gguf_blocks=True)), llama.cpp reads that very file; HF transformers
-widens GGUF weights to f32 at load, so it has no row there. The other precisions widen a
-GGUF's weights at load (gguf_blocks=False) and llama.cpp reads a file written from them.
+widens GGUF weights to f32 at load, so it has no row there. gguf-x8 is the same with pyhlo's
+kernels rounding the activations to int8 per 32 values (NeuronConfig(int8_activations=True)),
+as llama.cpp does. The other precisions widen a GGUF's weights at load (gguf_blocks=False)
+and llama.cpp reads a file written from them.
 
 Results: a markdown table on stdout, and DIR/bench.json, DIR/bench.md, DIR/bench.png
 (worker logs in DIR/logs/).
@@ -43,6 +45,7 @@ examples:
   pyhlo bench --engines pyhlo,hf --amp bf16 --batch 1 --repeats 5 --no-compile-times
   pyhlo bench --amp s8,f32 --batch 1                # int8 weights beside f32
   pyhlo bench --amp gguf --batch 1                  # the GGUF file's Q4_1 blocks as stored
+  pyhlo bench --amp gguf,gguf-x8 --batch 1          # ... and with int8 activations
 """
 from __future__ import annotations
 
@@ -67,9 +70,9 @@ import numpy as np
 from tools import bench_peers, bench_report
 
 ENGINES = ("pyhlo", "hf", "llamacpp")
-AMPS = ("f32", "bf16", "s8", "gguf")
+AMPS = ("f32", "bf16", "s8", "gguf", "gguf-x8")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DEFAULTS = dict(amp="f32,bf16,s8,gguf", batch="1,4", prompt_tokens=128, new_tokens=128, repeats=3, n_positions=1024,
+DEFAULTS = dict(amp="f32,bf16,s8,gguf,gguf-x8", batch="1,4", prompt_tokens=128, new_tokens=128, repeats=3, n_positions=1024,
                 bandwidth_mb=512)
 QUICK = dict(amp="f32", batch="1", prompt_tokens=16, new_tokens=8, repeats=1, n_positions=256, bandwidth_mb=64)
 BUCKET_PROMPT_TOKENS = 16
@@ -94,9 +97,10 @@ PROMPT_TEXT = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--engines", help="comma-separated, from pyhlo,hf,llamacpp (default: all available)")
-    parser.add_argument("--amp", help="comma-separated precisions, from f32,bf16,s8,gguf; s8: int8 weights in the "
-                                      "decoder layers, the rest f32; gguf: a GGUF model's own quantized "
-                                      f"weights as stored (default {DEFAULTS['amp']})")
+    parser.add_argument("--amp", help="comma-separated precisions, from f32,bf16,s8,gguf,gguf-x8; s8: int8 weights "
+                                      "in the decoder layers, the rest f32; gguf: a GGUF model's own quantized "
+                                      "weights as stored; gguf-x8: the same with the activations of their products "
+                                      f"rounded to int8 (default {DEFAULTS['amp']})")
     parser.add_argument("--batch", help=f"comma-separated batch sizes (default {DEFAULTS['batch']})")
     parser.add_argument("--prompt-tokens", type=int, help=f"prompt length (default {DEFAULTS['prompt_tokens']})")
     parser.add_argument("--new-tokens", type=int, help=f"tokens generated per line (default {DEFAULTS['new_tokens']})")
@@ -252,8 +256,8 @@ def pyhlo_options(amp: str) -> dict:
 
     if amp == "s8":
         return {"amp": "f32", "neuron_config": NeuronConfig(quant=QuantizationConfig(quant_dtype="s8"))}
-    if amp == "gguf":
-        return {"amp": "f32", "neuron_config": NeuronConfig(gguf_blocks=True)}
+    if amp in ("gguf", "gguf-x8"):
+        return {"amp": "f32", "neuron_config": NeuronConfig(gguf_blocks=True, int8_activations=amp == "gguf-x8")}
     return {"amp": amp, "neuron_config": NeuronConfig(gguf_blocks=False)}
 
 
@@ -809,7 +813,7 @@ def run(args: argparse.Namespace) -> int:
     for amp in settings["amps"]:
         model_files = {"pyhlo": model_path, "hf": model_path}
         missing = dict(unavailable)
-        if amp == "gguf":
+        if amp in ("gguf", "gguf-x8"):
             missing.setdefault("hf", "HF transformers widens GGUF weights to f32 at load: no row as stored")
             if model_path.suffix != ".gguf":
                 raise ValueError(f"--amp gguf runs a GGUF model's weights as stored; {model_path} is not a .gguf")

@@ -37,6 +37,9 @@ AMP_NOTES = {
     "gguf": "gguf: the GGUF file's own weights as stored (SmolLM2-135M-Instruct.Q4_1.gguf: Q4_1 layer matrices, "
             "Q8_0 embedding / LM head, f32 norms); pyhlo runs the blocks as stored, dequantized inside its kernels, "
             "llama.cpp reads the same file (and quantizes the activations to 8 bits for its products).",
+    "gguf-x8": "gguf-x8: the same file, with pyhlo's kernels rounding the activations of the block products to int8 "
+               "per 32 values and multiplying integers (NeuronConfig(int8_activations=True)), as llama.cpp does; "
+               "llama.cpp's row is the same as gguf's, run again.",
 }
 
 

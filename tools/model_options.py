@@ -19,15 +19,20 @@ def add_quant_argument(group) -> None:
     group.add_argument("--widen-gguf", action="store_true",
                        help="widen a GGUF file's Q8_0, Q4_0 and Q4_1 weights to the --amp type at load instead "
                             "of running them in their blocks as stored")
+    group.add_argument("--int8-activations", action="store_true",
+                       help="a GGUF file's Q8_0 / Q4_0 / Q4_1 products on pyhlo's CPU kernels round the "
+                            "activations to int8 per 32 values and multiply integers, as llama.cpp does "
+                            "(faster; within the rounding of the exact product)")
     group.add_argument("--kv-cache-quant", action="store_true",
                        help="keep the KV caches as int8 with an f32 scale per slot and head (about a quarter "
                             "of f32 caches' bytes, half of bf16's)")
 
 
 def weight_options(args: argparse.Namespace) -> dict:
-    """The NeuronConfig settings --quant, --widen-gguf and --kv-cache-quant ask for."""
+    """The NeuronConfig settings --quant, --widen-gguf, --int8-activations and --kv-cache-quant ask for."""
     options = {"gguf_blocks": False if getattr(args, "widen_gguf", False) else None,
-               "kv_cache_quant": bool(getattr(args, "kv_cache_quant", False))}
+               "kv_cache_quant": bool(getattr(args, "kv_cache_quant", False)),
+               "int8_activations": bool(getattr(args, "int8_activations", False))}
     if getattr(args, "quant", None) is not None:
         from decoders import QuantizationConfig
 

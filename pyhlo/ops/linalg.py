@@ -56,12 +56,15 @@ def matvec_kernel(x: HloValue, w: HloValue, scale: HloValue | None = None, targe
     return ffi_call(shape, [x, w], target or "pyhlo_matvec")
 
 
-def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: HloValue | None = None) -> HloValue:
+def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: HloValue | None = None,
+                         int8_activations: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] kept in one of llama.cpp's
     GGUF block forms (pyhlo.ops.quantized has the layout): s8 values [n, k] with f16 scales
     [n, k/32] are Q8_0; u8 values [n, k/2] with f16 scales are Q4_0, and with f16 `mins` too,
-    Q4_1. Each block is widened to f32 in registers. The kernel must be registered with the
-    backend (runtime.cpu_kernels.register()) before a program using it is compiled."""
+    Q4_1. Each block is widened to f32 in registers; with int8_activations, x is rounded per 32
+    values to int8 (d = max|x| / 127, as llama.cpp rounds activations) and each block's product
+    is an integer sum (the _x8 targets). The kernel must be registered with the backend
+    (runtime.cpu_kernels.register()) before a program using it is compiled."""
     per_byte = 1 if values.dtype == "s8" else 2
     k = x.dims[-1] if x.dims else -1
     if (x.dtype != "f32" or values.dtype not in ("s8", "u8") or len(values.dims) != 2 or k % 32
@@ -73,4 +76,5 @@ def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: 
                             f"got {', '.join(got)}")
     form = "q8_0" if values.dtype == "s8" else ("q4_1" if mins is not None else "q4_0")
     operands = [x, values, scales] + ([mins] if mins is not None else [])
-    return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, f"pyhlo_matvec_{form}")
+    target = f"pyhlo_matvec_{form}" + ("_x8" if int8_activations else "")
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, target)
