@@ -153,17 +153,21 @@ inline int32_t block_weight(const Problem& p, int64_t n, int64_t b, int j) {
   return j < kBlock / 2 ? byte & 0xF : byte >> 4;
 }
 
+// One block's product, weight row n by activation row m: d_w * d_x * sum_j q_w[j] * q_x[j].
+inline float block_product_x8(const Problem& p, int64_t n, int64_t m, int64_t b) {
+  const int64_t nb = p.k / kBlock;
+  const int8_t* xq = p.x_q8 + m * p.k + b * kBlock;
+  int32_t dot = 0;
+  for (int j = 0; j < kBlock; ++j) dot += block_weight(p, n, b, j) * xq[j];
+  return half_to_f32(p.block_scale[n * nb + b]) * p.x_q8_scale[m * nb + b] * float(dot);
+}
+
 template <int G>
 void row_blocks_x8_portable(const Problem& p, int64_t n, int64_t m0) {
-  const int64_t k = p.k, nb = k / kBlock;
+  const int64_t nb = p.k / kBlock;
   for (int g = 0; g < G; ++g) {
-    const int8_t* xq = p.x_q8 + (m0 + g) * k;
     float sum = 0;
-    for (int64_t b = 0; b < nb; ++b) {
-      int32_t dot = 0;
-      for (int j = 0; j < kBlock; ++j) dot += block_weight(p, n, b, j) * xq[b * kBlock + j];
-      sum += half_to_f32(p.block_scale[n * nb + b]) * p.x_q8_scale[(m0 + g) * nb + b] * float(dot);
-    }
+    for (int64_t b = 0; b < nb; ++b) sum += block_product_x8(p, n, m0 + g, b);
     if (p.form != kQ8_0) sum += block_offset(p, n, m0 + g);
     p.y[(m0 + g) * p.n + n] = sum;
   }
@@ -217,11 +221,7 @@ void row_blocks_x8(const Problem& p, int64_t n, int64_t m0) {
   }
   for (int g = 0; g < G; ++g) {
     float sum = _mm512_reduce_add_ps(acc[g]);
-    for (int64_t t = b; t < nb; ++t) {          // an odd last block
-      int32_t dot = 0;
-      for (int j = 0; j < kBlock; ++j) dot += block_weight(p, n, t, j) * p.x_q8[(m0 + g) * k + t * kBlock + j];
-      sum += _cvtsh_ss(scales[t]) * p.x_q8_scale[(m0 + g) * nb + t] * float(dot);
-    }
+    for (int64_t t = b; t < nb; ++t) sum += block_product_x8(p, n, m0 + g, t);   // an odd last block
     if (p.form != kQ8_0) sum += block_offset(p, n, m0 + g);
     p.y[(m0 + g) * p.n + n] = sum;
   }
