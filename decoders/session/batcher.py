@@ -176,9 +176,9 @@ class ContinuousBatcher:
         line takes one token and there are few of them, the program for that many rows."""
         session = self.session
         prefilling = [r for r in active if r.written < len(r.prompt)]
-        fitting = [n for n in session.decode_rows() if n >= len(active)]
-        if fitting and all(len(r.prompt) - r.written <= 1 for r in prefilling):
-            return self._run_rows(active, fitting[0])
+        if len(active) <= max(session.decode_rows(), default=0) and \
+                all(len(r.prompt) - r.written <= 1 for r in prefilling):
+            return self._run_rows(active)
         largest = session.context_buckets[-1]
         width = 1
         if prefilling:
@@ -210,14 +210,11 @@ class ContinuousBatcher:
         for r in choosing:
             self._accept(r, self._choose(r, rows[r.line]))
 
-    def _run_rows(self, active: list[Request], rows: int) -> None:
-        """One token for each active line, in the program for `rows` rows; rows past the
-        active lines go to idle lines' scratch slots."""
+    def _run_rows(self, active: list[Request]) -> None:
+        """One token for each active line, in the programs for that many rows."""
         session = self.session
-        idle = [line for line, held in enumerate(self.lines) if held is None or held not in active]
-        lines = [r.line for r in active] + idle[:rows - len(active)]
-        tokens = np.zeros(rows, np.int32)
-        slots = np.full(rows, session.n_positions, np.int32)
+        tokens = np.zeros(len(active), np.int32)
+        slots = np.zeros(len(active), np.int32)
         for i, r in enumerate(active):
             if r.written < len(r.prompt):                  # the prompt's last token
                 tokens[i], slots[i] = r.prompt[r.written], r.written
@@ -225,7 +222,8 @@ class ContinuousBatcher:
                 self.prompt_tokens_written += 1
             else:
                 tokens[i], slots[i] = r.tokens[-1], r.length - 1
-        logits = session.host_logits(session.forward_rows(tokens, np.array(lines, np.int32), slots))
+        lines = np.array([r.line for r in active], np.int32)
+        logits = session.host_logits(session.forward_rows(tokens, lines, slots))
         for i, r in enumerate(active):
             self._accept(r, self._choose(r, logits[i]))
 

@@ -56,17 +56,9 @@ def forward_sequences(session: Any, token_ids: np.ndarray, cache_ids: Any, seq_i
     lines = sequence_lines(seq_ids, rows, b)
     first = first_positions(cache_ids, rows, n, n_positions)
     largest = session.context_buckets[-1]
-    fitting = [r for r in session.decode_rows() if r >= rows]
-    if n == 1 and fitting:
-        # A token for each of a few lines: the programs for that many rows (more rows go to
-        # other lines' scratch slots).
-        others = [line for line in range(b) if line not in set(lines.tolist())]
-        chosen = np.concatenate([lines, others[:fitting[0] - rows]]).astype(np.int32)
-        tokens = np.zeros(fitting[0], np.int32)
-        tokens[:rows] = token_ids[:, 0]
-        slots = np.full(fitting[0], n_positions, np.int32)
-        slots[:rows] = first
-        return session.host_logits(session.forward_rows(tokens, chosen, slots))[:rows]
+    if n == 1 and rows <= max(session.decode_rows(), default=0):
+        # A token for each of a few lines: the programs for that many rows.
+        return session.host_logits(session.forward_rows(token_ids[:, 0], lines, first))[:rows]
     if n > 1 and rows < b and session.row_prefill:
         # A prompt per row, each through the programs for its line alone.
         return np.concatenate([_forward_line(session, token_ids[i], int(lines[i]), int(first[i]))

@@ -391,20 +391,28 @@ class Session:
                          np.array([last_index], np.int32), lines=np.array([line], np.int32))
 
     def forward_rows(self, token_ids: np.ndarray, lines: np.ndarray, slots: np.ndarray) -> Any:
-        """Continuous batching: one token each for some lines, token_ids[i] written into line
-        lines[i] at slot slots[i], in the programs for that many rows (one of decode_rows(); a
-        row whose slot is n_positions has no part: it writes into its line's scratch slot);
-        logits (on the device) [rows, vocab]. The other lines are not computed."""
-        token_ids = np.asarray(token_ids, np.int32).reshape(-1, 1)
+        """Continuous batching: one token each for k lines, token_ids[i] written into line
+        lines[i] at slot slots[i] (n_positions: no part, its line's scratch slot), in the
+        programs for the smallest of decode_rows() that holds k rows; rows past k go to other
+        lines' scratch slots. Logits (on the device) [rows, vocab], the k given rows first. The
+        other lines are not computed."""
+        token_ids = np.asarray(token_ids, np.int32).reshape(-1)
         lines, slots = np.asarray(lines, np.int32), np.asarray(slots, np.int32)
-        rows = token_ids.shape[0]
-        if rows not in self.decode_rows() or lines.shape != (rows,) or slots.shape != (rows,):
-            raise ValueError(f"forward_rows: token_ids [rows, 1], lines and slots [rows] with rows one of "
-                             f"{self.decode_rows()}; got {token_ids.shape}, {lines.shape}, {slots.shape}")
-        if len(set(lines.tolist())) != rows or (lines < 0).any() or (lines >= self.batch_size).any() \
+        k = token_ids.shape[0]
+        fitting = [r for r in self.decode_rows() if r >= k]
+        if k < 1 or not fitting or lines.shape != (k,) or slots.shape != (k,):
+            most = max(self.decode_rows(), default=0)
+            raise ValueError(f"forward_rows: token_ids, lines and slots [k] with k rows one of 1..{most}; got "
+                             f"{token_ids.shape}, {lines.shape}, {slots.shape}")
+        if len(set(lines.tolist())) != k or (lines < 0).any() or (lines >= self.batch_size).any() \
                 or (slots < 0).any() or (slots > self.n_positions).any():
             raise ValueError(f"forward_rows: distinct lines in 0..{self.batch_size - 1} and slots in "
                              f"0..{self.n_positions}; got {lines.tolist()}, {slots.tolist()}")
+        rows = fitting[0]
+        others = [line for line in range(self.batch_size) if line not in set(lines.tolist())]
+        lines = np.concatenate([lines, np.asarray(others[:rows - k], np.int32)])
+        token_ids = np.concatenate([token_ids, np.zeros(rows - k, np.int32)]).reshape(rows, 1)
+        slots = np.concatenate([slots, np.full(rows - k, self.n_positions, np.int32)])
         live = slots < self.n_positions
         n_attend = bucketing.pick(self.token_buckets, int(slots[live].max()) + 1 if live.any() else 1)
         return self._run(token_ids, 1, n_attend, slots, np.zeros(rows, np.int32), np.zeros(rows, np.int32),
@@ -424,9 +432,9 @@ class Session:
              last_index: int | np.ndarray, every_position: bool = False, lines: np.ndarray | None = None) -> Any:
         if isinstance(token_ids, np.ndarray):
             token_ids = self.placement.put(np.ascontiguousarray(token_ids, dtype=np.int32))
-        kept = self._step_buffer
         if lines is not None:
             return self._run_rows(token_ids, n_tokens, n_attend, slot, pads, last_index, lines)
+        kept = self._step_buffer
         pad = self.pad_buffer(pads)
         b = self.batch_size
         if self.per_line:
