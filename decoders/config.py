@@ -170,6 +170,11 @@ class NeuronConfig:
     whole_model_program: bool | None = None
     weight_layout: str | None = None
     cpu_kernels: bool | None = None
+    # How exactly f32 matrix products are computed: "highest" (the default) is true f32 on
+    # every platform; "tf32" (or XLA's "default") lets an NVIDIA GPU round the operands to
+    # TF32 for speed, as torch.backends.cuda.matmul.allow_tf32 does; "high" is XLA's middle
+    # setting. bf16 and f16 models are unaffected.
+    f32_matmul_precision: str = "highest"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -231,6 +236,11 @@ class NeuronConfig:
         if self.kv_cache_quant not in (True, False):
             raise ValueError(f"NeuronConfig.kv_cache_quant must be False, True or 's8' (int8 caches with a scale "
                              f"per slot and head), got {self.kv_cache_quant!r}")
+        precision = self.f32_matmul_precision
+        if not isinstance(precision, str) or precision.lower() not in ("highest", "high", "default", "tf32"):
+            raise ValueError(f"NeuronConfig.f32_matmul_precision must be 'highest', 'high', 'default' or 'tf32', "
+                             f"got {precision!r}")
+        self.f32_matmul_precision = precision.lower()
         if self.cpu_kernels not in (None, True, False):
             raise ValueError(f"NeuronConfig.cpu_kernels must be None, True or False, got {self.cpu_kernels!r}")
         if self.extra:
@@ -253,6 +263,11 @@ class NeuronConfig:
             if getattr(config, name) != built:
                 raise NotSupportedYet(f"GenerationConfig.{name}={getattr(config, name)!r} is not supported "
                                       f"yet; use {built!r}{hint}")
+
+    @property
+    def f32_dot_precision(self) -> str:
+        """f32_matmul_precision as XLA names it ("tf32" is XLA's "default")."""
+        return "default" if self.f32_matmul_precision == "tf32" else self.f32_matmul_precision
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)

@@ -43,7 +43,7 @@ from pyhlo.ops.collectives import all_reduce_sum
 from pyhlo.ops.linalg import matmul, matmul_transposed, matvec_blocks_kernel, matvec_kernel
 from pyhlo.ops.nn import expand_last
 from pyhlo.ops.quantized import dequantize_blocks
-from pyhlo.scribe import HloValue
+from pyhlo.scribe import HloValue, check_precision
 
 log = logging.getLogger("pyhlo")
 
@@ -85,12 +85,20 @@ class XlaLowering:
     kv_cache_quant: bool = False
     # Kernel products of GGUF block weights round the activations to int8 (NeuronConfig.int8_activations).
     int8_activations: bool = False
+    # How exactly f32 products are computed (NeuronConfig.f32_matmul_precision): "highest" is
+    # f32 on every platform; "default" lets a GPU use TF32.
+    f32_dot_precision: str = "highest"
+    # Generic attention reads the updated caches inside a `conditional`: XLA:CPU then updates
+    # them in place instead of copying them whole. Off where a conditional costs more than it
+    # saves (a GPU waits for the branch index of each conditional before it goes on).
+    attention_in_conditional: bool = True
 
     name = "xla"
 
     def __post_init__(self) -> None:
         if self.weight_layout not in ("in_out", "out_in"):
             raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {self.weight_layout!r}")
+        check_precision(self.f32_dot_precision)
 
     # -- parameters ---------------------------------------------------------------
     def param_dtype(self, param: Param) -> str:
@@ -268,6 +276,7 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
     """
     wanted = neuron_config.cpu_kernels
     whole = neuron_config.whole_model_program
+    precision = neuron_config.f32_dot_precision
     if neuron_config.int8_activations and not gguf_blocks:
         raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their "
                          "blocks, and this model has none (a .gguf file with such tensors, tp_degree 1)")
@@ -284,13 +293,29 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
                                      shard_over_sequence=neuron_config.shard_over_sequence,
                                      quant=neuron_config.quant, gguf_blocks=gguf_blocks,
                                      kv_cache_quant=neuron_config.kv_cache_quant,
-                                     int8_activations=neuron_config.int8_activations)
+                                     int8_activations=neuron_config.int8_activations,
+                                     f32_dot_precision=precision)
     if neuron_config.int8_activations:
         raise ValueError("NeuronConfig.int8_activations rounds activations inside pyhlo's CPU kernels, which this "
                          "model does not use: " + ("; ".join(_cpu_kernel_obstacles(neuron_config, backend, dtype))
                                                    or "cpu_kernels=False"))
+    common = dict(tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
+                  shard_over_sequence=neuron_config.shard_over_sequence, quant=neuron_config.quant,
+                  gguf_blocks=gguf_blocks, kv_cache_quant=neuron_config.kv_cache_quant,
+                  f32_dot_precision=precision)
+    if getattr(backend, "platform", None) == "cuda":
+        return gpu_lowering(neuron_config, dtype, common)
     layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
-    return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), tp_degree=tp_degree,
-                       gqa=neuron_config.group_query_attention, shard_over_sequence=neuron_config.shard_over_sequence,
-                       quant=neuron_config.quant, gguf_blocks=gguf_blocks,
-                       kv_cache_quant=neuron_config.kv_cache_quant)
+    return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), **common)
+
+
+def gpu_lowering(neuron_config: NeuronConfig, dtype: str, common: dict) -> XlaLowering:
+    """Plain HLO shaped for XLA:GPU: weights in the checkpoint's own [out, in] layout (cuBLAS
+    reads either; nothing is transposed on the host), the LM head in the amp type with f32
+    accumulation (as the other products), a decode step as one program (one launch per token
+    instead of one per layer), and attention without a `conditional` (whose branch index the
+    GPU runtime must read back before it launches what follows)."""
+    whole = neuron_config.whole_model_program
+    return XlaLowering(dtype, neuron_config.weight_layout or "out_in", head_dtype=dtype,
+                       whole_model_decode=True if whole is None else whole, attention_in_conditional=False,
+                       **common)

@@ -110,11 +110,19 @@ class _ComputationBuilder:
         )
 
 
+# XLA's PrecisionConfig.Precision names, as pyhlo spells them.
+DOT_PRECISIONS = ("default", "high", "highest")
+
+
 class Scribe:
     """Writes one HLO module. Element types are attributes: `scribe.f32[4, 8]`."""
 
-    def __init__(self, record_source: bool = True):
+    def __init__(self, record_source: bool = True, f32_dot_precision: str = "highest"):
         self.record_source = record_source
+        # The precision of f32 dots that do not name their own (pyhlo.ops.linalg.dot_general):
+        # "highest" keeps f32 products exact in f32 on every platform (GPUs would otherwise
+        # use TF32); "high" or "default" lets the compiler trade precision for speed.
+        self.f32_dot_precision = check_precision(f32_dot_precision)
         self.aliases: list[tuple[HloValue, HloValue, bool]] = []
         self.computations: list[hlo_pb2.HloComputationProto] = []
         self._stack: list[_ComputationBuilder] = []
@@ -301,12 +309,21 @@ class Scribe:
             )
 
 
+def check_precision(precision: str) -> str:
+    """An XLA dot precision name ("highest", "high", "default"), lower-cased; else ValueError."""
+    name = precision.lower() if isinstance(precision, str) else precision
+    if name not in DOT_PRECISIONS:
+        raise ValueError(f"unknown dot precision {precision!r}; valid: {', '.join(DOT_PRECISIONS)}")
+    return name
+
+
 def compile_py_func(fn: Callable[[Scribe], Any], name: str | None = None,
-                    record_source: bool = True) -> hlo_pb2.HloModuleProto:
+                    record_source: bool = True, f32_dot_precision: str = "highest") -> hlo_pb2.HloModuleProto:
     """Write the HLO module whose entry computation is `fn(scribe)`.
 
     `fn` returns its result: one value, or a list/tuple of values (made a tuple).
+    `f32_dot_precision`: the precision of its f32 dots (Scribe).
     """
-    scribe = Scribe(record_source=record_source)
+    scribe = Scribe(record_source=record_source, f32_dot_precision=f32_dot_precision)
     entry_id = scribe.build_computation(fn, name=getattr(fn, "__name__", "main"))
     return scribe.finish_module(name or getattr(fn, "__name__", "module"), entry_id)

@@ -301,6 +301,11 @@ class XlaBackend(Backend):
     def process_count(self) -> int:
         return len(self._layout)
 
+    @property
+    def parallel_compiles_safe(self) -> bool:
+        """Whether programs may compile in several threads at once on this platform."""
+        return self._pjrt.parallel_compiles_safe(self.platform)
+
     def replica_devices(self, num_replicas: int) -> list[Any]:
         """The device of each replica of a `num_replicas` program (some may be other processes')."""
         return self._pjrt.replica_devices(self.platform, num_replicas)
@@ -369,6 +374,7 @@ class XlaBackend(Backend):
             "platform": self.platform,
             "compiler_version": self.compiler_version(),
             "flags": os.environ.get("XLA_FLAGS", ""),
+            "options": repr(self._pjrt.compile_overrides(self.platform)),
         }
         if self.platform == "cpu":
             parts["host_cpu"] = _host_cpu_fingerprint()

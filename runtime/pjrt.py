@@ -148,8 +148,26 @@ def available_platforms() -> list[str]:
     return found
 
 
-def _compile_options(num_replicas: int, device_ids: Sequence[int]) -> Any:
+def compile_overrides(platform: str) -> tuple[tuple[str, Any], ...]:
+    """XLA options pyhlo sets beside the defaults, by platform. Off XLA:CPU,
+    xla_allow_excess_precision=false: every convert in a program rounds as written (XLA:GPU
+    otherwise drops an f32 -> bf16 -> f32 pair and keeps bf16 values in f32 inside fusions,
+    so a bf16 model would no longer round where HF's PyTorch model does)."""
+    return () if platform == "cpu" else (("xla_allow_excess_precision", False),)
+
+
+def parallel_compiles_safe(platform: str) -> bool:
+    """Whether several compiles may run at once in one process: on XLA:CPU yes; with the CUDA
+    plugin two threads in compile_and_load crashed the process (seen with jaxlib 0.11.2), so
+    elsewhere programs compile one at a time."""
+    return platform == "cpu"
+
+
+def _compile_options(num_replicas: int, device_ids: Sequence[int], platform: str = "cpu") -> Any:
     options = xc.CompileOptions()
+    overrides = compile_overrides(platform)
+    if overrides:
+        options.env_option_overrides = list(overrides)
     if num_replicas > 1:
         options.num_replicas = num_replicas
         # One computation (no SPMD partitions): row r is the device of replica r.
@@ -200,7 +218,7 @@ def compile(hlo_module_bytes: bytes, platform: str = "cpu", num_replicas: int = 
     chosen = _pick_devices(platform, num_replicas, device_ids)
     # HLO -> StableHLO bytecode directly: faster and leaner than printing MLIR text.
     stablehlo = _jax.mlir.hlo_to_stablehlo(hlo_module_bytes)
-    options = _compile_options(num_replicas, [d.id for d in chosen])
+    options = _compile_options(num_replicas, [d.id for d in chosen], platform)
     # Every process compiles for all replicas' devices (its client knows the others'); at
     # run time it runs only its own.
     return get_client(platform).compile_and_load(stablehlo, xc.DeviceList(tuple(chosen)), options)
@@ -215,7 +233,7 @@ def deserialize_executable(platform: str, data: bytes, num_replicas: int = 1,
                            device_ids: Sequence[int] | None = None) -> LoadedExecutable:
     """Load an executable written by serialize_executable onto the devices."""
     chosen = _pick_devices(platform, num_replicas, device_ids)
-    options = _compile_options(num_replicas, [d.id for d in chosen])
+    options = _compile_options(num_replicas, [d.id for d in chosen], platform)
     return get_client(platform).deserialize_executable(data, xc.DeviceList(tuple(chosen)), options)
 
 

@@ -270,7 +270,7 @@ class Attention:
         if step.n_tokens == 1 and step.lines is None and self.plain(cache_k.dims[2]):
             context = values.lowering.decode_attention(q, cache_k, cache_v, step.line_slots(), step.pad, self.scale)
         if context is None:
-            context = self._attend(q, cache_k, cache_v, step)
+            context = self._attend(q, cache_k, cache_v, step, values.lowering.attention_in_conditional)
         return context, cache_k, cache_v
 
     @staticmethod
@@ -457,13 +457,15 @@ class Attention:
                                [1, heads, n_attend, d]) for i in range(lines.dims[0])]
         return parts[0] if len(parts) == 1 else concatenate(parts, 0)
 
-    def _attend(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, step: Step) -> HloValue:
+    def _attend(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, step: Step,
+                in_conditional: bool = True) -> HloValue:
         """Attention over the first n_attend slots of the just-updated caches.
 
-        Reading an updated cache directly (sliced, or reshaped at batch 1) lets XLA fuse the
-        update into that read and then copy the whole cache to keep the old value alive.
+        Reading an updated cache directly (sliced, or reshaped at batch 1) lets XLA:CPU fuse
+        the update into that read and then copy the whole cache to keep the old value alive.
         Inside a conditional (whose branch index is only known at run time) the slice reads
         the updated buffer, so the update stays in place. Both branches are the same.
+        `in_conditional` False reads the caches directly (the lowering's choice).
         """
         operands = [q, cache_k, cache_v, self._mask(step)]
         if isinstance(self.positions, Alibi):
@@ -472,9 +474,8 @@ class Attention:
             operands.append(step.lines)
         n_attend, cache_len = step.n_attend, cache_k.dims[2]
 
-        def attend_prefix(scribe):
-            packed = scribe.tuple(*(o.shape for o in operands)).Parameter(parameter_number=0)
-            q_, k_, v_, mask_, *rest = (get_tuple_element(packed, i) for i in range(len(operands)))
+        def attend_prefix(q_, k_, v_, mask_, *rest):
+            rest = list(rest)
             if step.lines is not None:
                 # Rows of some lines: each row's own line of the caches, its first n_attend slots.
                 lines_ = rest.pop()
@@ -485,6 +486,12 @@ class Attention:
             k_, v_ = self._from_cache(k_, q_.dtype), self._from_cache(v_, q_.dtype)
             return attention(q_, k_, v_, mask_, self.scale, bias=bias[0] if bias else None)
 
+        if not in_conditional:
+            return attend_prefix(*operands)
+
+        def branch(scribe):
+            packed = scribe.tuple(*(o.shape for o in operands)).Parameter(parameter_number=0)
+            return attend_prefix(*(get_tuple_element(packed, i) for i in range(len(operands))))
+
         packed = make_tuple(*operands)
-        return q.shape.Conditional(step.line_slot(0), packed, packed,
-                                   branch_computations=[attend_prefix, attend_prefix])
+        return q.shape.Conditional(step.line_slot(0), packed, packed, branch_computations=[branch, branch])

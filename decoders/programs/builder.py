@@ -30,6 +30,7 @@ from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
 from decoders.lowering import XlaLowering
 from pyhlo import Scribe, compile_py_func
+from pyhlo.ops import elementwise as ew
 from pyhlo.ops import sampling
 from pyhlo.ops.shape_ops import reshape
 from pyhlo.schema import hlo_pb2
@@ -57,7 +58,7 @@ class Program:
         return [p.name for p in self.params]
 
 
-def _program(name: str, specs: list[ParamSpec], outputs: list[str], body) -> Program:
+def _program(name: str, specs: list[ParamSpec], outputs: list[str], body, f32_dot_precision: str) -> Program:
     """Write a module whose entry takes `specs` and returns body(params) as named outputs."""
 
     def entry(scribe: Scribe):
@@ -68,7 +69,8 @@ def _program(name: str, specs: list[ParamSpec], outputs: list[str], body) -> Pro
         return [results[o] for o in outputs]
 
     entry.__name__ = name
-    return Program(name, compile_py_func(entry, name=name), tuple(specs), tuple(outputs))
+    module = compile_py_func(entry, name=name, f32_dot_precision=f32_dot_precision)
+    return Program(name, module, tuple(specs), tuple(outputs))
 
 
 def layer_prefix(layer: int) -> str:
@@ -185,12 +187,15 @@ class ProgramBuilder:
         return self.decoder.head(values, p["hidden"], p["last_index"])
 
     # -- programs ------------------------------------------------------------------------
+    def _program(self, name: str, specs: list[ParamSpec], outputs: list[str], body) -> Program:
+        return _program(name, specs, outputs, body, self.lowering.f32_dot_precision)
+
     def _rows_suffix(self, rows: int | None) -> str:
         return "" if self._rows(rows) == self.batch_size else f"_r{rows}"
 
     def embed(self, n_tokens: int, rows: int | None = None) -> Program:
-        return _program(f"embed_n{n_tokens}{self._rows_suffix(rows)}", self._embed_specs(n_tokens, rows), ["hidden"],
-                        lambda p: {"hidden": self._embed(p)})
+        return self._program(f"embed_n{n_tokens}{self._rows_suffix(rows)}", self._embed_specs(n_tokens, rows), ["hidden"],
+                             lambda p: {"hidden": self._embed(p)})
 
     def block(self, n_tokens: int, n_attend: int, rows: int | None = None) -> Program:
         """One layer over n_tokens of every line, or of `rows` lines named by the `lines`
@@ -199,15 +204,15 @@ class ProgramBuilder:
         specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, d.embedding.hidden)),
                  *self._step_specs(n_tokens, rows), self.cache_spec("cache_k"), self.cache_spec("cache_v"),
                  *(self.spec(p) for p in self.layer_params())]
-        return _program(f"block_n{n_tokens}_s{n_attend}{self._rows_suffix(rows)}", specs,
-                        ["hidden", "cache_k", "cache_v"], lambda p: self._layer(p, n_tokens, n_attend))
+        return self._program(f"block_n{n_tokens}_s{n_attend}{self._rows_suffix(rows)}", specs,
+                             ["hidden", "cache_k", "cache_v"], lambda p: self._layer(p, n_tokens, n_attend))
 
     def lm_head(self, n_tokens: int, rows: int | None = None) -> Program:
         b = self._rows(rows)
         specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, self.decoder.head.hidden)),
                  ParamSpec("last_index", "s32", (b,)), *(self.spec(p) for p in self.head_params())]
-        return _program(f"lm_head_n{n_tokens}{self._rows_suffix(rows)}", specs, ["logits"],
-                        lambda p: {"logits": self._head(p)})
+        return self._program(f"lm_head_n{n_tokens}{self._rows_suffix(rows)}", specs, ["logits"],
+                             lambda p: {"logits": self._head(p)})
 
     def lm_head_all(self, n_tokens: int) -> Program:
         b = self.batch_size
@@ -218,7 +223,7 @@ class ProgramBuilder:
             values = PieceValues(p, self.lowering, "", self.head_params())
             return {"logits": self.decoder.head.every_position(values, p["hidden"])}
 
-        return _program(f"lm_head_all_n{n_tokens}", specs, ["logits"], body)
+        return self._program(f"lm_head_all_n{n_tokens}", specs, ["logits"], body)
 
     def model_step(self, n_tokens: int, n_attend: int) -> Program:
         """The whole model unrolled into one program: token ids -> logits, every layer's
@@ -233,6 +238,12 @@ class ProgramBuilder:
                  *(self.spec(p) for p in self.head_params() if p.name not in names),
                  *(ParamSpec(layer_prefix(i) + s.name, s.dtype, s.dims) for i in range(d.n_layers) for s in per_layer)]
         outputs = ["logits"] + [f"{layer_prefix(i)}{c}" for i in range(d.n_layers) for c in ("cache_k", "cache_v")]
+        # The next step's positions and slot, made on the device: a decode loop passes them
+        # on instead of uploading new ones every token. Not per line: there a line with no
+        # part in the step stays where it is.
+        advance = not self.per_line_slots
+        if advance:
+            outputs += ["next_positions", "next_slot"]
 
         def body(p):
             hidden = self._embed(p)
@@ -244,9 +255,12 @@ class ProgramBuilder:
                 hidden = out["hidden"]
                 results[prefix + "cache_k"], results[prefix + "cache_v"] = out["cache_k"], out["cache_v"]
             results["logits"] = self._head({**p, "hidden": hidden})
+            if advance:
+                results["next_positions"] = ew.add(p["positions"], n_tokens)
+                results["next_slot"] = ew.add(p["slot"], n_tokens)
             return results
 
-        return _program(f"model_n{n_tokens}_s{n_attend}", specs, outputs, body)
+        return self._program(f"model_n{n_tokens}_s{n_attend}", specs, outputs, body)
 
     def greedy(self) -> Program:
         b, v = self.batch_size, self.vocab_shard
@@ -259,7 +273,7 @@ class ProgramBuilder:
                 tokens = sampling.greedy_sharded(logits, parallel.block_start(logits.scribe, v), self.lowering.replica_groups)
             return {"tokens": reshape(tokens, (b, 1))}
 
-        return _program("greedy", [ParamSpec("logits", "f32", (b, v))], ["tokens"], body)
+        return self._program("greedy", [ParamSpec("logits", "f32", (b, v))], ["tokens"], body)
 
     def sampler(self, k_max: int) -> Program:
         b, v = self.batch_size, self.vocab_shard
@@ -277,4 +291,4 @@ class ProgramBuilder:
             state.set_alias_to(p["rng_state"])
             return {"tokens": reshape(tokens, (b, 1)), "rng_state": state}
 
-        return _program(f"sample_k{k_max}", specs, ["tokens", "rng_state"], body)
+        return self._program(f"sample_k{k_max}", specs, ["tokens", "rng_state"], body)

@@ -75,12 +75,23 @@ def _module_hash(program: Program) -> str:
     return hashlib.sha256(program.module.SerializeToString()).hexdigest()
 
 
+def compile_workers(backend: Any, wanted: int | None) -> int:
+    """How many programs compile at once: `wanted` (NeuronConfig.compilation_worker_count), else
+    2; one where the backend cannot compile in parallel (it would crash), whatever was asked."""
+    if not getattr(backend, "parallel_compiles_safe", True):
+        if wanted and wanted > 1:
+            log.warning("compilation_worker_count=%d: %s compiles one program at a time (parallel compiles "
+                        "crash its compiler)", wanted, getattr(backend, "platform", backend))
+        return 1
+    return wanted or 2
+
+
 class ProgramSet:
     def __init__(self, builder: ProgramBuilder, backend: Any, workers: int | None = None):
         self.builder = builder
         self.backend = backend
         self.replicas = builder.tp_degree
-        self.workers = workers or 2
+        self.workers = compile_workers(backend, workers)
         self.compiled: dict[ProgramKey, CompiledProgram] = {}
         self.saved: dict[str, tuple[str, pathlib.Path]] = {}
         self.cache_hits = 0

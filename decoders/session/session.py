@@ -53,7 +53,8 @@ class Session:
         self._pads: np.ndarray | None = None
         self._pad_buffer = None
         # A decode step's small inputs (positions, slot, last index) on the device, by value:
-        # uploaded once, not at every token (a host-to-device copy costs about 0.3 ms).
+        # uploaded once, not at every token (a host-to-device copy costs about 0.3 ms); the
+        # whole-model decode program hands over the next step's positions and slot itself.
         self._step_buffers: dict[tuple, Any] = {}
         # The unrolled decode program's names of each layer's weights and caches (load_weights()).
         self._prefixed_weights: dict[str, Any] = {}
@@ -448,7 +449,12 @@ class Session:
                 "last_index": kept(("last_index", tuple(lasts.tolist())), lambda: np.ascontiguousarray(lasts)),
                 "token_ids": token_ids}
         if self.lowering.whole_model_decode and n_tokens == 1 and not every_position:
-            return self._run_whole(step, n_tokens, n_attend)
+            outputs = self._run_whole(step, n_tokens, n_attend)
+            if "next_slot" in outputs:
+                # The next step's inputs, already on the device: kept for when it comes.
+                self._step_buffers[("positions", 1, slot_key + 1)] = outputs["next_positions"]
+                self._step_buffers[("slot", slot_key + 1)] = outputs["next_slot"]
+            return outputs["logits"]
         embed = self.programs.get(Embed(n_tokens))
         hidden = embed.run({**step, **self.shared})["hidden"]
         hidden = self._run_layers(hidden, step, n_tokens, n_attend)
@@ -490,7 +496,7 @@ class Session:
             hidden, cache.keys[layer], cache.values[layer] = outputs[out_hidden], outputs[out_k], outputs[out_v]
         return hidden
 
-    def _run_whole(self, step: dict[str, Any], n_tokens: int, n_attend: int) -> Any:
+    def _run_whole(self, step: dict[str, Any], n_tokens: int, n_attend: int) -> dict[str, Any]:
         program = self.programs.get(ModelStep(n_tokens, n_attend))
         cache = self.kv_cache
         caches = self._prefixed_cache_names
@@ -500,4 +506,4 @@ class Session:
         outputs = program.run_checked_once(values)
         for layer, (k, v) in enumerate(caches):
             cache.keys[layer], cache.values[layer] = outputs[k], outputs[v]
-        return outputs["logits"]
+        return outputs

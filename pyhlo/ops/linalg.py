@@ -4,16 +4,19 @@ from __future__ import annotations
 from typing import Sequence
 
 from pyhlo.ops.custom_call import ffi_call
-from pyhlo.scribe import HloValue
+from pyhlo.scribe import HloValue, check_precision
 from pyhlo.shape_inference import HloShapeError
 
 
 def dot_general(lhs: HloValue, rhs: HloValue, contracting: tuple[Sequence[int], Sequence[int]],
                 batch: tuple[Sequence[int], Sequence[int]] = ((), ()),
-                out_dtype: str | None = None) -> HloValue:
+                out_dtype: str | None = None, precision: str | None = None) -> HloValue:
     """XLA dot: output dims are batch dims, then lhs free dims, then rhs free dims.
 
-    `out_dtype` lets bf16 or f16 operands accumulate into an f32 result.
+    `out_dtype` lets bf16 or f16 operands accumulate into an f32 result. `precision`
+    ("highest", "high", "default"): how exactly the compiler must multiply; None: for f32
+    operands the scribe's f32_dot_precision ("highest" unless the module says otherwise, so
+    that a GPU does not round f32 products to TF32), for others the compiler's default.
     """
     (lc, rc), (lb, rb) = contracting, batch
     lhs_free = [d for i, d in enumerate(lhs.dims) if i not in lc and i not in lb]
@@ -22,7 +25,12 @@ def dot_general(lhs: HloValue, rhs: HloValue, contracting: tuple[Sequence[int], 
     numbers = dict(lhs_contracting_dimensions=list(lc), rhs_contracting_dimensions=list(rc),
                    lhs_batch_dimensions=list(lb), rhs_batch_dimensions=list(rb))
     shape = getattr(lhs.scribe, out_dtype or lhs.dtype)[tuple(dims)]
-    return shape.Dot(lhs, rhs, dot_dimension_numbers=numbers)
+    if precision is None and "f32" in (lhs.dtype, rhs.dtype):
+        precision = lhs.scribe.f32_dot_precision
+    if precision is None or check_precision(precision) == "default":
+        return shape.Dot(lhs, rhs, dot_dimension_numbers=numbers)
+    config = {"operand_precision": [precision.upper()] * 2}
+    return shape.Dot(lhs, rhs, dot_dimension_numbers=numbers, precision_config=config)
 
 
 def matmul(x: HloValue, w: HloValue, out_dtype: str | None = None) -> HloValue:
