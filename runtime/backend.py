@@ -365,6 +365,10 @@ class XlaBackend(Backend):
     def to_host(self, buffer: Any) -> np.ndarray:
         return self._pjrt.to_host(buffer)
 
+    def start_host_copy(self, buffer: Any) -> None:
+        """Copy the buffer to the host as soon as it is computed, without waiting for it."""
+        self._pjrt.start_host_copy(buffer)
+
     def compiler_version(self) -> str:
         return self._pjrt.compiler_version(self.platform)
 

@@ -308,6 +308,12 @@ def to_host(buffer: Buffer) -> np.ndarray:
     return np.array(buffer, copy=True)
 
 
+def start_host_copy(buffer: Buffer) -> None:
+    """Start the device-to-host copy of `buffer` (done once it is computed); a later
+    to_host() then needs no transfer of its own."""
+    buffer.copy_to_host_async()
+
+
 def is_buffer(value: Any) -> bool:
     """True for a device buffer (a jax Array)."""
     return isinstance(value, jax.Array)

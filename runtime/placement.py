@@ -59,6 +59,14 @@ class Placement:
         return Replicas(self.backend.to_device(part(r), replica=r) if mine else None
                         for r, mine in enumerate(self._is_local))
 
+    def start_host_copy(self, value: Any) -> None:
+        """Begin copying a value (this process's first replica's buffer) to the host once it
+        is computed, so that host() later finds it there instead of waiting for the copy."""
+        buffer = value[self.local[0]] if isinstance(value, Replicas) else value
+        start = getattr(self.backend, "start_host_copy", None)
+        if start is not None:
+            start(buffer)
+
     def host(self, value: Any, replica: int | None = None) -> np.ndarray:
         """Replica `replica`'s buffer of a value on the host (None: this process's first
         replica, for values every replica holds alike; with one replica: the value's)."""

@@ -8,12 +8,17 @@ for them.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
 
 from decoders.session.inputs import Prompts
 from decoders.session.session import Session
+
+# Decode steps launched ahead of the one whose tokens the host reads (when no step needs
+# the host's view of the last tokens first).
+STEPS_IN_FLIGHT = 2
 
 
 def _rng_state(seed: int | None) -> np.ndarray:
@@ -112,19 +117,25 @@ class Generation:
             if streamer is not None:
                 streamer.end()
             return generated
-        slot = prompts.longest  # where the next drawn token goes
         logits = session.forward(prompts.left_padded(), 0, self.pads)
-        tokens_device = self._next_tokens(logits, lines)
-        # Without n-gram bans (and scores to keep) the next step needs nothing from the host: it
-        # is launched before this step's tokens are read back, so the host's work overlaps the
-        # device's (a step launched past the last token is dropped; it wrote only cache slots
-        # beyond the output).
-        ahead = not self.no_repeat_ngram_size and self.scores is None
-        for step in range(new_tokens):
-            launched = None
-            if ahead and step + 1 < new_tokens:
-                launched = self._next_tokens(session.forward(tokens_device, slot, self.pads, n_tokens=1), lines)
-            tokens = np.asarray(self.placement.host(tokens_device)).reshape(-1)
+        newest = self._next_tokens(logits, lines)      # the last launched step's tokens (on the device)
+        self.placement.start_host_copy(newest)
+        pending = deque([newest])                       # launched steps' tokens not read yet, oldest first
+        slot = prompts.longest                          # where `newest` goes when it is fed back
+        # Without n-gram bans (and scores to keep) a step needs nothing from the host: up to
+        # STEPS_IN_FLIGHT steps are launched before the oldest one's tokens are read back, so
+        # the host's work (streamers, stopping criteria, launches) overlaps the device's. Steps
+        # launched past the last token are dropped; they wrote only cache slots past the output.
+        depth = STEPS_IN_FLIGHT if not self.no_repeat_ngram_size and self.scores is None else 0
+        launched = 1
+        for _ in range(new_tokens):
+            while len(pending) <= depth and launched < new_tokens:
+                newest = self._next_tokens(session.forward(newest, slot, self.pads, n_tokens=1), lines)
+                self.placement.start_host_copy(newest)
+                pending.append(newest)
+                slot += 1
+                launched += 1
+            tokens = np.asarray(self.placement.host(pending.popleft())).reshape(-1)
             for i, token in enumerate(tokens):
                 if not done[i]:
                     lines[i].append(int(token))
@@ -133,13 +144,8 @@ class Generation:
             if streamer is not None:
                 streamer.put(torch.tensor(tokens.reshape(-1, 1), dtype=torch.long))
             done = self._check_stopping(stopping_criteria, generated, done, eos_ids)
-            if all(done) or step + 1 == new_tokens:
+            if all(done):
                 break
-            # The token just drawn goes at `slot`; its logits give the next one.
-            if launched is None:
-                launched = self._next_tokens(session.forward(tokens_device, slot, self.pads, n_tokens=1), lines)
-            tokens_device = launched
-            slot += 1
         if streamer is not None:
             streamer.end()
         return generated
