@@ -30,9 +30,10 @@ if jaxlib.__version__ != PINNED_JAXLIB:
     )
 
 _INSTALL_HINTS = {
-    "cuda": "install jax's CUDA plugin (pip install 'jax[cuda12]'=={v}) on a machine with an NVIDIA GPU",
-    "neuron": "install AWS's PJRT plugin libneuronxla (pip install libneuronxla "
-              "--extra-index-url https://pip.repos.neuron.amazonaws.com) on a Neuron (trn/inf) host",
+    "cuda": "install jax's CUDA plugin on a machine with an NVIDIA GPU: pip install -e '.[cuda]' in pyhlo's "
+            "checkout (jax[cuda13]=={v}; '.[cuda12]' for drivers older than CUDA 13)",
+    "neuron": "install AWS's PJRT plugin libneuronxla (from the AWS Neuron SDK's own package index) "
+              "on a Neuron (trn/inf) host",
     "cpu": "reinstall jaxlib=={v}",
 }
 
@@ -344,9 +345,27 @@ def hlo_dot_graph(proto_bytes: bytes) -> str:
     return xc.hlo.hlo_module_to_dot_graph(_hlo_module(proto_bytes))
 
 
-def cost_analysis(proto_bytes: bytes, platform: str = "cpu") -> dict[str, float]:
-    """XLA's cost estimate of the unoptimized module: 'flops', 'bytes accessed', ..."""
+def client_cost_analysis(proto_bytes: bytes, platform: str) -> dict[str, float]:
+    """The cost estimate of `platform`'s own PJRT client; raises where the client has none."""
     return dict(_jax.hlo_module_cost_analysis(get_client(platform), _hlo_module(proto_bytes)))
+
+
+def cost_analysis(proto_bytes: bytes, platform: str = "cpu") -> dict[str, float | str]:
+    """XLA's cost estimate of the unoptimized module: 'flops', 'bytes accessed', ..., and
+    'analysed by', whose estimate it is ("XLA:cpu").
+
+    A plugin reached through the PJRT C API (jax's CUDA plugin) has no cost analysis; the
+    estimate is then XLA:CPU's of the same module (the CPU client is always there), and
+    'analysed by' says so and why.
+    """
+    try:
+        return {**client_cost_analysis(proto_bytes, platform), "analysed by": f"XLA:{platform}"}
+    except RuntimeError as error:  # jaxlib's JaxRuntimeError, e.g. UNIMPLEMENTED
+        if platform == "cpu":
+            raise
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        source = f"XLA:cpu's, the {platform} client has none ({reason})"
+        return {**client_cost_analysis(proto_bytes, "cpu"), "analysed by": source}
 
 
 def compiled_hlo_text(exe: LoadedExecutable) -> str:
