@@ -45,9 +45,9 @@ def compiler_path() -> str | None:
 
 
 INSTALL_HINT = (
-    "neuronx-cc is not on PATH: on a Neuron (trn/inf) host, pip install neuronx-cc "
-    "--extra-index-url https://pip.repos.neuron.amazonaws.com (the PyPI package of that "
-    "name is only a placeholder); or use get_backend('xla') to compile with XLA through PJRT"
+    "neuronx-cc is not on PATH: on a Neuron (trn/inf) host, install neuronx-cc from the AWS "
+    "Neuron SDK's own package index (the PyPI package of that name is only a placeholder); "
+    "or use get_backend('xla') to compile with XLA through PJRT"
 )
 _RUN_HINT = (
     "a NEFF runs only on the Neuron runtime of a Neuron host; this backend compiles only. "

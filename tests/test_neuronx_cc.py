@@ -89,6 +89,6 @@ def test_compiler_failure_shows_its_output(monkeypatch, tmp_path):
 def test_missing_compiler_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     backend = get_backend("neuronx-cc")
-    with pytest.raises(RuntimeError, match="pip install neuronx-cc"):
+    with pytest.raises(RuntimeError, match="install neuronx-cc from the AWS Neuron SDK"):
         backend.compile(HLO)
     assert backend.cache_key_parts()["compiler_version"] == "neuronx-cc (not installed)"
