@@ -26,14 +26,13 @@ def test_steps_in_flight_are_bounded_and_every_token_is_seen(tiny_llama, monkeyp
                                              context_length_estimate=[16]).to_neuron()
     prompt = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(5))
     decode_steps, copies = [], []
-    real_forward = Session.forward
+    real_decode = Session.decode
 
-    def counting_forward(self, token_ids, slot, pads, n_tokens=None):
-        if n_tokens == 1:
-            decode_steps.append(slot)
-        return real_forward(self, token_ids, slot, pads, n_tokens)
+    def counting_decode(self, token_ids, slot, pads):
+        decode_steps.append(slot)
+        return real_decode(self, token_ids, slot, pads)
 
-    monkeypatch.setattr(Session, "forward", counting_forward)
+    monkeypatch.setattr(Session, "decode", counting_decode)
     placement = model.session.placement
     real_copy = placement.start_host_copy
     monkeypatch.setattr(placement, "start_host_copy", lambda v: copies.append(v) or real_copy(v))
@@ -57,10 +56,30 @@ def test_no_step_runs_ahead_where_the_host_must_see_the_tokens_first(tiny_llama,
                                              context_length_estimate=[16]).to_neuron()
     prompt = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(5))
     launched = []
-    real_forward = Session.forward
-    monkeypatch.setattr(Session, "forward", lambda self, t, s, p, n_tokens=None:
-                        launched.append(s) or real_forward(self, t, s, p, n_tokens))
+    real_decode = Session.decode
+    monkeypatch.setattr(Session, "decode", lambda self, t, s, p: launched.append(s) or real_decode(self, t, s, p))
     stop = StopAfter(9 + 4)
     model.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[], no_repeat_ngram_size=3,
                  stopping_criteria_list=[stop])
-    assert launched == [0, 9, 10, 11]                            # the prefill, then one step per token read
+    assert launched == [9, 10, 11]                               # after the prefill, one step per token read
+
+
+def test_a_greedy_decode_step_is_one_program(tiny_llama, monkeypatch):
+    """The whole-model decode program returns each line's most likely token beside the
+    logits: greedy sampling launches no separate greedy program per token."""
+    from decoders import NeuronConfig
+    from decoders.programs.keys import Greedy
+
+    hf, path = tiny_llama("mha", "safetensors")
+    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=128, context_length_estimate=[16],
+                                             neuron_config=NeuronConfig(whole_model_program=True)).to_neuron()
+    greedy = model.programs.get(Greedy())
+    runs = []
+    real_run = greedy.run_checked_once
+    monkeypatch.setattr(greedy, "run_checked_once", lambda values: runs.append(1) or real_run(values))
+    prompt = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(8))
+    tokens = model.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[])
+    assert len(runs) == 1                                        # the prefill's token only
+    expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_length=40, min_length=40,
+                           do_sample=False, pad_token_id=0)
+    assert tokens.tolist() == expected.tolist()

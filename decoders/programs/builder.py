@@ -226,8 +226,9 @@ class ProgramBuilder:
         return self._program(f"lm_head_all_n{n_tokens}", specs, ["logits"], body)
 
     def model_step(self, n_tokens: int, n_attend: int) -> Program:
-        """The whole model unrolled into one program: token ids -> logits, every layer's
-        caches updated in place. Parameters of layer i are named `layer{i}.NAME`."""
+        """The whole model unrolled into one program: token ids -> logits and each line's most
+        likely token, every layer's caches updated in place. Parameters of layer i are named
+        `layer{i}.NAME`."""
         d, b = self.decoder, self.batch_size
         per_layer = [self.cache_spec("cache_k"), self.cache_spec("cache_v"),
                      *(self.spec(p) for p in self.layer_params())]
@@ -237,7 +238,9 @@ class ProgramBuilder:
                  *[s for s in embed[1:] if s.name != "positions"],
                  *(self.spec(p) for p in self.head_params() if p.name not in names),
                  *(ParamSpec(layer_prefix(i) + s.name, s.dtype, s.dims) for i in range(d.n_layers) for s in per_layer)]
-        outputs = ["logits"] + [f"{layer_prefix(i)}{c}" for i in range(d.n_layers) for c in ("cache_k", "cache_v")]
+        # The greedy tokens too: a greedy decode step is then this one program.
+        outputs = ["logits", "greedy_tokens"]
+        outputs += [f"{layer_prefix(i)}{c}" for i in range(d.n_layers) for c in ("cache_k", "cache_v")]
         # The next step's positions and slot, made on the device: a decode loop passes them
         # on instead of uploading new ones every token. Not per line: there a line with no
         # part in the step stays where it is.
@@ -255,6 +258,7 @@ class ProgramBuilder:
                 hidden = out["hidden"]
                 results[prefix + "cache_k"], results[prefix + "cache_v"] = out["cache_k"], out["cache_v"]
             results["logits"] = self._head({**p, "hidden": hidden})
+            results["greedy_tokens"] = self._greedy_tokens(results["logits"])
             if advance:
                 results["next_positions"] = ew.add(p["positions"], n_tokens)
                 results["next_slot"] = ew.add(p["slot"], n_tokens)
@@ -262,18 +266,19 @@ class ProgramBuilder:
 
         return self._program(f"model_n{n_tokens}_s{n_attend}", specs, outputs, body)
 
+    def _greedy_tokens(self, logits: HloValue) -> HloValue:
+        """s32[b, 1]: the most likely token of each line (across the replicas' vocabulary blocks)."""
+        if self.tp_degree == 1:
+            tokens = sampling.greedy(logits)
+        else:
+            start = parallel.block_start(logits.scribe, self.vocab_shard)
+            tokens = sampling.greedy_sharded(logits, start, self.lowering.replica_groups)
+        return reshape(tokens, (logits.dims[0], 1))
+
     def greedy(self) -> Program:
         b, v = self.batch_size, self.vocab_shard
-
-        def body(p):
-            logits = p["logits"]
-            if self.tp_degree == 1:
-                tokens = sampling.greedy(logits)
-            else:
-                tokens = sampling.greedy_sharded(logits, parallel.block_start(logits.scribe, v), self.lowering.replica_groups)
-            return {"tokens": reshape(tokens, (b, 1))}
-
-        return self._program("greedy", [ParamSpec("logits", "f32", (b, v))], ["tokens"], body)
+        return self._program("greedy", [ParamSpec("logits", "f32", (b, v))], ["tokens"],
+                             lambda p: {"tokens": self._greedy_tokens(p["logits"])})
 
     def sampler(self, k_max: int) -> Program:
         b, v = self.batch_size, self.vocab_shard

@@ -76,6 +76,7 @@ class Generation:
         self.scores: list[np.ndarray] | None = [] if output_scores else None
         self.pads = prompts.pads()
         self.sampling_inputs: dict[str, Any] = {}
+        self.k_max = k_max
         self.sampler = session.sampler(k_max)
         if k_max is None:
             return
@@ -85,6 +86,14 @@ class Generation:
             "temperature": self.placement.put(np.asarray(temperature, np.float32)),
             "rng_state": self.placement.put(_rng_state(seed)),
         }
+
+    def _step(self, token_ids: Any, slot: int, lines: list[list[int]]) -> Any:
+        """A decode step of the tokens at `slot`; the next tokens, on the device. A greedy step
+        with nothing to see on the host takes the decode program's own greedy tokens."""
+        logits, greedy = self.session.decode(token_ids, slot, self.pads)
+        if greedy is not None and self.k_max is None and not self.no_repeat_ngram_size and self.scores is None:
+            return greedy
+        return self._next_tokens(logits, lines)
 
     def _next_tokens(self, logits: Any, lines: list[list[int]]) -> Any:
         if self.scores is not None:
@@ -130,7 +139,7 @@ class Generation:
         launched = 1
         for _ in range(new_tokens):
             while len(pending) <= depth and launched < new_tokens:
-                newest = self._next_tokens(session.forward(newest, slot, self.pads, n_tokens=1), lines)
+                newest = self._step(newest, slot, lines)
                 self.placement.start_host_copy(newest)
                 pending.append(newest)
                 slot += 1

@@ -290,22 +290,35 @@ class Session:
         slots = np.asarray(slot, np.int32).reshape(-1, 1) + np.arange(n_tokens, dtype=np.int32)[None, :]
         return np.maximum(slots - pads[:, None], 0).astype(np.int32)
 
+    def _check_slots(self, slot: int, n_tokens: int) -> None:
+        if not self.loaded:
+            raise RuntimeError("call model.to_neuron() first: the weights are not on the device")
+        if slot < 0 or slot + n_tokens > self.n_positions:
+            raise ValueError(f"cache slots {slot}..{slot + n_tokens - 1} are outside the cache of "
+                             f"n_positions {self.n_positions}")
+
     def forward(self, token_ids: Any, slot: int, pads: np.ndarray, n_tokens: int | None = None) -> Any:
         """f32 logits [batch, vocab] (a device buffer) of the last of the tokens written at
         `slot`; under tensor parallelism each replica's block, [batch, vocab_shard] (host_logits()
         joins them). token_ids: [batch, n] as numpy, or a device buffer (give n_tokens then)."""
-        if not self.loaded:
-            raise RuntimeError("call model.to_neuron() first: the weights are not on the device")
         if n_tokens is None:
             n_tokens = int(np.shape(token_ids)[1])
-        if slot < 0 or slot + n_tokens > self.n_positions:
-            raise ValueError(f"cache slots {slot}..{slot + n_tokens - 1} are outside the cache of "
-                             f"n_positions {self.n_positions}")
+        self._check_slots(slot, n_tokens)
         pads = np.asarray(pads, dtype=np.int32)
         if n_tokens == 1:
-            n_attend = bucketing.pick(self.decode_buckets(), slot + 1)
-            return self._run(token_ids, 1, n_attend, slot, pads, 0)
+            return self._decode(token_ids, slot, pads)[0]
         return self._prefill(np.asarray(token_ids, dtype=np.int32), slot, pads)
+
+    def decode(self, token_ids: Any, slot: int, pads: np.ndarray) -> tuple[Any, Any | None]:
+        """A decode step, forward() of one token per line ([batch, 1], numpy or on the device):
+        its logits, and each line's most likely token (s32[batch, 1] on the device) where the
+        decode program makes them (the whole-model program does), else None."""
+        self._check_slots(slot, 1)
+        return self._decode(token_ids, slot, np.asarray(pads, dtype=np.int32))
+
+    def _decode(self, token_ids: Any, slot: int, pads: np.ndarray) -> tuple[Any, Any | None]:
+        n_attend = bucketing.pick(self.decode_buckets(), slot + 1)
+        return self._run(token_ids, 1, n_attend, slot, pads, 0, with_greedy=True)
 
     def _prefill(self, ids: np.ndarray, start: int, pads: np.ndarray) -> Any:
         """Prefill in chunks of the context buckets; logits of the last token."""
@@ -430,7 +443,9 @@ class Session:
         return self._run(token_ids, n, n_attend, slot, np.asarray(pads, np.int32), 0, every_position=True)
 
     def _run(self, token_ids: Any, n_tokens: int, n_attend: int, slot: int | np.ndarray, pads: np.ndarray,
-             last_index: int | np.ndarray, every_position: bool = False, lines: np.ndarray | None = None) -> Any:
+             last_index: int | np.ndarray, every_position: bool = False, lines: np.ndarray | None = None,
+             with_greedy: bool = False) -> Any:
+        """The logits; with_greedy: (logits, the decode program's greedy tokens or None)."""
         if isinstance(token_ids, np.ndarray):
             token_ids = self.placement.put(np.ascontiguousarray(token_ids, dtype=np.int32))
         if lines is not None:
@@ -454,12 +469,13 @@ class Session:
                 # The next step's inputs, already on the device: kept for when it comes.
                 self._step_buffers[("positions", 1, slot_key + 1)] = outputs["next_positions"]
                 self._step_buffers[("slot", slot_key + 1)] = outputs["next_slot"]
-            return outputs["logits"]
+            return (outputs["logits"], outputs["greedy_tokens"]) if with_greedy else outputs["logits"]
         embed = self.programs.get(Embed(n_tokens))
         hidden = embed.run({**step, **self.shared})["hidden"]
         hidden = self._run_layers(hidden, step, n_tokens, n_attend)
         head = self.programs.get(LMHeadAll(n_tokens) if every_position else LMHead(n_tokens))
-        return head.run({**step, "hidden": hidden, **self.shared})["logits"]
+        logits = head.run({**step, "hidden": hidden, **self.shared})["logits"]
+        return (logits, None) if with_greedy else logits
 
     def _run_rows(self, token_ids: Any, n_tokens: int, n_attend: int, slots: np.ndarray, pads: np.ndarray,
                   last_index: np.ndarray, lines: np.ndarray) -> Any:
