@@ -392,8 +392,9 @@ class XlaBackend(Backend):
         """XLA's HLO text of module bytes (before optimization)."""
         return self._pjrt.hlo_text(hlo_bytes)
 
-    def cost_analysis(self, hlo_bytes: bytes) -> dict[str, float]:
-        """XLA's estimate of flops and bytes accessed for module bytes."""
+    def cost_analysis(self, hlo_bytes: bytes) -> dict[str, float | str]:
+        """XLA's estimate of flops and bytes accessed for module bytes, with 'analysed by': whose
+        estimate it is (XLA:CPU's where this platform's client has no cost analysis)."""
         return self._pjrt.cost_analysis(hlo_bytes, self.platform)
 
     def __repr__(self) -> str:

@@ -10,7 +10,7 @@ import pytest
 from pyhlo import compile_py_func
 from pyhlo.schema import hlo_pb2
 from tools.cli import main
-from tools.hlo_report import DOT_MISSING, human_bytes
+from tools.hlo_report import DOT_MISSING, human_bytes, human_count
 
 MATMUL = {"lhs_contracting_dimensions": [1], "rhs_contracting_dimensions": [0]}
 
@@ -126,7 +126,7 @@ def test_model_lists_every_program_and_memory_totals(tiny_llama, capsys):
     assert f"=== programs ({len(names)}, as model.eager_programs() lists them) ===" in out
     for name in names:
         cells = row(out, name)
-        assert len(cells) == 7 and int(cells[1]) > 0, cells
+        assert len(cells) == 9 and int(cells[1]) > 0, cells
     assert row(out, "block_n1_s256")[2] == "12"  # hidden, positions, slot, pad, 2 caches, 6 weights
 
     # weights: every tensor of the checkpoint; KV cache: 2 x layers x batch x kv heads x positions x head_dim x 4 B
@@ -217,3 +217,93 @@ def test_unknown_program_names_the_programs_there_are(tiny_llama, capsys):
     code, _, err = inspect(capsys, path, "--n-positions", "256", "--per-block", "--program", "block_n9")
     assert code == 2
     assert "no program 'block_n9'; this model's programs: greedy, embed_n1, lm_head_n1, block_n1_s256" in err
+
+
+# -- cost: XLA's estimate, where the platform has none, and the work inside pyhlo's kernels --
+def test_cost_analysis_comes_from_xla_cpu_where_the_platform_has_none(monkeypatch):
+    import jax
+
+    from runtime import pjrt
+    from tools.hlo_report import format_module, module_report
+
+    platforms_asked = []
+    own_analysis = pjrt.client_cost_analysis
+
+    def without_cuda_analysis(proto_bytes, platform):
+        platforms_asked.append(platform)
+        if platform == "cuda":  # as jax's CUDA plugin answers through the PJRT C API
+            raise jax.errors.JaxRuntimeError("UNIMPLEMENTED: GetHloCostAnalysis is not implemented")
+        return own_analysis(proto_bytes, platform)
+
+    monkeypatch.setattr(pjrt, "client_cost_analysis", without_cuda_analysis)
+    module_bytes = compile_py_func(accumulate).SerializeToString()
+    report = module_report(module_bytes, cost=lambda data: pjrt.cost_analysis(data, "cuda"))
+    out = format_module(report, ["cost"])
+    assert platforms_asked == ["cuda", "cpu"]
+    assert int(row(out, "flops")[2].replace(",", "")) >= 2 * 4 * 3 * 8
+    assert row(out, "transcendentals")[1] == str(4 * 3 + 4 * 8)
+    assert ("cost analysis: XLA:cpu's, the cuda client has none "
+            "(UNIMPLEMENTED: GetHloCostAnalysis is not implemented)") in out
+
+
+def test_cost_analysis_on_cpu_says_so_and_does_not_hide_its_failure(monkeypatch):
+    from runtime import XlaBackend, pjrt
+
+    module_bytes = compile_py_func(accumulate).SerializeToString()
+    assert XlaBackend("cpu").cost_analysis(module_bytes)["analysed by"] == "XLA:cpu"
+
+    def broken(proto_bytes, platform):
+        raise RuntimeError("no analysis")
+
+    monkeypatch.setattr(pjrt, "client_cost_analysis", broken)
+    with pytest.raises(RuntimeError, match="no analysis"):
+        pjrt.cost_analysis(module_bytes, "cpu")
+
+
+def test_kernel_work_is_added_to_xla_figures(tmp_path, capsys):
+    source = tmp_path / "product.py"
+    source.write_text(textwrap.dedent("""
+        from pyhlo.ops import linalg
+
+        def product(scribe):
+            x = scribe.f32[2, 576].Parameter(parameter_number=0, parameter_name="x")
+            w = scribe.bf16[1536, 576].Parameter(parameter_number=1, parameter_name="w")
+            return linalg.matvec_kernel(x, w)
+    """))
+    code, out, _ = inspect(capsys, f"{source}:product", "--section", "cost")
+    assert code == 0
+    # XLA sees parameters and a call of unknown work: the whole figure is the kernel's
+    flops, accessed = 2 * 2 * 576 * 1536, 1536 * 576 * 2 + 2 * 576 * 4 + 2 * 1536 * 4
+    assert row(out, "flops")[2:] == [f"{flops:,}", "0 FLOP", human_count(flops, "FLOP")]
+    assert row(out, "bytes accessed")[2:] == [f"{accessed:,} B", "0 B", human_bytes(accessed)]
+    assert "cost analysis: XLA:cpu" in out
+    assert "counted from their shapes: pyhlo_matvec x 1" in out
+    assert "upper bound" not in out
+
+
+def _count(text: str) -> float:
+    """'360.4 KFLOP' or '360.4 K' -> 360400.0"""
+    number, _, unit = text.partition(" ")
+    return float(number) * 1000 ** " KMGTP".index((unit or " ")[0])
+
+
+def test_decode_program_reports_the_kernels_work(tiny_llama, capsys):
+    from runtime import cpu_kernels
+
+    assert cpu_kernels.register(), "the CPU kernels did not build"
+    hf_model, path = tiny_llama("mha", "safetensors")
+    config = hf_model.config
+    n_positions, layers, hidden = 256, config.num_hidden_layers, config.hidden_size
+    code, out, _ = inspect(capsys, path, "--n-positions", n_positions, "--program", f"model_n1_s{n_positions}",
+                           "--section", "cost")
+    assert code == 0
+    # One token: every weight of the kernels' products is one multiply-add (2 flops), and so,
+    # with as many kv heads as heads, is every element of the K and V caches (q.k, then p.v).
+    linear_weights = sum(p.numel() for name, p in hf_model.named_parameters()
+                         if name.endswith("proj.weight") or name == "lm_head.weight")
+    kv_caches = 2 * layers * config.num_key_value_heads * n_positions * (hidden // config.num_attention_heads)
+    assert config.num_key_value_heads == config.num_attention_heads
+    flops = row(out, "flops")
+    assert _count(flops[4].rstrip("*")) == pytest.approx(2 * (linear_weights + kv_caches), rel=0.01)
+    assert flops[4].endswith("*") and "pyhlo_decode_attention counted over the whole KV cache" in out
+    assert "pyhlo_matvec x " in out

@@ -10,8 +10,9 @@
     pb, txt, dot = dump_module("out", report)     # out/NAME.pb, .txt, .dot
     render_dot(dot, "svg", graphviz_dot())        # out/NAME.svg (needs Graphviz)
 
-HLO text, Graphviz graphs and cost estimates come from XLA through the runtime;
-nothing here compiles a module.
+HLO text, Graphviz graphs and cost estimates come from XLA through the runtime, and
+the work inside pyhlo's kernels from runtime.kernel_costs (tools/hlo_costs.py adds them
+up); nothing here compiles a module.
 """
 from __future__ import annotations
 
@@ -30,13 +31,16 @@ from google.protobuf.message import DecodeError
 
 from pyhlo import dtypes
 from pyhlo.schema import hlo_pb2
+from runtime.kernel_costs import shape_bytes
+from tools.hlo_costs import ModuleCost, format_cost, module_cost, split_text, upper_bound_note
+from tools.text_format import format_table, human_bytes, human_count
 
 SECTIONS = ("text", "opcodes", "params", "cost")
 SECTION_TITLES = {
     "text": "HLO text",
     "opcodes": "instructions by opcode",
     "params": "parameters and outputs",
-    "cost": "cost analysis (XLA's estimate for the unoptimized module)",
+    "cost": "cost analysis (XLA's estimate for the unoptimized module + the work in pyhlo's kernels)",
 }
 # Above this many instructions the HLO text is left out unless asked for.
 TEXT_LIMIT = 300
@@ -44,41 +48,6 @@ RENDER_FORMATS = ("svg", "png")
 DOT_MISSING = ("Graphviz 'dot' not found: install graphviz (apt-get install graphviz) to render; "
                "the .dot files are written")
 _ALIAS_KINDS = {hlo_pb2.MAY_ALIAS: "may", hlo_pb2.MUST_ALIAS: "must"}
-
-
-# -- units ---------------------------------------------------------------------------
-def _scaled(n: float, base: int, prefixes: Sequence[str]) -> tuple[float, str]:
-    i = 0
-    while abs(n) >= base and i < len(prefixes) - 1:
-        n /= base
-        i += 1
-    return n, prefixes[i]
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units)."""
-    value, unit = _scaled(n, 1024, ("B", "KiB", "MiB", "GiB", "TiB"))
-    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-
-
-def human_count(n: float, unit: str = "") -> str:
-    """56625408 -> '56.6 M' (decimal units), with `unit` appended: human_count(n, 'FLOP') -> '56.6 MFLOP'."""
-    value, prefix = _scaled(n, 1000, ("", "K", "M", "G", "T", "P"))
-    number = f"{value:.0f}" if not prefix else f"{value:.1f}"
-    return f"{number} {prefix}{unit}".rstrip()
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
-    """Aligned text columns; columns whose index is in `right` are right-aligned."""
-    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-
-    def line(row: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
 # -- shapes --------------------------------------------------------------------------
@@ -91,16 +60,6 @@ def shape_text(shape: hlo_pb2.ShapeProto) -> str:
         known = shape.element_type in hlo_pb2.PrimitiveType.values()
         name = hlo_pb2.PrimitiveType.Name(shape.element_type).lower() if known else f"type{shape.element_type}"
     return f"{name}[{','.join(map(str, shape.dimensions))}]"
-
-
-def shape_bytes(shape: hlo_pb2.ShapeProto) -> int:
-    """Bytes of an array shape, or of every array of a tuple (tokens count zero)."""
-    if shape.element_type == hlo_pb2.TUPLE:
-        return sum(shape_bytes(s) for s in shape.tuple_shapes)
-    name = dtypes.NAME_OF_PRIMITIVE.get(shape.element_type)
-    if name is None:
-        return 0
-    return math.prod(shape.dimensions) * dtypes.byte_size(name)
 
 
 def index_text(index: Sequence[int]) -> str:
@@ -186,7 +145,7 @@ class ModuleReport:
     parameters: list[Parameter]
     outputs: list[Output]
     aliases: list[Alias]
-    cost: dict[str, float]
+    cost: ModuleCost  # XLA's estimate (cost.xla) and the work of pyhlo's kernel calls
 
     @property
     def parameter_bytes(self) -> int:
@@ -198,11 +157,13 @@ class ModuleReport:
 
     @property
     def flops(self) -> float:
-        return self.cost.get("flops", 0.0)
+        """XLA's figure + the kernels'."""
+        return self.cost.total("flops")
 
     @property
     def bytes_accessed(self) -> float:
-        return self.cost.get("bytes accessed", 0.0)
+        """XLA's figure + the kernels'."""
+        return self.cost.total("bytes accessed")
 
 
 def parse_module(module_bytes: bytes, source: str = "module") -> hlo_pb2.HloModuleProto:
@@ -252,8 +213,9 @@ def module_from_python(path: str | pathlib.Path, function_name: str) -> hlo_pb2.
 
 
 def module_report(module_bytes: bytes, name: str | None = None,
-                  cost: Callable[[bytes], dict[str, float]] | None = None) -> ModuleReport:
-    """Counts, shapes, aliases and XLA's cost estimate of a serialized module (nothing is compiled)."""
+                  cost: Callable[[bytes], dict[str, float | str]] | None = None) -> ModuleReport:
+    """Counts, shapes, aliases and cost of a serialized module (nothing is compiled): XLA's
+    estimate by `cost` (default cost_analysis) and the work of pyhlo's kernel calls."""
     module = parse_module(module_bytes)
     opcodes = collections.Counter(i.opcode for c in module.computations for i in c.instructions)
     program_shape = module.host_program_shape
@@ -275,7 +237,7 @@ def module_report(module_bytes: bytes, name: str | None = None,
         parameters=parameters,
         outputs=outputs,
         aliases=aliases,
-        cost=(cost or cost_analysis)(module_bytes),
+        cost=module_cost(module, (cost or cost_analysis)(module_bytes)),
     )
 
 
@@ -288,7 +250,7 @@ def analysis_backend(backend: Any = None) -> Any:
     return backend if hasattr(backend, "cost_analysis") else XlaBackend("cpu")
 
 
-def cost_analysis(module_bytes: bytes) -> dict[str, float]:
+def cost_analysis(module_bytes: bytes) -> dict[str, float | str]:
     """XLA's flops / transcendentals / bytes-accessed estimate of the unoptimized module."""
     return analysis_backend().cost_analysis(module_bytes)
 
@@ -348,18 +310,6 @@ def _format_params(report: ModuleReport) -> str:
     return "\n".join(lines)
 
 
-def _format_cost(report: ModuleReport) -> str:
-    cost = report.cost
-    flops, transcendentals, accessed = cost.get("flops", 0.0), cost.get("transcendentals", 0.0), \
-        cost.get("bytes accessed", 0.0)
-    rows = [("flops", human_count(flops, "FLOP"), f"{flops:,.0f}"),
-            ("transcendentals", human_count(transcendentals), f"{transcendentals:,.0f}"),
-            ("bytes accessed", human_bytes(accessed), f"{accessed:,.0f} B")]
-    if accessed:
-        rows.append(("flops per byte", f"{flops / accessed:.2f}", ""))
-    return format_table(["measure", "value", "exact"], rows, right=(1, 2))
-
-
 def format_module(report: ModuleReport, sections: Sequence[str] | None = None) -> str:
     """The chosen sections (default: default_sections(report)) under clear headers."""
     chosen = list(sections) if sections else default_sections(report)
@@ -382,7 +332,7 @@ def format_module(report: ModuleReport, sections: Sequence[str] | None = None) -
         elif section == "params":
             parts.append(_format_params(report))
         else:
-            parts.append(_format_cost(report))
+            parts.append(format_cost(report.cost))
     if "text" not in chosen and sections is None:
         parts += ["", f"(HLO text not shown: {report.instructions} instructions > {TEXT_LIMIT}; "
                       "add --section text to print it, or --dump DIR to write NAME.txt)"]
@@ -444,6 +394,22 @@ def format_weights(model: Any) -> str:
     return format_table(["", "parameter", "program shape", "shard", "checkpoint ({i}: layer)"], rows)
 
 
+def _model_cost_notes(reports: Sequence[ModuleReport]) -> str:
+    sources = list(dict.fromkeys(r.cost.analysed_by for r in reports if r.cost.analysed_by))
+    bounded = list(dict.fromkeys(t for r in reports for t in r.cost.kernels.upper_bound_targets))
+    uncounted = sorted({t for r in reports for t in r.cost.kernels.uncounted})
+    lines = ["flops, bytes accessed: XLA's estimate for the unoptimized module + the work in pyhlo's kernels "
+             "(custom calls XLA cannot see into), counted from their shapes."]
+    lines += [f"cost analysis: {source}" for source in sources]
+    if bounded:
+        lines.append(upper_bound_note(bounded))
+    if uncounted:
+        lines.append(f"custom calls whose work no figure counts: {', '.join(uncounted)}")
+    lines.append("param bytes: device memory of the inputs (weights and caches included); "
+                 "aliased outputs reuse their input's memory.")
+    return "\n".join(lines)
+
+
 def format_model(model: Any, reports: Sequence[ModuleReport]) -> str:
     """The model's pieces, a table of its programs, its weights and its memory totals."""
     decoder = model.decoder
@@ -462,14 +428,13 @@ def format_model(model: Any, reports: Sequence[ModuleReport]) -> str:
         "",
         _header(f"programs ({len(reports)}, as model.eager_programs() lists them)"),
     ]
-    rows = [(r.name, r.instructions, len(r.parameters), human_count(r.flops, "FLOP"),
-             human_bytes(r.bytes_accessed), human_bytes(r.parameter_bytes), human_bytes(r.output_bytes))
+    rows = [(r.name, r.instructions, len(r.parameters), human_count(r.flops, "FLOP"), split_text(r.cost, "flops"),
+             human_bytes(r.bytes_accessed), split_text(r.cost, "bytes accessed"), human_bytes(r.parameter_bytes),
+             human_bytes(r.output_bytes))
             for r in reports]
-    parts.append(format_table(["program", "instructions", "params", "flops", "bytes accessed",
-                               "param bytes", "output bytes"], rows, right=(1, 2, 3, 4, 5, 6)))
-    parts.append("flops, bytes accessed: XLA's estimate for the unoptimized module.\n"
-                 "param bytes: device memory of the inputs (weights and caches included); "
-                 "aliased outputs reuse their input's memory.")
+    parts.append(format_table(["program", "instructions", "params", "flops", "XLA + kernels", "bytes accessed",
+                               "XLA + kernels", "param bytes", "output bytes"], rows, right=range(1, 9)))
+    parts.append(_model_cost_notes(reports))
     parts += ["", _header("weights (as the pieces declare them)"), format_weights(model)]
     totals = model_totals(model)
     parts += [

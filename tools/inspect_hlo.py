@@ -17,13 +17,15 @@ For a module, the sections are:
   params    parameters (number, name, shape, bytes), outputs, and input_output_alias
             (outputs that reuse a parameter's memory, e.g. KV caches updated in place)
   cost      XLA's cost analysis of the unoptimized module: flops, transcendentals,
-            bytes accessed (an estimate; nothing is compiled)
+            bytes accessed (an estimate; nothing is compiled; XLA:CPU's where the
+            platform's client has none, as jax's CUDA plugin), plus the work inside
+            pyhlo's kernels (custom calls XLA cannot see into), counted from their shapes
 By default every section is shown, except the HLO text of a module with more than
 300 instructions (add --section text to print it, or --dump DIR to write it).
 
 For a model, a table of every program of every bucket (instructions, parameters,
-flops, bytes accessed, parameter and output bytes) and the model's device memory:
-weights (n_layers x one layer + shared) and KV cache
+flops and bytes accessed as XLA + kernels, parameter and output bytes) and the
+model's device memory: weights (n_layers x one layer + shared) and KV cache
 (2 x n_layers x batch x kv_heads x n_positions x head_dim x dtype bytes).
 --program NAME shows one of those programs like a module.
 
