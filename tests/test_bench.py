@@ -333,3 +333,100 @@ def test_the_speculative_table_gives_each_prompt_and_the_median():
     assert text[2] == "| 30 | 128 | 20.0 | 30.0 | 1.50x | 0.75 | yes |"
     assert text[3].endswith("| 1.00x | 0.40 | NO |")
     assert text[4] == "| median | | 21.0 | 26.0 | 1.24x | 0.57 | NO |"
+
+
+# -- the device benchmark: pyhlo, HF eager and HF static cache + torch.compile ----------------
+DEVICE_ENGINES = ("pyhlo", "hf", "hf-compiled")
+
+
+@pytest.fixture(scope="module")
+def device_run(tmp_path_factory):
+    """`pyhlo bench --device cpu` on the tiny random model, batch 1 and 2: (exit code, stdout, report)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("device-bench")
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setenv("PYHLO_MODEL_DIR", str(tmp_path_factory.mktemp("random-models")))
+        code = main(["bench", "--device", "cpu", "--random-model", "tiny", "--engines", ",".join(DEVICE_ENGINES),
+                     "--batch", "1,2", "--prompt-tokens", "8", "--new-tokens", "6", "--repeats", "1",
+                     "--quiet-wait", "0", "--out", str(out)])
+    return code, printed.getvalue(), json.loads((out / "bench_device.json").read_text()), out
+
+
+def test_device_run_has_a_row_of_positive_numbers_per_engine_and_batch(device_run):
+    from tools import bench_device_report
+
+    code, printed, report, out = device_run
+    assert code == 0
+    header = next(line for line in printed.splitlines() if line.startswith("| engine"))
+    assert [c.strip() for c in header.strip("|").split("|")] == list(bench_device_report.TABLE_COLUMNS)
+    assert report["schema"] == bench_device_report.SCHEMA
+    assert [(r["engine"], r["amp"], r["batch"]) for r in report["results"]] == [
+        (engine, "f32", batch) for batch in (1, 2) for engine in DEVICE_ENGINES]
+    for row in report["results"]:
+        assert row["status"] == "ok", row["error"]
+        for key in ("ttft_ms", "decode_tokens_per_s", "ms_per_step"):
+            assert row[key]["median"] > 0, key
+        assert row["roofline_fraction"] > 0
+        assert (row["compile_s"] is None) == (row["engine"] == "hf")   # pyhlo's to_neuron, torch.compile's warm-up
+        assert row["compile_s"] is None or row["compile_s"] > 0
+    assert report["bandwidth"]["gb_per_s"] > 0 and report["machine"]["device_name"]
+    assert report["floor"]["f32"]["floor_ms"] > 0
+    ours = [r for r in report["results"] if r["engine"] == "pyhlo"]
+    assert all(set(r["vs"]) == {"hf", "hf-compiled"} for r in ours)
+    assert "pyhlo ÷ HF static cache + torch.compile" in printed
+    assert (out / "bench_device.md").read_text().startswith("# pyhlo bench --device cpu")
+
+
+def test_device_run_engines_agree_on_every_greedy_token_in_f32(device_run):
+    # The same random weights, f32, greedy: HF eager and compiled pick pyhlo's tokens.
+    _, _, report, _ = device_run
+    for batch in (1, 2):
+        tokens = {r["engine"]: r["tokens"] for r in report["results"] if r["batch"] == batch}
+        assert [len(line) for line in tokens["pyhlo"]] == [6] * batch
+        assert tokens["hf"] == tokens["pyhlo"] and tokens["hf-compiled"] == tokens["pyhlo"]
+        for row in report["results"]:
+            if row["batch"] == batch and row["engine"] != "pyhlo":
+                assert row["agreement"]["matching_new_tokens"] == [6] * batch
+
+
+def test_device_cuda_without_a_gpu_fails_at_once_naming_what_to_install(tmp_path, capsys):
+    from tools import device_probe
+
+    if device_probe.torch_cuda_problem() is None and device_probe.jax_cuda_problem(str(bench.ROOT)) is None:
+        pytest.skip("torch and jax both see a CUDA GPU here")
+    out = tmp_path / "results"
+    assert main(["bench", "--device", "cuda", "--random-model", "tiny", "--out", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert "--device cuda needs an NVIDIA GPU" in error and "nothing falls back to the CPU" in error
+    assert "download.pytorch.org" in error or "pip install -e '.[cuda]'" in error
+    assert not out.exists()                                   # stopped before any model or measurement
+
+
+def test_device_floor_counts_the_bytes_pyhlo_declares(tiny_llama):
+    from tools import bench_device
+
+    for variant in ("mha", "gqa_tied_llama3"):                 # separate LM head; LM head tied to the embedding
+        _, path = tiny_llama(variant, "safetensors")
+        assert bench_device.weight_bytes(path, "f32") == bench.weight_bytes(path, "f32", 256), variant
+        assert bench_device.weight_bytes(path, "bf16") * 2 == bench_device.weight_bytes(path, "f32")
+
+
+def test_device_options_have_their_own_defaults_and_checks():
+    from tools import bench_device
+
+    parser = bench_parser()
+    settings = bench_device.resolve_settings(parser.parse_args(["--device", "cuda"]))
+    assert (settings["amps"], settings["batches"], settings["n_positions"]) == (["bf16"], [1, 8], 256)
+    assert settings["device"] == "cuda" and not settings["buckets"]
+    assert bench_device.resolve_settings(parser.parse_args(["--device", "cpu"]))["amps"] == ["f32"]
+    with pytest.raises(ValueError, match="not 's8'"):
+        bench_device.resolve_settings(parser.parse_args(["--device", "cpu", "--amp", "s8"]))
+    with pytest.raises(ValueError, match="not 'llamacpp'"):
+        bench_device.resolve_engines("pyhlo,llamacpp")
+    with pytest.raises(ValueError, match="not both"):
+        bench_device.resolve_model(parser.parse_args(["--device", "cpu", "--model", "m", "--random-model", "tiny"]))
+    with pytest.raises(ValueError, match="add --device"):
+        bench.run(parser.parse_args(["--random-model", "tiny"]))

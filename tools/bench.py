@@ -46,6 +46,8 @@ examples:
   pyhlo bench --amp s8,f32 --batch 1                # int8 weights beside f32
   pyhlo bench --amp gguf --batch 1                  # the GGUF file's Q4_1 blocks as stored
   pyhlo bench --amp gguf,gguf-x8 --batch 1          # ... and with int8 activations
+  pyhlo bench --device cuda                         # on a GPU: pyhlo, HF eager, HF static cache + torch.compile
+  pyhlo bench --device cpu --random-model tiny      # the same on the CPU, a tiny random model
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from tools import bench_peers, bench_report
+from tools.random_checkpoint import SHAPES as RANDOM_SHAPES
 
 ENGINES = ("pyhlo", "hf", "llamacpp")
 AMPS = ("f32", "bf16", "s8", "gguf", "gguf-x8")
@@ -125,6 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: speculative decoding's speed-up, k=K drafts a round: the model widened to "
                              "f32 as target, its GGUF blocks as stored as draft, greedy, 3 chat prompts "
                              "(tools/bench_speculative.py; --new-tokens, default 128)")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="instead: pyhlo against HF transformers eager and HF with a static cache + "
+                             "torch.compile on this device, with the share of the weight-copy floor each reaches; "
+                             "random weights of Llama-3.2-1B's shape unless --model (tools/bench_device.py)")
+    parser.add_argument("--random-model", choices=tuple(RANDOM_SHAPES),
+                        help="--device: random weights of this shape (default llama-3.2-1b; tiny for tests)")
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each measured generation, wait up to this many seconds for other "
                              "processes to leave the CPUs idle, and repeat generations they disturbed "
@@ -470,9 +479,11 @@ class PyhloRunner:
                                              out[:, length:].tolist())
 
 
-RUNNERS = {"pyhlo": PyhloRunner, "hf": bench_peers.HFRunner, "llamacpp": bench_peers.LlamaCppRunner}
+RUNNERS = {"pyhlo": PyhloRunner, "hf": bench_peers.HFRunner, "hf-compiled": bench_peers.HFCompiledRunner,
+           "llamacpp": bench_peers.LlamaCppRunner}
 # Imported before the load clock starts: library import time is not load time.
-PRELOAD = {"pyhlo": ("decoders", "jax"), "hf": ("torch", "transformers"), "llamacpp": ("llama_cpp",)}
+PRELOAD = {"pyhlo": ("decoders", "jax"), "hf": ("torch", "transformers"), "hf-compiled": ("torch", "transformers"),
+           "llamacpp": ("llama_cpp",)}
 
 
 def peak_rss_bytes() -> int:
@@ -536,7 +547,8 @@ def new_row(engine: str, amp: str, batch: int) -> dict:
             "ttft_ms": None, "decode_tokens_per_s": None, "ms_per_step": None, "load_s": None,
             "compile_cold_s": None, "compile_warm_s": None, "peak_rss_mb": None, "rss_mb": None,
             "cold_peak_rss_mb": None, "roofline_fraction": None, "vs": {}, "ttft_vs": {}, "agreement": None,
-            "other_cpu_fraction": [], "disturbed_samples": 0, "info": {}}
+            "other_cpu_fraction": [], "disturbed_samples": 0, "info": {}, "warmup_s": None, "total_s": None,
+            "tokens": None}
 
 
 def _fail(row: dict, error: Exception) -> None:
@@ -546,14 +558,15 @@ def _fail(row: dict, error: Exception) -> None:
 
 def measure_config(model_path: pathlib.Path, engines: list[str], amp: str, batch: int, settings: dict,
                    prompts: list[list[int]], model_files: dict[str, pathlib.Path], logs: pathlib.Path,
-                   load: OtherLoad) -> tuple[list[dict], list[dict]]:
-    """Rows of every engine for one precision and batch size, and pyhlo's bucket rows."""
+                   load: OtherLoad, env: dict[str, str] | None = None) -> tuple[list[dict], list[dict]]:
+    """Rows of every engine for one precision and batch size, and pyhlo's bucket rows.
+    `env`: environment variables for every worker."""
     rows = {e: new_row(e, amp, batch) for e in engines}
     tag = f"{amp}-b{batch}"
     spec = {"amp": amp, "batch": batch, "n_positions": settings["n_positions"], "threads": settings["threads"],
-            "prompt_tokens": settings["prompt_tokens"]}
+            "prompt_tokens": settings["prompt_tokens"], "device": settings.get("device", "cpu")}
     new_tokens = settings["new_tokens"]
-    cache_env: dict[str, str] = {}
+    cache_env: dict[str, str] = dict(env or {})
     cache_dir = None
     buckets: list[dict] = []
     if settings["compile_times"] and "pyhlo" in rows:
@@ -574,7 +587,7 @@ def measure_config(model_path: pathlib.Path, engines: list[str], amp: str, batch
             if row["status"] != "ok":
                 continue
             print(f"[{tag}] {engine}: loading", file=sys.stderr)
-            worker = Worker(engine, logs / f"{engine}-{tag}.log", cache_env if engine == "pyhlo" else None)
+            worker = Worker(engine, logs / f"{engine}-{tag}.log", cache_env if engine == "pyhlo" else env)
             workers[engine] = worker
             try:
                 loaded = worker.call("load", engine=engine, model_path=str(model_files[engine]), **spec)
@@ -589,7 +602,9 @@ def measure_config(model_path: pathlib.Path, engines: list[str], amp: str, batch
         records: dict[str, list[dict]] = {e: [] for e in live}
         for engine in list(live):
             try:
-                warm_tokens[engine] = workers[engine].call("generate", prompts=prompts, new_tokens=new_tokens)["tokens"]
+                warm = workers[engine].call("generate", prompts=prompts, new_tokens=new_tokens)
+                warm_tokens[engine] = rows[engine]["tokens"] = warm["tokens"]
+                rows[engine]["warmup_s"] = warm["total_s"]
             except WorkerError as error:
                 _fail(rows[engine], error)
                 live.remove(engine)
@@ -633,6 +648,7 @@ def summarize_records(row: dict, records: list[dict], new_tokens: int, batch: in
     row["ttft_ms"] = bench_report.summarize(m["ttft_ms"] for m in metrics)
     row["decode_tokens_per_s"] = bench_report.summarize(m["tokens_per_s"] for m in metrics)
     row["ms_per_step"] = bench_report.summarize(m["ms_per_step"] for m in metrics)
+    row["total_s"] = bench_report.summarize(r["total_s"] for r in records)
     others = [r.get("other_cpu_fraction", 0.0) for r in records]
     row["other_cpu_fraction"] = others
     row["disturbed_samples"] = sum(o > DISTURBED for o in others)
@@ -776,6 +792,12 @@ def run_speculative(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device is not None:
+        from tools import bench_device
+
+        return bench_device.run(args)
+    if args.random_model:
+        raise ValueError("--random-model belongs to the device benchmark: add --device cpu or --device cuda")
     if args.serve:
         return run_serve(args)
     if args.speculative is not None:

@@ -1,4 +1,5 @@
-"""The peers `pyhlo bench` measures against, on the same weights: HF transformers and llama.cpp.
+"""The peers `pyhlo bench` measures against, on the same weights: HF transformers (eager, or
+with a static KV cache and torch.compile) and llama.cpp.
 
 A runner loads a model for one precision and batch size, then `generate(prompts, new_tokens)`
 produces exactly `new_tokens` greedy tokens per line (EOS ignored) and returns when each
@@ -61,7 +62,7 @@ class HFRunner:
 
     engine = "hf"
 
-    def __init__(self, model_path: str, amp: str, batch: int, threads: int, **_: Any):
+    def __init__(self, model_path: str, amp: str, batch: int, threads: int, device: str = "cpu", **_: Any):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM
@@ -75,32 +76,67 @@ class HFRunner:
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        self.model = model.eval()
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
         self.torch = torch
         self.info = {"transformers": transformers.__version__, "torch": torch.__version__,
                      "dtype": str(dtype), "attn_implementation": model.config._attn_implementation,
-                     "threads": torch.get_num_threads()}
+                     "threads": torch.get_num_threads(), "device": str(self.device)}
         if amp == "s8":
             self.info["quantized"] = quantize_layers_dynamic(model)
 
-    def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict:
+    def generation_config(self, new_tokens: int) -> Any:
         from transformers import GenerationConfig
 
-        torch = self.torch
-        ids = torch.tensor(prompts, dtype=torch.long)
         # min_new_tokens = max_new_tokens and no EOS: exactly new_tokens tokens per line.
-        config = GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  eos_token_id=None, pad_token_id=0)
+        return GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                eos_token_id=None, pad_token_id=0)
+
+    def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict:
+        torch = self.torch
+        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
+        config = self.generation_config(new_tokens)
+        # generate() hands each token to the streamer on the host (a GPU's work is done by then).
         streamer = TimingStreamer()
         started = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
                                       streamer=streamer)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         finished = time.perf_counter()
         new = out[:, ids.shape[1]:].tolist()
         if len(new[0]) != new_tokens:
             raise RuntimeError(f"HF generate() made {len(new[0])} tokens, asked for {new_tokens}")
         return generation_record(started, streamer.token_times(started), finished, new)
+
+
+class HFCompiledRunner(HFRunner):
+    """HF transformers with a static KV cache and torch.compile, the way generate() offers it:
+    cache_implementation="static" plus a CompileConfig, so each decode step runs the model's
+    forward compiled by inductor for fixed shapes (prefill stays eager). On a GPU the mode is
+    "reduce-overhead" (the step is replayed as a CUDA graph); on a CPU, where CUDA graphs do
+    not exist, inductor's "default", and generate() is told to compile there too. The first
+    generation compiles; the bench's warm-up covers it."""
+
+    engine = "hf-compiled"
+
+    def __init__(self, model_path: str, amp: str, batch: int, threads: int, device: str = "cpu", **rest: Any):
+        super().__init__(model_path, amp, batch, threads, device=device, **rest)
+        from transformers import CompileConfig
+
+        on_gpu = self.device.type == "cuda"
+        self.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead" if on_gpu else "default")
+        if not on_gpu:
+            # generate() compiles on accelerators only unless this flag says otherwise.
+            self.compile_config._compile_all_devices = True
+        self.info.update(cache_implementation="static", compile=self.compile_config.to_dict())
+
+    def generation_config(self, new_tokens: int) -> Any:
+        config = super().generation_config(new_tokens)
+        config.cache_implementation = "static"
+        config.compile_config = self.compile_config
+        return config
 
 
 def quantize_layers_dynamic(model: Any) -> str:

@@ -8,7 +8,9 @@ A result row is a dict with these keys (JSON schema `pyhlo-bench/1`):
     load_s, compile_cold_s, compile_warm_s, peak_rss_mb, cold_peak_rss_mb, rss_mb
     roofline_fraction, vs ({peer: decode ratio}), ttft_vs ({peer: TTFT ratio}),
     agreement ({reference, matching_new_tokens: [per line], new_tokens}),
-    other_cpu_fraction ([per sample: share of the CPUs other processes took]), disturbed_samples, info
+    other_cpu_fraction ([per sample: share of the CPUs other processes took]), disturbed_samples, info,
+    warmup_s (the warm-up generation's wall time), total_s (summary of the measured generations' wall time),
+    tokens (the warm-up generation's new token ids, per line)
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import statistics
 from typing import Any, Iterable, Sequence
 
 SCHEMA = "pyhlo-bench/1"
-ENGINE_LABELS = {"pyhlo": "pyhlo", "hf": "HF transformers", "llamacpp": "llama.cpp"}
-PEERS = ("hf", "llamacpp")
+ENGINE_LABELS = {"pyhlo": "pyhlo", "hf": "HF transformers", "hf-compiled": "HF static cache + torch.compile",
+                 "llamacpp": "llama.cpp"}
+PEERS = ("hf", "hf-compiled", "llamacpp")
 TABLE_COLUMNS = (
     "engine", "amp", "batch", "TTFT ms", "decode tok/s", "ms/step", "roofline",
     "vs HF", "vs llama.cpp", "load s", "peak RSS MB", "same tokens",
