@@ -51,7 +51,8 @@ FOUR_REPLICAS = textwrap.dedent("""
 
 
 def test_all_reduce_within_replica_groups_on_four_cpu_devices():
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", FOUR_REPLICAS], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr

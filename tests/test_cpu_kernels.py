@@ -15,6 +15,7 @@ from pyhlo.shape_inference import HloShapeError
 from runtime import cpu_kernels
 
 BF16 = numpy_dtype("bf16")
+pytestmark = pytest.mark.cpu_only
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,6 +15,7 @@ from pyhlo.ops import linalg
 from pyhlo.shape_inference import HloShapeError
 from runtime import cpu_kernels
 
+pytestmark = pytest.mark.cpu_only
 SCRIBE_TYPES = {"int8": "s8", "uint8": "u8", "float16": "f16", "float32": "f32"}
 
 

@@ -56,7 +56,7 @@ def test_left_padded_batch_through_attention_mask_gives_hf_generate_output(famil
     # HF counts positions from the mask (its cumsum), as we count them from each line's first
     # real token: learned positions (GPT-2, OPT with its offset) and rotary ones (GPT-J) agree.
     hf, _ = family_checkpoint(variant)
-    model = built(variant, True, batch_size=2)
+    model = built(variant, None, batch_size=2)
     ids, mask = left_padded(lengths=(9, 30))
     expected = hf.generate(ids, attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False,
                            pad_token_id=0)
@@ -66,7 +66,7 @@ def test_left_padded_batch_through_attention_mask_gives_hf_generate_output(famil
 
 def test_context_broadcasting_continues_each_prompt_several_times(family_checkpoint):
     hf, path = family_checkpoint("gpt2")
-    model = build(GPT2ForSamplingWithContextBroadcasting, path, True, batch_size=6, prompt_batch_size=2)
+    model = build(GPT2ForSamplingWithContextBroadcasting, path, None, batch_size=6, prompt_batch_size=2)
     prompts = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(5))
     length = 60
     greedy = model.sample(prompts, sequence_length=length, top_k=1, eos_token_id=[])
@@ -100,7 +100,7 @@ def test_checkpoint_names_without_the_base_prefix(family_checkpoint, tmp_path):
     tensors = load_file(path / "model.safetensors")
     save_file({name.removeprefix("transformer."): t for name, t in tensors.items()}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    model = build(GPT2ForSampling, tmp_path, True)
+    model = build(GPT2ForSampling, tmp_path, None)
     prompt = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(6))
     expected, _ = hf_greedy(hf, prompt, 30)
     assert torch.equal(model.sample(prompt, sequence_length=30, top_k=1, eos_token_id=[]), expected)

@@ -14,7 +14,8 @@ from tiny_families import VARIANTS
 
 from decoders import NeuronAutoModelForCausalLM, NeuronConfig
 
-KERNELS = pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
+KERNELS = pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.cpu_only), False],
+                                  ids=["cpu_kernels", "xla_dot"])
 ALL_VARIANTS = pytest.mark.parametrize("variant", list(VARIANTS))
 
 

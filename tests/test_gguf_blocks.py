@@ -37,7 +37,8 @@ def build(path, gguf_blocks, kernels, batch_size=2, amp="f32"):
         neuron_config=NeuronConfig(gguf_blocks=gguf_blocks, cpu_kernels=kernels)).to_neuron()
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.cpu_only), False],
+                         ids=["cpu_kernels", "xla_dot"])
 @pytest.mark.parametrize("form", list(FORMS))
 def test_blocks_compute_what_the_weights_widened_at_load_compute(block_file, form, kernels):
     path = block_file(form)
@@ -97,6 +98,7 @@ def test_blocks_that_cannot_be_kept_are_clear_errors(block_file, tiny_llama):
                                             ).lowering.gguf_blocks == ()
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("form", list(FORMS))
 def test_int8_activations_round_the_decode_products_only(block_file, form):
     """NeuronConfig(int8_activations=True): products of block weights on the kernels (decode

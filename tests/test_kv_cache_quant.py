@@ -77,6 +77,7 @@ def test_a_quantized_cache_computes_what_the_plain_cache_does_up_to_its_rounding
     assert (quantized.argmax(-1) == plain.argmax(-1))[clear].all()
 
 
+@pytest.mark.cpu_only
 def test_the_decode_kernel_and_plain_xla_read_the_quantized_cache_alike(tiny_llama):
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")
     runs = {}
@@ -136,7 +137,8 @@ def test_quantized_caches_split_over_devices_give_the_tokens_of_one(tiny_llama):
 
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, PYTHONPATH=str(root), XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", TP_RUN, str(path)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

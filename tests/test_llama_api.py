@@ -42,9 +42,18 @@ def test_unknown_amp_is_rejected(checkpoint):
         LlamaForSampling.from_pretrained(checkpoint, amp="f8")
 
 
-def test_options_not_built_yet_say_so(checkpoint):
-    with pytest.raises(ValueError, match="tp_degree 2 needs 2 devices; the cpu backend has 1 .*device_count=2"):
+def test_tp_degree_beyond_the_devices_says_how_to_get_them(checkpoint):
+    from runtime import get_backend
+
+    backend = get_backend()
+    if backend.device_count > 1:
+        pytest.skip(f"{backend.device_count} {backend.platform} devices here")
+    with pytest.raises(ValueError, match=f"tp_degree 2 needs 2 devices; the {backend.platform} backend has 1 "
+                                         ".*device_count=2"):
         LlamaForSampling.from_pretrained(checkpoint, tp_degree=2)
+
+
+def test_options_not_built_yet_say_so(checkpoint):
     with pytest.raises(ValueError, match="NeuronConfig.quant must be None or a QuantizationConfig"):
         NeuronConfig(quant="int8")
     with pytest.raises(NotSupportedYet, match="attention_layout"):

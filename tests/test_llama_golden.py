@@ -34,7 +34,8 @@ def build(path, batch_size=1, **kwargs):
     return LlamaForSampling.from_pretrained(path, batch_size=batch_size, **kwargs).to_neuron()
 
 
-@pytest.mark.parametrize("kernels, whole", [(True, None), (True, False), (False, None)],
+@pytest.mark.parametrize("kernels, whole", [pytest.param(True, None, marks=pytest.mark.cpu_only),
+                                             pytest.param(True, False, marks=pytest.mark.cpu_only), (False, False)],
                          ids=["cpu_kernels-whole_model", "cpu_kernels-per_block", "xla_dot-per_block"])
 @pytest.mark.parametrize("variant", ["mha", "gqa_tied_llama3"])
 def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels, whole):
@@ -43,7 +44,7 @@ def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels, whole):
     hf, path = tiny_llama(variant, "safetensors")
     model = build(path, neuron_config=NeuronConfig(cpu_kernels=kernels, whole_model_program=whole))
     assert isinstance(model.lowering, CpuKernelLowering) is kernels
-    assert model.lowering.whole_model_decode is (kernels if whole is None else whole)   # the default follows the kernels
+    assert model.lowering.whole_model_decode is (True if whole is None else whole)   # the kernels' default: one program
     prompt = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
     length = 150                                   # 110 new tokens: decode crosses 128 -> 256
     expected, expected_logits = hf_greedy(hf, prompt, length)
@@ -55,7 +56,21 @@ def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels, whole):
         assert relative_error(logits[step], expected_logits[step]) < 1e-4, step
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
+@pytest.mark.cpu_only
+def test_decode_is_one_program_by_default_where_the_kernels_run():
+    """XLA:CPU's default: a decode step is one program with pyhlo's kernels (it saves the launch
+    of a block program per layer), a program per layer with XLA's own dot."""
+    from decoders import NeuronConfig
+    from decoders.lowering import choose_lowering
+    from runtime import get_backend
+
+    backend = get_backend()
+    assert choose_lowering(NeuronConfig(), backend, "f32", 1).whole_model_decode is True
+    assert choose_lowering(NeuronConfig(cpu_kernels=False), backend, "f32", 1).whole_model_decode is False
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.cpu_only), False],
+                         ids=["cpu_kernels", "xla_dot"])
 def test_attention_and_mlp_biases(tiny_llama, kernels):
     from decoders import NeuronConfig
 
@@ -135,10 +150,12 @@ def test_generation_stops_at_eos(tiny_llama):
     assert stopped[0].tolist() == free[0, :end].tolist()
 
 
-@pytest.mark.parametrize("batch_size, kernels", [(1, True), (2, True), (4, True), (1, False), (2, False)])
+@pytest.mark.parametrize("batch_size, kernels", [
+    pytest.param(1, True, marks=pytest.mark.cpu_only), pytest.param(2, True, marks=pytest.mark.cpu_only),
+    pytest.param(4, True, marks=pytest.mark.cpu_only), (1, False), (2, False)])
 def test_bf16_stays_close_to_hf_f32(tiny_llama, batch_size, kernels):
-    # With the CPU kernels: decode on them (up to 4 lines); without: [out, in] weights at
-    # batch 1, [in, out] above.
+    # With the CPU kernels: decode on them (up to 4 lines); without, on XLA:CPU: [out, in]
+    # weights at batch 1, [in, out] above (the GPU lowering: [out, in] at every batch size).
     from decoders import NeuronConfig
 
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
@@ -162,7 +179,8 @@ def test_bf16_stays_close_to_hf_f32(tiny_llama, batch_size, kernels):
                 break
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.cpu_only), False],
+                         ids=["cpu_kernels", "xla_dot"])
 def test_whole_model_program_gives_the_same_tokens(tiny_llama, kernels):
     from decoders import NeuronConfig
 

@@ -33,6 +33,7 @@ def cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
     return copies
 
 
+@pytest.mark.cpu_only
 def test_no_compiled_step_copies_a_kv_cache(model):
     steps = [c for key, c in model.programs.compiled.items() if isinstance(key, (Block, ModelStep))]
     assert len(steps) == len(model.context_buckets) + len(model.decode_buckets())
@@ -70,6 +71,7 @@ def test_buckets_follow_transformers_neuronx():
         context_buckets([128], [256])
 
 
+@pytest.mark.cpu_only
 def test_the_copy_check_catches_a_program_that_reads_the_cache_before_updating_it(model):
     """Reading the old cache after an in-place update forces XLA to copy it (DESIGN's trap)."""
     from pyhlo import compile_py_func

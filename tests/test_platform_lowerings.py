@@ -15,7 +15,6 @@ import pytest
 import torch
 from test_llama_golden import hf_greedy, relative_error
 
-import decoders.model
 from decoders import LlamaForSampling, NeuronConfig
 from decoders.blocks.params import Kind
 from decoders.lowering import XlaLowering, choose_lowering
@@ -24,15 +23,6 @@ from decoders.programs.keys import Block, LMHead, ModelStep
 from runtime import pjrt
 
 CUDA = SimpleNamespace(platform="cuda")
-
-
-def _as_if_on(monkeypatch, platform: str) -> None:
-    """Models built from here on take the lowering choose_lowering() picks for `platform`
-    (and still run on this process's XLA:CPU)."""
-    def choose(neuron_config, backend, *args, **kwargs):
-        return choose_lowering(neuron_config, SimpleNamespace(platform=platform), *args, **kwargs)
-
-    monkeypatch.setattr(decoders.model, "choose_lowering", choose)
 
 
 def _build(path, amp="f32", batch_size=1, **config):
@@ -61,8 +51,8 @@ def test_the_gpu_lowering():
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_gpu_programs_match_hf(tiny_llama, monkeypatch, batch_size):
-    _as_if_on(monkeypatch, "cuda")
+def test_gpu_programs_match_hf(tiny_llama, as_if_on, batch_size):
+    as_if_on("cuda")
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
     model = _build(path, batch_size=batch_size)
     assert model.lowering.attention_in_conditional is False and model.lowering.whole_model_decode
@@ -81,9 +71,9 @@ def test_gpu_programs_match_hf(tiny_llama, monkeypatch, batch_size):
         assert "operand_precision={highest,highest}" in text, key
 
 
-def test_gpu_weights_are_placed_as_stored(tiny_llama, monkeypatch):
+def test_gpu_weights_are_placed_as_stored(tiny_llama, as_if_on):
     """[out, in] as torch stores a Linear: arrange() hands the checkpoint's array on untouched."""
-    _as_if_on(monkeypatch, "cuda")
+    as_if_on("cuda")
     _, path = tiny_llama("mha", "safetensors")
     model = _build(path)
     lowering, builder = model.lowering, model.session.builder
@@ -93,8 +83,8 @@ def test_gpu_weights_are_placed_as_stored(tiny_llama, monkeypatch):
     assert arranged.shape == stored.shape and np.shares_memory(arranged, stored)
 
 
-def test_bf16_gpu_programs_stay_close_to_hf(tiny_llama, monkeypatch):
-    _as_if_on(monkeypatch, "cuda")
+def test_bf16_gpu_programs_stay_close_to_hf(tiny_llama, as_if_on):
+    as_if_on("cuda")
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
     model = _build(path, amp="bf16")
     head = _hlo(model, LMHead(16))
@@ -168,7 +158,8 @@ def test_compiles_run_one_at_a_time_where_parallel_compiles_crash(caplog):
     assert compile_workers(SimpleNamespace(platform="cpu", parallel_compiles_safe=True), 3) == 3
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "xla_dot"])
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.cpu_only), False],
+                         ids=["cpu_kernels", "xla_dot"])
 def test_decode_steps_upload_no_step_state(tiny_llama, monkeypatch, kernels):
     """The whole-model decode program hands the next step its positions and slot: after the
     prefill, sample() copies nothing from the host per token (token ids stay on the device)."""

@@ -39,6 +39,7 @@ def test_the_kernel_rows_are_an_unbroken_run_of_kernel_wins():
     assert product_paths.describe({"f32": (2, 8), "s8": (0, 0)}) == "f32 rows 2-8, s8 none"
 
 
+@pytest.mark.cpu_only
 def test_measurement_times_both_paths_for_every_weight_type():
     assert cpu_kernels.register()
     timings = product_paths.measure(get_backend(), shape=(64, 64), chain_bytes=1 << 15, rows=(1, 3), repeats=1)
@@ -88,6 +89,7 @@ def test_the_table_is_measured_once_and_then_read(monkeypatch, tmp_path):
     assert product_paths.kernel_rows(None) == table
 
 
+@pytest.mark.cpu_only
 def test_a_type_limited_to_zero_rows_takes_xla_dot(tiny_llama, monkeypatch):
     from decoders import LlamaForSampling
     from decoders.programs.keys import Block

@@ -73,7 +73,7 @@ RUN = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def results():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+               XLA_FLAGS="--xla_force_host_platform_device_count=4", PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", RUN, ",".join(VARIANTS), json.dumps(DEGREES)], env=env, capture_output=True, text=True,
                           timeout=1500)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -153,7 +153,8 @@ SMOLLM2 = textwrap.dedent("""
 
 
 def test_smollm2_over_two_devices_pads_its_heads_and_keeps_its_tokens(smollm2_gguf):
-    env = dict(os.environ, PYTHONPATH=str(TESTS.parent), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent), XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", SMOLLM2, str(smollm2_gguf)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -222,7 +223,8 @@ GQA_RUN = textwrap.dedent("""
 
 def test_gqa_strategies_over_devices_keep_the_tokens(tiny_llama):
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")       # 4 heads, 2 KV heads
-    env = dict(os.environ, PYTHONPATH=str(TESTS.parent), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent), XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", GQA_RUN, str(path)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
