@@ -863,11 +863,8 @@ def run(args: argparse.Namespace) -> int:
         size = weight_bytes(model_path, amp, settings["n_positions"])
         least = bench_report.roofline_ms(size, bandwidth["gb_per_s"] * 1e9)
         roofline[amp] = {"weight_bytes": size, "min_ms_per_step": least, "max_tokens_per_s_batch1": 1e3 / least}
-    for row in results:
-        if row["status"] == "ok":
-            row["roofline_fraction"] = bench_report.roofline_fraction(
-                roofline[row["amp"]]["weight_bytes"], bandwidth["gb_per_s"] * 1e9,
-                bench_report.median_of(row["ms_per_step"]))
+    bench_report.add_roofline_fractions(results, {amp: r["weight_bytes"] for amp, r in roofline.items()},
+                                        bandwidth["gb_per_s"] * 1e9)
     bench_report.add_comparisons(results)
     report = {
         "schema": bench_report.SCHEMA,

@@ -190,10 +190,8 @@ def run(args: argparse.Namespace) -> int:
         floor[amp] = {"weight_bytes": size, "floor_ms": bench_report.roofline_ms(size, bandwidth["gb_per_s"] * 1e9)}
     for row in results:
         row["compile_s"] = compile_seconds(row)
-        if row["status"] == "ok":
-            row["roofline_fraction"] = bench_report.roofline_fraction(
-                floor[row["amp"]]["weight_bytes"], bandwidth["gb_per_s"] * 1e9,
-                bench_report.median_of(row["ms_per_step"]))
+    bench_report.add_roofline_fractions(results, {amp: f["weight_bytes"] for amp, f in floor.items()},
+                                        bandwidth["gb_per_s"] * 1e9)
     bench_report.add_comparisons(results)
     report = {
         "schema": bench_device_report.SCHEMA,

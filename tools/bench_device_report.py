@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 from typing import Sequence
 
-from tools.bench_report import ENGINE_LABELS, markdown_table, spread, write_json
+from tools.bench_report import ENGINE_LABELS, agreement_cell, markdown_table, spread, write_json
 
 SCHEMA = "pyhlo-bench-device/1"
 TABLE_COLUMNS = ("engine", "amp", "batch", "TTFT ms", "decode tok/s", "ms/step", "% of floor", "compile s",
@@ -20,13 +20,6 @@ RATIO_PEERS = ("hf-compiled", "hf")
 
 def _cell(value: float | None, form: str) -> str:
     return "–" if value is None else form.format(value)
-
-
-def _same_tokens(row: dict) -> str:
-    agreement = row.get("agreement")
-    if not agreement:
-        return "–"
-    return f"{min(agreement['matching_new_tokens'])}/{agreement['new_tokens']}"
 
 
 def results_table(rows: Sequence[dict]) -> str:
@@ -40,7 +33,7 @@ def results_table(rows: Sequence[dict]) -> str:
         fraction = row.get("roofline_fraction")
         cells.append([label, row["amp"], row["batch"], spread(row["ttft_ms"]), spread(row["decode_tokens_per_s"]),
                       spread(row["ms_per_step"], 2), _cell(None if fraction is None else fraction * 100, "{:.0f}%"),
-                      _cell(row.get("compile_s"), "{:.1f}"), _same_tokens(row)])
+                      _cell(row.get("compile_s"), "{:.1f}"), agreement_cell(row)])
     return markdown_table(TABLE_COLUMNS, cells)
 
 

@@ -103,6 +103,15 @@ def roofline_fraction(weight_bytes: float, bandwidth_bytes_per_s: float | None,
     return roofline_ms(weight_bytes, bandwidth_bytes_per_s) / ms_per_step
 
 
+def add_roofline_fractions(rows: list[dict], weight_bytes: dict[str, float], bandwidth_bytes_per_s: float) -> None:
+    """Fill each ok row's `roofline_fraction` from its amp's weight bytes (weight_bytes[amp])
+    and its median ms per step."""
+    for row in rows:
+        if row["status"] == "ok":
+            row["roofline_fraction"] = roofline_fraction(weight_bytes[row["amp"]], bandwidth_bytes_per_s,
+                                                         median_of(row["ms_per_step"]))
+
+
 def add_comparisons(rows: list[dict]) -> None:
     """Fill each ok row's `vs` (decode tok/s ratio) and `ttft_vs` against every peer's row
     of the same amp and batch."""
@@ -172,7 +181,8 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join(lines)
 
 
-def _agreement(row: dict) -> str:
+def agreement_cell(row: dict) -> str:
+    """The 'same tokens' cell: the fewest matching new tokens of any line / new tokens ('–': not compared)."""
     agreement = row.get("agreement")
     if not agreement:
         return "–"
@@ -192,7 +202,7 @@ def results_table(rows: Sequence[dict]) -> str:
             label, row["amp"], row["batch"], spread(row["ttft_ms"]), spread(row["decode_tokens_per_s"]),
             spread(row["ms_per_step"], 2), _percent(row.get("roofline_fraction")),
             _times(row["vs"].get("hf")), _times(row["vs"].get("llamacpp")), _num(row.get("load_s")),
-            _num(row.get("peak_rss_mb"), 0), _agreement(row),
+            _num(row.get("peak_rss_mb"), 0), agreement_cell(row),
         ])
     return markdown_table(TABLE_COLUMNS, cells)
 
