@@ -6,6 +6,7 @@ bound by their program names; the references use the checkpoint tensors directly
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -18,6 +19,7 @@ from decoders.blocks import MLP, Alibi, Attention, DecoderLayer, Embedding, Head
 from decoders.blocks.params import Kind, Param, Shard, Source, per_head_qkv, read, rows
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
+from decoders.checkpoints.base import is_float_dtype
 from decoders.lowering import XlaLowering
 from pyhlo.ops import nn
 
@@ -36,9 +38,10 @@ class FakeCheckpoint:
         self.tensors = tensors
         self.read: list[str] = []
 
-    def get(self, name: str) -> np.ndarray:
+    def get(self, name: str, keep_dtype: bool = False) -> np.ndarray:
         self.read.append(name)
-        return self.tensors[name]
+        array = self.tensors[name]
+        return array if keep_dtype or not is_float_dtype(array.dtype) else array.astype(np.float32)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -283,6 +286,28 @@ def test_read_concatenates_picks_alternatives_and_strips_the_base_prefix():
     a, b = _randn(rng, 1, 3), _randn(rng, 2, 3)
     np.testing.assert_array_equal(read(param, FakeCheckpoint({"a": a, "b": b}), None),
                                   np.concatenate([a, b]).T[0:2])
+
+
+def test_read_keeps_f32_f16_and_bf16_as_stored_and_widens_the_rest():
+    rng = np.random.default_rng(0)
+    w = _randn(rng, 4, 2)
+    param = Param("w", Kind.LINEAR, (4, 2), Shard.COLUMN, Source(("w",)))
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+        got = read(param, FakeCheckpoint({"w": w.astype(dtype)}), None)
+        assert got.dtype == np.dtype(dtype)                      # placed as stored, converted once
+        np.testing.assert_array_equal(got, w.astype(dtype))
+    # fp8, parts of different types, a weight quantized to int8 at load: f32, exactly the stored values.
+    fp8 = w.astype(ml_dtypes.float8_e4m3fn)
+    got = read(param, FakeCheckpoint({"w": fp8}), None)
+    assert got.dtype == np.float32 and np.array_equal(got, fp8.astype(np.float32))
+    fused = Param("gate_up", Kind.LINEAR, (4, 2), Shard.COLUMN, Source(("a", "b")), segments=(2, 2))
+    a, b = w[:2].astype(ml_dtypes.bfloat16), w[2:].astype(np.float16)
+    got = read(fused, FakeCheckpoint({"a": a, "b": b}), None)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.concatenate([a.astype(np.float32), b.astype(np.float32)]))
+    quantized = Param("w", Kind.LINEAR, (4, 2), Shard.COLUMN, Source(("w",)), quant="s8")
+    got = read(quantized, FakeCheckpoint({"w": w.astype(ml_dtypes.bfloat16)}), None)
+    assert got.dtype == np.float32
 
 
 def test_read_reports_a_wrong_shape():

@@ -12,7 +12,10 @@ import enum
 from dataclasses import dataclass
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
+
+from decoders.checkpoints.base import is_float_dtype
 
 
 class Shard(enum.Enum):
@@ -136,14 +139,23 @@ def transposed() -> Transform:
     return labelled("transpose", lambda array: array.T)
 
 
+# Float types a weight is read in as stored: the lowering converts it once, to the program's
+# type, as it places it (none where they agree: a bf16 checkpoint of a bf16 model).
+KEPT_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
 def read(param: Param, checkpoint, layer: int | None) -> np.ndarray:
-    """The parameter's array, in its logical shape, as stored (f32 for floats); for an array
-    that belongs to a quantized weight (`part_of`), the weight's array it is computed from; for
-    a weight in a GGUF block form (and its arrays), its blocks as the checkpoint stores them."""
+    """The parameter's array, in its logical shape: floats as stored where they are f32, f16 or
+    bf16 (else f32), f32 for a weight quantized to int8 at load; for an array that belongs to a
+    quantized weight (`part_of`), the weight's array it is computed from; for a weight in a
+    GGUF block form (and its arrays), its blocks as the checkpoint stores them."""
     names = param.source.resolve(layer, checkpoint.__contains__)
     if param.quant not in (None, "s8"):
         return _read_blocks(param, checkpoint, names)
-    parts = [checkpoint.get(name) for name in names]
+    parts = [checkpoint.get(name, keep_dtype=True) for name in names]
+    if param.quant == "s8" or len({part.dtype for part in parts}) > 1 or parts[0].dtype not in KEPT_FLOATS:
+        parts = [part.astype(np.float32) if is_float_dtype(part.dtype) and part.dtype != np.float32 else part
+                 for part in parts]
     array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     for transform in param.source.transforms:
         array = transform(array)
