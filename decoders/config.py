@@ -12,10 +12,15 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyhlo.scribe import DOT_PRECISIONS
+
 
 class NotSupportedYet(ValueError):
     """A transformers-neuronx option pyhlo recognises but has not built yet."""
 
+
+# NeuronConfig.f32_matmul_precision: XLA's dot precisions, and "tf32" (XLA's "default").
+F32_MATMUL_PRECISIONS = (*DOT_PRECISIONS, "tf32")
 
 AMP_TYPES = {"f32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
              "f16": "f16", "float16": "f16"}
@@ -237,9 +242,9 @@ class NeuronConfig:
             raise ValueError(f"NeuronConfig.kv_cache_quant must be False, True or 's8' (int8 caches with a scale "
                              f"per slot and head), got {self.kv_cache_quant!r}")
         precision = self.f32_matmul_precision
-        if not isinstance(precision, str) or precision.lower() not in ("highest", "high", "default", "tf32"):
-            raise ValueError(f"NeuronConfig.f32_matmul_precision must be 'highest', 'high', 'default' or 'tf32', "
-                             f"got {precision!r}")
+        if not isinstance(precision, str) or precision.lower() not in F32_MATMUL_PRECISIONS:
+            raise ValueError("NeuronConfig.f32_matmul_precision must be one of "
+                             f"{', '.join(map(repr, F32_MATMUL_PRECISIONS))}, got {precision!r}")
         self.f32_matmul_precision = precision.lower()
         if self.cpu_kernels not in (None, True, False):
             raise ValueError(f"NeuronConfig.cpu_kernels must be None, True or False, got {self.cpu_kernels!r}")

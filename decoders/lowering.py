@@ -276,7 +276,11 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
     """
     wanted = neuron_config.cpu_kernels
     whole = neuron_config.whole_model_program
-    precision = neuron_config.f32_dot_precision
+    # What every lowering takes from the model's settings alike.
+    common = dict(tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
+                  shard_over_sequence=neuron_config.shard_over_sequence, quant=neuron_config.quant,
+                  gguf_blocks=gguf_blocks, kv_cache_quant=neuron_config.kv_cache_quant,
+                  f32_dot_precision=neuron_config.f32_dot_precision)
     if neuron_config.int8_activations and not gguf_blocks:
         raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their "
                          "blocks, and this model has none (a .gguf file with such tensors, tp_degree 1)")
@@ -289,20 +293,11 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
 
             return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole,
                                      kernel_rows=tuple(kernel_rows(backend).items()),
-                                     tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
-                                     shard_over_sequence=neuron_config.shard_over_sequence,
-                                     quant=neuron_config.quant, gguf_blocks=gguf_blocks,
-                                     kv_cache_quant=neuron_config.kv_cache_quant,
-                                     int8_activations=neuron_config.int8_activations,
-                                     f32_dot_precision=precision)
+                                     int8_activations=neuron_config.int8_activations, **common)
     if neuron_config.int8_activations:
         raise ValueError("NeuronConfig.int8_activations rounds activations inside pyhlo's CPU kernels, which this "
                          "model does not use: " + ("; ".join(_cpu_kernel_obstacles(neuron_config, backend, dtype))
                                                    or "cpu_kernels=False"))
-    common = dict(tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
-                  shard_over_sequence=neuron_config.shard_over_sequence, quant=neuron_config.quant,
-                  gguf_blocks=gguf_blocks, kv_cache_quant=neuron_config.kv_cache_quant,
-                  f32_dot_precision=precision)
     if getattr(backend, "platform", None) == "cuda":
         return gpu_lowering(neuron_config, dtype, common)
     layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)

@@ -74,6 +74,8 @@ class Generation:
         self.prompts = prompts
         self.no_repeat_ngram_size = no_repeat_ngram_size
         self.scores: list[np.ndarray] | None = [] if output_scores else None
+        # n-gram bans and scores need each step's logits on the host before the next step.
+        self.host_sees_logits = bool(no_repeat_ngram_size) or output_scores
         self.pads = prompts.pads()
         self.sampling_inputs: dict[str, Any] = {}
         self.k_max = k_max
@@ -91,7 +93,7 @@ class Generation:
         """A decode step of the tokens at `slot`; the next tokens, on the device. A greedy step
         with nothing to see on the host takes the decode program's own greedy tokens."""
         logits, greedy = self.session.decode(token_ids, slot, self.pads)
-        if greedy is not None and self.k_max is None and not self.no_repeat_ngram_size and self.scores is None:
+        if greedy is not None and self.k_max is None and not self.host_sees_logits:
             return greedy
         return self._next_tokens(logits, lines)
 
@@ -135,7 +137,7 @@ class Generation:
         # STEPS_IN_FLIGHT steps are launched before the oldest one's tokens are read back, so
         # the host's work (streamers, stopping criteria, launches) overlaps the device's. Steps
         # launched past the last token are dropped; they wrote only cache slots past the output.
-        depth = STEPS_IN_FLIGHT if not self.no_repeat_ngram_size and self.scores is None else 0
+        depth = 0 if self.host_sees_logits else STEPS_IN_FLIGHT
         launched = 1
         for _ in range(new_tokens):
             while len(pending) <= depth and launched < new_tokens:
