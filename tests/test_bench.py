@@ -7,47 +7,49 @@ import json
 import numpy as np
 import pytest
 
-from tools import bench, bench_peers, bench_report
+from tools.bench import command, cpu, device, machine, peers, rounds, stats, worker
+from tools.bench import report as bench_report
+from tools.bench import settings as bench_settings
 from tools.cli import main
 
 
 # -- statistics, ratios, roofline ------------------------------------------------------
 def test_summarize_gives_median_and_range():
-    s = bench_report.summarize([3.0, 1.0, 2.0, 10.0])
+    s = stats.summarize([3.0, 1.0, 2.0, 10.0])
     assert (s["median"], s["min"], s["max"], s["n"]) == (2.5, 1.0, 10.0, 4)
-    assert bench_report.summarize([]) is None
+    assert stats.summarize([]) is None
 
 
 def test_ratio_is_none_when_a_side_is_missing():
-    assert bench_report.ratio(6.0, 3.0) == 2.0
-    assert bench_report.ratio(None, 3.0) is None
-    assert bench_report.ratio(1.0, 0.0) is None
+    assert stats.ratio(6.0, 3.0) == 2.0
+    assert stats.ratio(None, 3.0) is None
+    assert stats.ratio(1.0, 0.0) is None
 
 
 def test_decode_metrics_leave_out_the_first_token():
     # 11 tokens in 1.1 s, the first after 0.1 s: 10 decode steps of 0.1 s each.
-    m = bench_report.decode_metrics(ttft_s=0.1, total_s=1.1, new_tokens=11, batch=4)
+    m = stats.decode_metrics(ttft_s=0.1, total_s=1.1, new_tokens=11, batch=4)
     assert m["ttft_ms"] == pytest.approx(100.0)
     assert m["ms_per_step"] == pytest.approx(100.0)
     assert m["tokens_per_s"] == pytest.approx(40.0)  # 4 lines x 10 tokens/s
     with pytest.raises(ValueError):
-        bench_report.decode_metrics(0.1, 0.2, new_tokens=1, batch=1)
+        stats.decode_metrics(0.1, 0.2, new_tokens=1, batch=1)
 
 
 def test_roofline_is_weights_over_bandwidth():
-    assert bench_report.roofline_ms(500e6, 50e9) == pytest.approx(10.0)
-    assert bench_report.roofline_fraction(500e6, 50e9, ms_per_step=20.0) == pytest.approx(0.5)
-    assert bench_report.roofline_fraction(500e6, None, ms_per_step=20.0) is None
+    assert stats.roofline_ms(500e6, 50e9) == pytest.approx(10.0)
+    assert stats.roofline_fraction(500e6, 50e9, ms_per_step=20.0) == pytest.approx(0.5)
+    assert stats.roofline_fraction(500e6, None, ms_per_step=20.0) is None
 
 
 def test_matching_prefix():
-    assert bench_report.matching_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert bench_report.matching_prefix([1, 2], [1, 2, 3]) == 2
+    assert stats.matching_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert stats.matching_prefix([1, 2], [1, 2, 3]) == 2
 
 
 def test_steps_are_grouped_by_the_bucket_they_ran_in():
     # Prompt of 2 tokens, buckets 4 and 8: steps attend over 3, 4 (bucket 4) then 5..8 (bucket 8).
-    rows = bench_report.bucket_rows([1.0, 1.0, 2.0, 2.0, 2.0, 4.0], prompt_length=2, buckets=[4, 8])
+    rows = stats.bucket_rows([1.0, 1.0, 2.0, 2.0, 2.0, 4.0], prompt_length=2, buckets=[4, 8])
     assert [(r["bucket"], r["ms_per_step"]["n"]) for r in rows] == [(4, 2), (8, 4)]
     assert rows[0]["ms_per_step"]["median"] == 1.0
     assert rows[0]["vs_largest"] == pytest.approx(2.0)
@@ -55,10 +57,10 @@ def test_steps_are_grouped_by_the_bucket_they_ran_in():
 
 
 def _row(engine, amp, batch, tokens_per_s, ttft_ms):
-    row = bench.new_row(engine, amp, batch)
-    row["decode_tokens_per_s"] = bench_report.summarize([tokens_per_s])
-    row["ttft_ms"] = bench_report.summarize([ttft_ms])
-    row["ms_per_step"] = bench_report.summarize([1e3 * batch / tokens_per_s])
+    row = rounds.new_row(engine, amp, batch)
+    row["decode_tokens_per_s"] = stats.summarize([tokens_per_s])
+    row["ttft_ms"] = stats.summarize([ttft_ms])
+    row["ms_per_step"] = stats.summarize([1e3 * batch / tokens_per_s])
     return row
 
 
@@ -74,7 +76,7 @@ def test_comparisons_pair_rows_of_the_same_precision_and_batch():
 
 def test_results_table_has_one_line_per_row_and_every_column():
     rows = [_row("pyhlo", "f32", 1, 60.0, 50.0), _row("hf", "f32", 1, 30.0, 100.0),
-            {**bench.new_row("llamacpp", "f32", 1), "status": "unavailable", "error": "not installed"}]
+            {**rounds.new_row("llamacpp", "f32", 1), "status": "unavailable", "error": "not installed"}]
     bench_report.add_comparisons(rows)
     lines = bench_report.results_table(rows).splitlines()
     assert [c.strip() for c in lines[0].strip("|").split("|")] == list(bench_report.TABLE_COLUMNS)
@@ -85,13 +87,13 @@ def test_results_table_has_one_line_per_row_and_every_column():
 
 
 def test_spread_shows_the_range_only_for_several_samples():
-    assert bench_report.spread(bench_report.summarize([2.0])) == "2.0"
-    assert bench_report.spread(bench_report.summarize([1.0, 2.0, 4.0])) == "2.0 (1.0–4.0)"
+    assert bench_report.spread(stats.summarize([2.0])) == "2.0"
+    assert bench_report.spread(stats.summarize([1.0, 2.0, 4.0])) == "2.0 (1.0–4.0)"
 
 
 def test_bf16_slower_than_f32_is_noted():
     rows = [_row("pyhlo", "f32", 1, 60.0, 50.0), _row("pyhlo", "bf16", 1, 20.0, 50.0)]
-    notes = bench.notes_for(rows, {"new_tokens": 128})
+    notes = bench_report.notes_for(rows, {"new_tokens": 128})
     assert any("3.00x slower in bf16" in n for n in notes)
 
 
@@ -108,7 +110,7 @@ def test_s8_rows_are_compared_at_their_own_precision():
 
 def test_s8_slower_than_f32_is_noted():
     rows = [_row("hf", "f32", 1, 30.0, 50.0), _row("hf", "s8", 1, 10.0, 50.0)]
-    notes = bench.notes_for(rows, {"new_tokens": 128})
+    notes = bench_report.notes_for(rows, {"new_tokens": 128})
     assert any("3.00x slower in s8" in n for n in notes)
 
 
@@ -127,22 +129,22 @@ def test_disagreeing_tokens_are_noted():
         row = _row("llamacpp", "f32", batch, 40.0, 10.0)
         row["agreement"] = {"reference": "pyhlo", "new_tokens": 128, "matching_new_tokens": [same] * batch}
         rows.append(row)
-    notes = bench.notes_for(rows, {"new_tokens": 128})
+    notes = bench_report.notes_for(rows, {"new_tokens": 128})
     assert len(notes) == 1 and "batch 4" in notes[0] and "batch 1 agrees for 128" in notes[0]
     rows[0]["agreement"]["matching_new_tokens"] = [3]
-    notes = bench.notes_for(rows, {"new_tokens": 128})
+    notes = bench_report.notes_for(rows, {"new_tokens": 128})
     assert len(notes) == 2 and all("are the weights the same" in n for n in notes)
 
 
 def test_a_llama_cpp_crash_on_an_amx_cpu_says_how_to_build_it_without_amx(monkeypatch):
-    row = {**bench.new_row("llamacpp", "gguf", 1), "status": "error",
+    row = {**rounds.new_row("llamacpp", "gguf", 1), "status": "error",
            "error": "llamacpp worker exited with code -11: see logs"}
-    monkeypatch.setattr(bench, "machine_info", lambda: {"cpu_flags": ["amx_int8", "avx512f"]})
-    notes = bench.notes_for([row], {"new_tokens": 128})
+    monkeypatch.setattr(bench_report, "machine_info", lambda: {"cpu_flags": ["amx_int8", "avx512f"]})
+    notes = bench_report.notes_for([row], {"new_tokens": 128})
     assert sum("-DGGML_AMX_INT8=OFF" in note for note in notes) == 1
     assert any("code -11" in note for note in notes)                    # the error itself, as ever
-    monkeypatch.setattr(bench, "machine_info", lambda: {"cpu_flags": ["avx2"]})
-    assert not any("AMX" in note for note in bench.notes_for([row], {"new_tokens": 128}))
+    monkeypatch.setattr(bench_report, "machine_info", lambda: {"cpu_flags": ["avx2"]})
+    assert not any("AMX" in note for note in bench_report.notes_for([row], {"new_tokens": 128}))
 
 
 # -- the pieces that touch models -------------------------------------------------------
@@ -150,7 +152,7 @@ def test_permute_rope_rows_undoes_the_loaders_unpermute():
     from decoders.checkpoints.gguf import unpermute_rope_rows
 
     weight = np.arange(6 * 8 * 3, dtype=np.float32).reshape(6 * 8, 3)
-    assert np.array_equal(bench_peers.permute_rope_rows(unpermute_rope_rows(weight, 6), 6), weight)
+    assert np.array_equal(peers.permute_rope_rows(unpermute_rope_rows(weight, 6), 6), weight)
 
 
 def test_weight_bytes_count_int8_layers_and_f32_scales(tiny_llama):
@@ -161,9 +163,9 @@ def test_weight_bytes_count_int8_layers_and_f32_scales(tiny_llama):
     norms, head = 2 * 64, 320 * 64  # per layer; the LM head (the embedding table is read by row)
     f32 = 2 * 4 * (linears + norms) + 4 * (64 + head)
     s8 = 2 * (linears + 4 * rows + 4 * norms) + 4 * (64 + head)
-    assert bench.weight_bytes(path, "f32", 256) == f32
-    assert bench.weight_bytes(path, "bf16", 256) == f32 // 2
-    assert bench.weight_bytes(path, "s8", 256) == s8
+    assert cpu.weight_bytes(path, "f32", 256) == f32
+    assert cpu.weight_bytes(path, "bf16", 256) == f32 // 2
+    assert cpu.weight_bytes(path, "s8", 256) == s8
 
 
 def write_source_gguf(model, path):
@@ -181,7 +183,7 @@ def tiny_q8_0(tiny_llama, tmp_path_factory):
     model, _ = tiny_llama("mha", "safetensors")
     directory = tmp_path_factory.mktemp("q8_0")
     source = write_source_gguf(model, directory / "tiny.gguf")
-    return source, bench_peers.peer_gguf(source, "s8", directory / "cache")
+    return source, peers.peer_gguf(source, "s8", directory / "cache")
 
 
 def test_q8_0_gguf_quantizes_the_layer_matrices_only(tiny_q8_0):
@@ -189,7 +191,7 @@ def test_q8_0_gguf_quantizes_the_layer_matrices_only(tiny_q8_0):
 
     source, target = tiny_q8_0
     assert target.name.endswith(".q8_0.gguf")
-    assert bench_peers.peer_gguf(source, "s8", target.parent) == target  # cached
+    assert peers.peer_gguf(source, "s8", target.parent) == target  # cached
     reader = gguf.GGUFReader(target)
     kinds = {t.name: t.tensor_type.name for t in reader.tensors}
     layer_matrices = {n for n in kinds if n.startswith("blk.") and not n.endswith("norm.weight")}
@@ -218,10 +220,10 @@ def test_q8_0_gguf_holds_the_source_weights(tiny_q8_0):
 
 
 def test_llama_cpp_runs_the_q8_0_gguf(tiny_q8_0):
-    if bench_peers.llamacpp_available():
-        pytest.skip(bench_peers.llamacpp_available())
+    if peers.llamacpp_available():
+        pytest.skip(peers.llamacpp_available())
     _, target = tiny_q8_0
-    runner = bench_peers.LlamaCppRunner(str(target), "s8", batch=2, threads=2, n_positions=64, prompt_tokens=5)
+    runner = peers.LlamaCppRunner(str(target), "s8", batch=2, threads=2, n_positions=64, prompt_tokens=5)
     try:
         record = runner.generate([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]], new_tokens=4)
     finally:
@@ -233,7 +235,7 @@ def test_hf_s8_quantizes_the_layers_not_the_lm_head(tiny_llama):
     import torch
 
     _, path = tiny_llama("mha", "safetensors")
-    runner = bench_peers.HFRunner(str(path), "s8", batch=1, threads=1)
+    runner = peers.HFRunner(str(path), "s8", batch=1, threads=1)
     assert "14 Linear modules" in runner.info["quantized"]  # q, k, v, o, gate, up, down in 2 layers
     assert type(runner.model.lm_head) is torch.nn.Linear
     assert len(runner.generate([[5, 6, 7]], new_tokens=3)["tokens"][0]) == 3
@@ -245,34 +247,35 @@ def test_a_workers_peak_rss_is_its_own():
     import sys
 
     ballast = np.ones(300 * 2**20 // 8)  # a 300 MB peak in this process
-    child = subprocess.run([sys.executable, "-c", "from tools.bench import peak_rss_bytes; print(peak_rss_bytes())"],
-                           capture_output=True, text=True, check=True, cwd=bench.ROOT)
+    child = subprocess.run([sys.executable, "-c",
+                            "from tools.bench.worker import peak_rss_bytes; print(peak_rss_bytes())"],
+                           capture_output=True, text=True, check=True, cwd=worker.ROOT)
     assert 0 < int(child.stdout) < ballast.nbytes // 2
 
 
 def test_bandwidth_probe_reports_a_positive_rate():
-    measured = bench.measure_bandwidth(array_mb=8, threads=2, repeats=2)
+    measured = machine.measure_bandwidth(array_mb=8, threads=2, repeats=2)
     assert measured["gb_per_s"] > 0 and len(measured["samples_gb_per_s"]) == 2
 
 
 def test_options_are_checked():
     parser = bench_parser()
     with pytest.raises(ValueError, match="--amp 'f64' is not one of f32, bf16, s8"):
-        bench.resolve_settings(parser.parse_args(["--amp", "f64"]))
+        bench_settings.resolve_settings(parser.parse_args(["--amp", "f64"]))
     with pytest.raises(ValueError, match="--amp 's4'"):
-        bench.resolve_settings(parser.parse_args(["--amp", "s8,s4"]))
-    assert bench.resolve_settings(parser.parse_args(["--amp", "s8, f32"]))["amps"] == ["s8", "f32"]
+        bench_settings.resolve_settings(parser.parse_args(["--amp", "s8,s4"]))
+    assert bench_settings.resolve_settings(parser.parse_args(["--amp", "s8, f32"]))["amps"] == ["s8", "f32"]
     with pytest.raises(ValueError, match="n-positions"):
-        bench.resolve_settings(parser.parse_args(["--prompt-tokens", "200", "--n-positions", "256"]))
-    quick = bench.resolve_settings(parser.parse_args(["--quick", "--repeats", "2"]))
-    assert quick["repeats"] == 2 and quick["new_tokens"] == bench.QUICK["new_tokens"]
+        bench_settings.resolve_settings(parser.parse_args(["--prompt-tokens", "200", "--n-positions", "256"]))
+    quick = bench_settings.resolve_settings(parser.parse_args(["--quick", "--repeats", "2"]))
+    assert quick["repeats"] == 2 and quick["new_tokens"] == bench_settings.QUICK["new_tokens"]
 
 
 def bench_parser():
     import argparse
 
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    command.add_arguments(parser)
     return parser
 
 
@@ -310,7 +313,7 @@ def test_quick_run_writes_table_json_and_chart(tiny_llama, tmp_path, capsys):
 
 
 def test_the_serving_table_puts_pyhlo_beside_llama_cpp():
-    from tools.bench_serve import table
+    from tools.bench.serve import table
 
     rows = [{"engine": engine, "clients": clients, "requests": 8, "tokens": 512, "seconds": 4.0,
              "tokens_per_s": rate, "ttft_p50_ms": 50.0, "ttft_p95_ms": 90.0}
@@ -321,7 +324,7 @@ def test_the_serving_table_puts_pyhlo_beside_llama_cpp():
 
 
 def test_the_speculative_table_gives_each_prompt_and_the_median():
-    from tools.bench_speculative import table
+    from tools.bench.speculative import table
 
     prompts = [{"prompt_tokens": 30, "new_tokens": 128, "target_tokens_per_s": 20.0, "speculative_tokens_per_s": 30.0,
                 "same_tokens": True, "target_calls": 40, "acceptance_rate": 0.75},
@@ -356,13 +359,11 @@ def device_run(tmp_path_factory):
 
 
 def test_device_run_has_a_row_of_positive_numbers_per_engine_and_batch(device_run):
-    from tools import bench_device_report
-
     code, printed, report, out = device_run
     assert code == 0
     header = next(line for line in printed.splitlines() if line.startswith("| engine"))
-    assert [c.strip() for c in header.strip("|").split("|")] == list(bench_device_report.TABLE_COLUMNS)
-    assert report["schema"] == bench_device_report.SCHEMA
+    assert [c.strip() for c in header.strip("|").split("|")] == list(bench_report.DEVICE_TABLE_COLUMNS)
+    assert report["schema"] == bench_report.DEVICE_SCHEMA
     assert [(r["engine"], r["amp"], r["batch"]) for r in report["results"]] == [
         (engine, "f32", batch) for batch in (1, 2) for engine in DEVICE_ENGINES]
     for row in report["results"]:
@@ -393,9 +394,7 @@ def test_device_run_engines_agree_on_every_greedy_token_in_f32(device_run):
 
 
 def test_device_cuda_without_a_gpu_fails_at_once_naming_what_to_install(tmp_path, capsys):
-    from tools import device_probe
-
-    if device_probe.torch_cuda_problem() is None and device_probe.jax_cuda_problem(str(bench.ROOT)) is None:
+    if machine.torch_cuda_problem() is None and machine.jax_cuda_problem(str(worker.ROOT)) is None:
         pytest.skip("torch and jax both see a CUDA GPU here")
     out = tmp_path / "results"
     assert main(["bench", "--device", "cuda", "--random-model", "tiny", "--out", str(out)]) == 2
@@ -406,27 +405,23 @@ def test_device_cuda_without_a_gpu_fails_at_once_naming_what_to_install(tmp_path
 
 
 def test_device_floor_counts_the_bytes_pyhlo_declares(tiny_llama):
-    from tools import bench_device
-
     for variant in ("mha", "gqa_tied_llama3"):                 # separate LM head; LM head tied to the embedding
         _, path = tiny_llama(variant, "safetensors")
-        assert bench_device.weight_bytes(path, "f32") == bench.weight_bytes(path, "f32", 256), variant
-        assert bench_device.weight_bytes(path, "bf16") * 2 == bench_device.weight_bytes(path, "f32")
+        assert device.weight_bytes(path, "f32") == cpu.weight_bytes(path, "f32", 256), variant
+        assert device.weight_bytes(path, "bf16") * 2 == device.weight_bytes(path, "f32")
 
 
 def test_device_options_have_their_own_defaults_and_checks():
-    from tools import bench_device
-
     parser = bench_parser()
-    settings = bench_device.resolve_settings(parser.parse_args(["--device", "cuda"]))
+    settings = device.resolve_settings(parser.parse_args(["--device", "cuda"]))
     assert (settings["amps"], settings["batches"], settings["n_positions"]) == (["bf16"], [1, 8], 256)
     assert settings["device"] == "cuda" and not settings["buckets"]
-    assert bench_device.resolve_settings(parser.parse_args(["--device", "cpu"]))["amps"] == ["f32"]
+    assert device.resolve_settings(parser.parse_args(["--device", "cpu"]))["amps"] == ["f32"]
     with pytest.raises(ValueError, match="not 's8'"):
-        bench_device.resolve_settings(parser.parse_args(["--device", "cpu", "--amp", "s8"]))
+        device.resolve_settings(parser.parse_args(["--device", "cpu", "--amp", "s8"]))
     with pytest.raises(ValueError, match="not 'llamacpp'"):
-        bench_device.resolve_engines("pyhlo,llamacpp")
+        device.resolve_engines("pyhlo,llamacpp")
     with pytest.raises(ValueError, match="not both"):
-        bench_device.resolve_model(parser.parse_args(["--device", "cpu", "--model", "m", "--random-model", "tiny"]))
+        device.resolve_model(parser.parse_args(["--device", "cpu", "--model", "m", "--random-model", "tiny"]))
     with pytest.raises(ValueError, match="add --device"):
-        bench.run(parser.parse_args(["--random-model", "tiny"]))
+        command.run(parser.parse_args(["--random-model", "tiny"]))

@@ -9,7 +9,7 @@ import sys
 COMMANDS = {
     "generate": ("tools.generate", "generate text with a model (default: SmolLM2-135M-Instruct)"),
     "inspect": ("tools.inspect_hlo", "show what was built: HLO text, op counts, shapes, cost, graphs"),
-    "bench": ("tools.bench", "measure speed and memory against HF transformers (and llama.cpp)"),
+    "bench": ("tools.bench.command", "measure speed and memory against HF transformers (and llama.cpp)"),
     "serve": ("tools.serve", "serve a model over an OpenAI-compatible HTTP API (continuous batching)"),
     "compile": ("tools.compile_neuron", "write a model's programs (.pb) and the neuronx-cc commands that "
                                         "compile them for trn1, inf2 or trn2"),

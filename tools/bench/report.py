@@ -1,26 +1,36 @@
-"""Numbers and output of `pyhlo bench`: statistics, ratios, roofline, markdown, JSON, PNG.
+"""The reports of `pyhlo bench` and `pyhlo bench --device`: one assembly for both, then
+markdown, JSON and (CPU) a PNG.
 
-Everything here is pure (no timing, no models), so it is tested on made-up numbers.
-A result row is a dict with these keys (JSON schema `pyhlo-bench/1`):
+Pure over the rows the runs measured (no timing, no models), so it is tested on made-up rows.
+A result row is a dict with these keys (rounds.new_row):
 
-    engine, amp ("f32" | "bf16" | "s8"), batch, status ("ok" | "unavailable" | "error"), error,
-    ttft_ms, decode_tokens_per_s, ms_per_step     summaries: {median, min, max, n, samples}
+    engine, amp ("f32" | "bf16" | "s8" | "gguf" | "gguf-x8"), batch, status ("ok" | "unavailable" | "error"),
+    error, ttft_ms, decode_tokens_per_s, ms_per_step     summaries: {median, min, max, n, samples}
     load_s, compile_cold_s, compile_warm_s, peak_rss_mb, cold_peak_rss_mb, rss_mb
     roofline_fraction, vs ({peer: decode ratio}), ttft_vs ({peer: TTFT ratio}),
     agreement ({reference, matching_new_tokens: [per line], new_tokens}),
     other_cpu_fraction ([per sample: share of the CPUs other processes took]), disturbed_samples, info,
     warmup_s (the warm-up generation's wall time), total_s (summary of the measured generations' wall time),
     tokens (the warm-up generation's new token ids, per line)
+
+The device benchmark's rows add `compile_s`, and their `roofline_fraction` is measured against
+the device's floor. The two reports (JSON schemas `pyhlo-bench/1` and `pyhlo-bench-device/1`)
+differ in their per-precision weight section: `roofline` (least ms per step, most tokens/s) for
+the CPU, `floor` (floor ms) for a device; the CPU report adds `buckets`.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import pathlib
-import statistics
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Sequence
+
+from tools.bench.machine import DISTURBED, RETRIES, machine_info
+from tools.bench.stats import median_of, ratio, roofline_fraction, roofline_ms
 
 SCHEMA = "pyhlo-bench/1"
+DEVICE_SCHEMA = "pyhlo-bench-device/1"
 ENGINE_LABELS = {"pyhlo": "pyhlo", "hf": "HF transformers", "hf-compiled": "HF static cache + torch.compile",
                  "llamacpp": "llama.cpp"}
 PEERS = ("hf", "hf-compiled", "llamacpp")
@@ -28,8 +38,14 @@ TABLE_COLUMNS = (
     "engine", "amp", "batch", "TTFT ms", "decode tok/s", "ms/step", "roofline",
     "vs HF", "vs llama.cpp", "load s", "peak RSS MB", "same tokens",
 )
+DEVICE_TABLE_COLUMNS = ("engine", "amp", "batch", "TTFT ms", "decode tok/s", "ms/step", "% of floor",
+                        "compile s", "same tokens")
+# The peers pyhlo's decode speed is given against in the device report, in its order.
+DEVICE_RATIO_PEERS = ("hf-compiled", "hf")
 BUCKET_COLUMNS = ("amp", "batch", "bucket", "steps", "ms/step", "vs largest bucket")
 COMPILE_COLUMNS = ("amp", "batch", "cold to_neuron s", "warm to_neuron s", "cold peak RSS MB")
+# Leading greedy tokens two engines must share in f32 before we call the weights the same.
+AGREEMENT_TOKENS = 16
 # What a precision means for each engine, where the name alone does not say it.
 AMP_NOTES = {
     "s8": "s8: int8 weights for the decoder layers' linear products, embeddings, LM head and norms f32 "
@@ -46,63 +62,7 @@ AMP_NOTES = {
 }
 
 
-# -- statistics ------------------------------------------------------------------
-def summarize(values: Iterable[float]) -> dict | None:
-    """Median, min and max of the samples (None when there are none)."""
-    samples = [float(v) for v in values]
-    if not samples:
-        return None
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples),
-            "n": len(samples), "samples": samples}
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """numerator / denominator, or None when either is missing or the denominator is 0."""
-    if numerator is None or denominator is None or denominator == 0:
-        return None
-    return numerator / denominator
-
-
-def median_of(summary: dict | None) -> float | None:
-    return None if summary is None else summary["median"]
-
-
-def decode_metrics(ttft_s: float, total_s: float, new_tokens: int, batch: int) -> dict:
-    """One generation's speed: decode is everything after the first token.
-
-    ms_per_step: (total - ttft) / (new_tokens - 1); tokens_per_s adds up the batch lines.
-    """
-    if new_tokens < 2:
-        raise ValueError(f"decode speed needs at least 2 new tokens, got {new_tokens}")
-    step_s = (total_s - ttft_s) / (new_tokens - 1)
-    return {"ttft_ms": ttft_s * 1e3, "ms_per_step": step_s * 1e3,
-            "tokens_per_s": batch / step_s if step_s > 0 else math.inf}
-
-
-def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two sequences share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-# -- roofline ----------------------------------------------------------------------
-def roofline_ms(weight_bytes: float, bandwidth_bytes_per_s: float) -> float:
-    """The least time a decode step can take: every weight read once from memory."""
-    return weight_bytes / bandwidth_bytes_per_s * 1e3
-
-
-def roofline_fraction(weight_bytes: float, bandwidth_bytes_per_s: float | None,
-                      ms_per_step: float | None) -> float | None:
-    """Share of the memory-bandwidth bound reached: roofline ms / measured ms per step."""
-    if not bandwidth_bytes_per_s or not ms_per_step:
-        return None
-    return roofline_ms(weight_bytes, bandwidth_bytes_per_s) / ms_per_step
-
-
+# -- rows against each other -------------------------------------------------------
 def add_roofline_fractions(rows: list[dict], weight_bytes: dict[str, float], bandwidth_bytes_per_s: float) -> None:
     """Fill each ok row's `roofline_fraction` from its amp's weight bytes (weight_bytes[amp])
     and its median ms per step."""
@@ -129,26 +89,111 @@ def add_comparisons(rows: list[dict]) -> None:
                                     median_of(other["decode_tokens_per_s"]))
             row["ttft_vs"][peer] = ratio(median_of(row["ttft_ms"]), median_of(other["ttft_ms"]))
 
+# -- the report's dict -----------------------------------------------------------------
+def roofline_entry(weight_bytes: int, bandwidth_bytes_per_s: float) -> dict:
+    """The CPU report's line for one precision: the least ms a decode step can take."""
+    least = roofline_ms(weight_bytes, bandwidth_bytes_per_s)
+    return {"weight_bytes": weight_bytes, "min_ms_per_step": least, "max_tokens_per_s_batch1": 1e3 / least}
 
-def bucket_rows(step_ms: Sequence[float], prompt_length: int, buckets: Sequence[int]) -> list[dict]:
-    """Group per-step decode times by the token bucket each step ran in.
 
-    step_ms[j] is the time between new tokens j and j + 1 (from 0): that step fed token j
-    to the model with prompt_length + j + 1 tokens in the cache, so it ran in the bucket
-    pick(buckets, prompt_length + j + 1).
-    """
-    import bisect
+def floor_entry(weight_bytes: int, bandwidth_bytes_per_s: float) -> dict:
+    """The device report's line for one precision: the floor ms of a decode step."""
+    return {"weight_bytes": weight_bytes, "floor_ms": roofline_ms(weight_bytes, bandwidth_bytes_per_s)}
 
-    grouped: dict[int, list[float]] = {b: [] for b in buckets}
-    for j, ms in enumerate(step_ms):
-        i = bisect.bisect_left(buckets, prompt_length + j + 1)
-        if i < len(buckets):
-            grouped[buckets[i]].append(ms)
-    rows = [{"bucket": b, "ms_per_step": summarize(v)} for b, v in grouped.items() if v]
-    largest = rows[-1]["ms_per_step"]["median"] if rows else None
-    for row in rows:
-        row["vs_largest"] = ratio(largest, row["ms_per_step"]["median"])
-    return rows
+
+# Per schema: the name of the per-precision weight section, and its entries.
+WEIGHT_SECTIONS: dict[str, tuple[str, Callable[[int, float], dict]]] = {
+    SCHEMA: ("roofline", roofline_entry), DEVICE_SCHEMA: ("floor", floor_entry)}
+
+
+def assemble(schema: str, machine: dict, workload: dict, bandwidth: dict, weight_bytes: dict[str, int],
+             results: list[dict], other_load: list[dict], settings: dict, notes: Sequence[str] = (),
+             buckets: list[dict] | None = None) -> dict:
+    """A run's report: each ok row's share of the bandwidth floor and its ratios to the peers filled
+    in, the weight section of `schema`, and the notes a reader should not miss after `notes`.
+    `weight_bytes[amp]`: bytes a decode step reads; `buckets`: the CPU run's bucket rows."""
+    bytes_per_s = bandwidth["gb_per_s"] * 1e9
+    section, entry = WEIGHT_SECTIONS[schema]
+    add_roofline_fractions(results, weight_bytes, bytes_per_s)
+    add_comparisons(results)
+    report = {
+        "schema": schema,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine,
+        "workload": workload,
+        "bandwidth": bandwidth,
+        section: {amp: entry(size, bytes_per_s) for amp, size in weight_bytes.items()},
+        "results": results,
+    }
+    if buckets is not None:
+        report["buckets"] = buckets
+    report["other_load"] = other_load
+    report["notes"] = [*notes, *notes_for(results, settings), *busy_notes(other_load)]
+    return report
+
+
+# -- notes -------------------------------------------------------------------------------
+LLAMACPP_WITHOUT_AMX = ("CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+                        "-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+                        "-DGGML_AMX_BF16=OFF\" pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python")
+
+
+def notes_for(results: list[dict], settings: dict) -> list[str]:
+    """Things a reader should not miss: disagreeing tokens, precisions slower than expected."""
+    notes = []
+    need = min(AGREEMENT_TOKENS, settings["new_tokens"])
+    by_key = {(r["engine"], r["amp"], r["batch"]): r for r in results if r["status"] == "ok"}
+
+    def agreeing(row: dict | None) -> int | None:
+        return min(row["agreement"]["matching_new_tokens"]) if row and row.get("agreement") else None
+
+    for (engine, amp, batch), row in by_key.items():
+        same = agreeing(row)
+        if amp != "f32" or same is None or same >= need:
+            continue
+        label = ENGINE_LABELS.get(engine, engine)
+        single = agreeing(by_key.get((engine, amp, 1)))
+        if batch > 1 and single is not None and single >= need:
+            notes.append(f"{label} f32 batch {batch}: greedy tokens part from pyhlo's after {same} (worst line) "
+                         f"while batch 1 agrees for {single}: its batched kernels round differently and a "
+                         "near-tie flips")
+        else:
+            notes.append(f"{label} f32 batch {batch}: only {same} leading greedy tokens equal pyhlo's "
+                         f"(expected >= {need}); are the weights the same?")
+    fewer_bytes = {"bf16": "half the weight bytes", "s8": "int8 layer weights"}
+    for (engine, amp, batch), row in by_key.items():
+        f32 = by_key.get((engine, "f32", batch))
+        if amp in fewer_bytes and f32 is not None:
+            fast = median_of(f32["decode_tokens_per_s"])
+            slow = median_of(row["decode_tokens_per_s"])
+            if fast and slow and slow < 0.9 * fast:
+                notes.append(f"{ENGINE_LABELS.get(engine, engine)} batch {batch}: {amp} decodes at "
+                             f"{slow:.1f} tok/s, f32 at {fast:.1f} tok/s ({fast / slow:.2f}x slower in {amp}, "
+                             f"although it reads {fewer_bytes[amp]})")
+    crashed = [r for r in results if r["engine"] == "llamacpp" and "code -11" in str(r.get("error", ""))]
+    if crashed and "amx_int8" in machine_info().get("cpu_flags", ()):
+        notes.append("llama.cpp crashed (SIGSEGV) on this CPU: a llama-cpp-python built with -march=native runs "
+                     "its AMX int8 kernels for prompts of 2 or more tokens, and they fault here. Build it without "
+                     "them: " + LLAMACPP_WITHOUT_AMX)
+    for row in results:
+        if row.get("disturbed_samples"):
+            notes.append(f"{ENGINE_LABELS.get(row['engine'], row['engine'])} {row['amp']} batch "
+                         f"{row['batch']}: {row['disturbed_samples']} of {len(row['other_cpu_fraction'])} samples ran "
+                         f"while other processes took over {DISTURBED:.0%} of the CPUs (after {RETRIES} retries)")
+        if (row.get("roofline_fraction") or 0) > 1.0:
+            notes.append(f"{ENGINE_LABELS.get(row['engine'], row['engine'])} {row['amp']} batch "
+                         f"{row['batch']} beats the roofline ({row['roofline_fraction'] * 100:.0f}%): the "
+                         "bandwidth probes read slower than the engine did")
+    for row in results:
+        if row["status"] != "ok":
+            notes.append(f"{row['engine']} {row['amp']} batch {row['batch']}: {row['status']}: {row['error']}")
+    return notes
+
+
+def busy_notes(busy: list[dict]) -> list[str]:
+    """Configurations whose generations started while other processes kept the CPUs busy."""
+    return [f"{b['amp']} batch {b['batch']}: {b['busy_starts']} generations started while other processes "
+            f"kept the CPUs busy (after waiting --quiet-wait seconds)" for b in busy if b["busy_starts"]]
 
 
 # -- formatting --------------------------------------------------------------------
@@ -189,22 +234,38 @@ def agreement_cell(row: dict) -> str:
     return f"{min(agreement['matching_new_tokens'])}/{agreement['new_tokens']}"
 
 
-def results_table(rows: Sequence[dict]) -> str:
-    cells = []
+def rows_table(columns: Sequence[str], rows: Sequence[dict], cells: Callable[[dict], list]) -> str:
+    """One line per row: engine, amp and batch, then `cells(row)` for an ok row, or its status and
+    error across the rest for one that did not run."""
+    lines = []
     for row in rows:
         label = ENGINE_LABELS.get(row["engine"], row["engine"])
         if row.get("status") != "ok":
             reason = row.get("error") or row.get("status")
-            cells.append([label, row["amp"], row["batch"], f"{row.get('status')}: {reason}"]
-                         + ["–"] * (len(TABLE_COLUMNS) - 4))
-            continue
-        cells.append([
-            label, row["amp"], row["batch"], spread(row["ttft_ms"]), spread(row["decode_tokens_per_s"]),
-            spread(row["ms_per_step"], 2), _percent(row.get("roofline_fraction")),
-            _times(row["vs"].get("hf")), _times(row["vs"].get("llamacpp")), _num(row.get("load_s")),
-            _num(row.get("peak_rss_mb"), 0), agreement_cell(row),
-        ])
-    return markdown_table(TABLE_COLUMNS, cells)
+            lines.append([label, row["amp"], row["batch"], f"{row.get('status')}: {reason}"]
+                         + ["–"] * (len(columns) - 4))
+        else:
+            lines.append([label, row["amp"], row["batch"], *cells(row)])
+    return markdown_table(columns, lines)
+
+
+def results_table(rows: Sequence[dict]) -> str:
+    """The CPU report's table: speed, roofline share, ratios to HF and llama.cpp, load, memory."""
+    return rows_table(TABLE_COLUMNS, rows, lambda row: [
+        spread(row["ttft_ms"]), spread(row["decode_tokens_per_s"]),
+        spread(row["ms_per_step"], 2), _percent(row.get("roofline_fraction")),
+        _times(row["vs"].get("hf")), _times(row["vs"].get("llamacpp")), _num(row.get("load_s")),
+        _num(row.get("peak_rss_mb"), 0), agreement_cell(row),
+    ])
+
+
+def device_results_table(rows: Sequence[dict]) -> str:
+    """The device report's table: speed, share of the floor, compile seconds."""
+    compile_s = lambda row: "–" if row.get("compile_s") is None else f"{row['compile_s']:.1f}"  # noqa: E731
+    return rows_table(DEVICE_TABLE_COLUMNS, rows, lambda row: [
+        spread(row["ttft_ms"]), spread(row["decode_tokens_per_s"]), spread(row["ms_per_step"], 2),
+        _percent(row.get("roofline_fraction")), compile_s(row), agreement_cell(row),
+    ])
 
 
 def bucket_table(buckets: Sequence[dict]) -> str:
@@ -296,6 +357,58 @@ def report_markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def device_ratio_lines(rows: Sequence[dict]) -> list[str]:
+    """pyhlo's decode tok/s over each peer's, per precision and batch size."""
+    lines = []
+    ours = [r for r in rows if r["engine"] == "pyhlo" and r.get("status") == "ok"]
+    for peer in DEVICE_RATIO_PEERS:
+        pairs = [f"{r['amp']} batch {r['batch']} {r['vs'][peer]:.2f}×" for r in ours if r["vs"].get(peer)]
+        if pairs:
+            lines.append(f"- decode tok/s, pyhlo ÷ {ENGINE_LABELS[peer]}: {', '.join(pairs)}")
+    return lines
+
+
+def device_line(machine: dict) -> str:
+    cores = f"{machine.get('cores', '?')} logical cores"
+    if machine["device"] == "cpu":
+        return f"CPU {machine['device_name']}, {cores}"
+    return f"{machine['device_name']} ({machine['device']}); host CPU {machine.get('cpu', '?')}, {cores}"
+
+
+def device_report_markdown(report: dict) -> str:
+    """The whole device report as markdown (what `pyhlo bench --device` prints)."""
+    w, m, bw = report["workload"], report["machine"], report["bandwidth"]
+    versions = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items())
+    out = [
+        f"# pyhlo bench --device {w['device']}",
+        "",
+        f"Model {w['model']}; prompt {w['prompt_tokens']} random token ids, {w['new_tokens']} new tokens (greedy, "
+        f"EOS ignored); n_positions {w['n_positions']}; measured rounds: {w['repeats']} after a warm-up, engines "
+        "taking turns.",
+        "",
+        f"- device: {device_line(m)}",
+        f"- versions: {versions}",
+        f"- bandwidth: {bw['gb_per_s']:,.1f} GB/s ({bw['method']}, median of {len(bw['samples_gb_per_s'])} passes "
+        f"over {bw['array_mb']:,.0f} MB)",
+    ]
+    for amp, floor in report["floor"].items():
+        out.append(f"- floor {amp}: {floor['weight_bytes'] / 1e6:,.1f} MB of weights read once per decode step -> "
+                   f"{floor['floor_ms']:.3f} ms per step ({1e3 / floor['floor_ms']:,.0f} steps/s)")
+    out += device_ratio_lines(report["results"])
+    out += [
+        "",
+        "median (min–max). TTFT: prefill of the prompt and the first token. decode tok/s: (new tokens − 1) / "
+        "(total − TTFT), summed over the batch lines. % of floor: floor ms / measured ms per step. compile s: "
+        "pyhlo's from_pretrained + to_neuron() into an empty compile cache; hf-compiled: the warm-up generation's "
+        "time over a measured one's. same tokens: leading greedy tokens equal to pyhlo's (worst line).",
+        "",
+        device_results_table(report["results"]),
+    ]
+    if report.get("notes"):
+        out += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(out) + "\n"
+
+
 # -- files -------------------------------------------------------------------------
 def write_json(report: dict, path: pathlib.Path) -> None:
     path.write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
@@ -373,11 +486,23 @@ def write_png(report: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+# Per schema: the files a report is written to.
+FILES = {SCHEMA: {"json": "bench.json", "md": "bench.md", "png": "bench.png"},
+         DEVICE_SCHEMA: {"json": "bench_device.json", "md": "bench_device.md"}}
+
+
 def write_all(report: dict, directory: pathlib.Path) -> dict[str, pathlib.Path]:
-    """bench.json, bench.md and bench.png in `directory`; returns their paths."""
+    """The report's files in `directory` (CPU: bench.json, bench.md and bench.png; device:
+    bench_device.json and bench_device.md); returns their paths."""
     directory.mkdir(parents=True, exist_ok=True)
-    paths = {"json": directory / "bench.json", "md": directory / "bench.md", "png": directory / "bench.png"}
+    paths = {kind: directory / name for kind, name in FILES[report["schema"]].items()}
     write_json(report, paths["json"])
-    paths["md"].write_text(report_markdown(report))
-    write_png(report, paths["png"])
+    paths["md"].write_text(markdown(report))
+    if "png" in paths:
+        write_png(report, paths["png"])
     return paths
+
+
+def markdown(report: dict) -> str:
+    """The report as markdown, in its schema's form."""
+    return device_report_markdown(report) if report["schema"] == DEVICE_SCHEMA else report_markdown(report)

@@ -9,7 +9,9 @@ tokenizer) and the median and 95th percentile of the time to first token.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import os
 import socket
 import statistics
@@ -17,6 +19,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tools.bench.machine import machine_info
+from tools.bench.settings import default_or_given_model, resolve_engines
 
 TOPICS = ["the sea", "a cat", "winter", "coffee", "the moon", "trains", "music", "bread", "rain", "a garden",
           "mountains", "a library", "fire", "the desert", "bees", "a clock", "rivers", "a lighthouse", "snow",
@@ -56,7 +61,7 @@ def start(engine: str, model: Path, lines: int, context: int, threads: int, log:
                    "--n_batch", "512", "--interrupt_requests", "False"]
     log.parent.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               cwd=Path(__file__).resolve().parents[1], env=dict(os.environ))
+                               cwd=Path(__file__).resolve().parents[2], env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(base, process, timeout=600)
@@ -136,3 +141,25 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['engine']} | {r['clients']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
                      f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | {ratio} |")
     return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`pyhlo bench --serve`: measure, print the table, write serve.md and serve.json."""
+    model_path = default_or_given_model(args)
+    if model_path.suffix != ".gguf":
+        raise ValueError("--serve compares with llama.cpp's server, which reads .gguf models: give a .gguf --model")
+    engines, unavailable = resolve_engines(args.engines or "pyhlo,llamacpp")
+    engines = [e for e in engines if e != "hf" and e not in unavailable]
+    out = Path(args.out)
+    rows = measure(model_path, engines, [1, 4, 8], args.serve_requests, args.new_tokens or 64, args.threads, out)
+    info = machine_info()
+    text = (f"Serving: {model_path.name} as stored, {args.serve_requests} chat requests per level, "
+            f"max_tokens {args.new_tokens or 64}, greedy, streamed; pyhlo serve with 8 lines; "
+            f"CPU {info.get('cpu')}, {args.threads} threads\n\n" + table(rows))
+    for engine, why in unavailable.items():
+        text += f"\n\n{engine} left out: {why}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.md").write_text(text + "\n")
+    (out / "serve.json").write_text(json.dumps(rows, indent=1))
+    print(text)
+    return 0

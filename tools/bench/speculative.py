@@ -10,10 +10,15 @@ each speculative output equals the target's token for token (it must: greedy).
 """
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from tools.bench.machine import machine_info
+from tools.bench.settings import default_or_given_model
 
 QUESTIONS = ["Write a short story about a lighthouse keeper.",
              "Explain how a bicycle works to a child.",
@@ -89,3 +94,24 @@ def table(result: dict) -> str:
                  f"{result['speed_up']:.2f}x | {result['acceptance_rate']:.2f} | "
                  f"{'yes' if result['all_same_tokens'] else 'NO'} |")
     return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`pyhlo bench --speculative K`: measure, print the table, write speculative.md and .json."""
+    model_path = default_or_given_model(args)
+    if model_path.suffix != ".gguf":
+        raise ValueError("--speculative drafts with the model's GGUF blocks as stored: give a .gguf --model")
+    if args.speculative < 1:
+        raise ValueError(f"--speculative K needs K >= 1, got {args.speculative}")
+    result = measure(model_path, args.speculative, args.new_tokens or 128)
+    info = machine_info()
+    text = (f"Speculative decoding: target {model_path.name} widened to f32, draft the same file's blocks as "
+            f"stored, k={result['k']}, greedy, {result['new_tokens']} new tokens; "
+            f"{result['tokens_per_target_call']:.2f} tokens per target call; "
+            f"CPU {info.get('cpu')}, {args.threads} threads\n\n" + table(result))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculative.md").write_text(text + "\n")
+    (out / "speculative.json").write_text(json.dumps(result, indent=1))
+    print(text)
+    return 0 if result["all_same_tokens"] else 1

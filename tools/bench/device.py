@@ -1,7 +1,7 @@
 """`pyhlo bench --device cpu|cuda`: pyhlo against HF transformers on one device, and the share
 of the memory-bandwidth floor each reaches.
 
-Engines, each in a worker process of its own, taking turns as in `pyhlo bench` (tools/bench.py):
+Engines, each in a worker process of its own, taking turns as in `pyhlo bench` (rounds.py):
 
   pyhlo        the family's *ForSampling on the device (its worker runs with PYHLO_PLATFORM set
                to the device), greedy sample()
@@ -15,7 +15,7 @@ Per precision and batch size, median of --repeats rounds after a warm-up generat
   decode tok/s  (new tokens - 1) / (total - TTFT), added up over the batch lines
   % of floor    the floor is the time a decode step needs to read every weight once at the
                 device's measured bandwidth (a GPU: a 1 GiB device-to-device torch copy, bytes
-                read + written per second; a CPU: tools.bench's read probes); floor ms = weight
+                read + written per second; a CPU: the read probes of machine.py); floor ms = weight
                 bytes / bandwidth, % of floor = floor ms / measured ms per step
   compile s     pyhlo: from_pretrained + to_neuron() into an empty compile cache (every program
                 compiled); hf-compiled: the warm-up generation's time over a measured one's
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
 import pathlib
 import shutil
@@ -50,7 +49,11 @@ import tempfile
 
 import numpy as np
 
-from tools import bench, bench_device_report, bench_report, device_probe
+from tools.bench import machine, report
+from tools.bench.rounds import measure_config
+from tools.bench.settings import DEFAULTS, QUICK
+from tools.bench.settings import resolve_settings as resolve_common_settings
+from tools.bench.worker import ROOT
 from tools.random_checkpoint import random_checkpoint
 
 ENGINES = ("pyhlo", "hf", "hf-compiled")
@@ -63,16 +66,16 @@ PROMPT_SEED = 0
 
 
 def resolve_settings(args: argparse.Namespace) -> dict:
-    """tools.bench's settings with this benchmark's defaults: amp by device, batch sizes 1 and 8,
+    """The CPU benchmark's settings with this benchmark's defaults: amp by device, batch sizes 1 and 8,
     n_positions just long enough for the prompt and the new tokens; no bucket run."""
     device = args.device
     given = copy.copy(args)
     given.amp = args.amp or DEFAULT_AMP[device]
     given.batch = args.batch or (None if args.quick else DEFAULT_BATCHES)
-    base = bench.QUICK if args.quick else bench.DEFAULTS
+    base = QUICK if args.quick else DEFAULTS
     longest = (args.prompt_tokens or base["prompt_tokens"]) + (args.new_tokens or base["new_tokens"])
     given.n_positions = args.n_positions or longest
-    settings = bench.resolve_settings(given)
+    settings = resolve_common_settings(given)
     for amp in settings["amps"]:
         if amp not in AMPS:
             raise ValueError(f"--device runs --amp {', '.join(AMPS)}, not {amp!r}")
@@ -146,8 +149,9 @@ def compile_seconds(row: dict) -> float | None:
     return None
 
 
-def machine(device: str) -> dict:
-    info = {"device": device, "device_name": device_probe.device_name(device), **bench.machine_info()}
+def machine_of(device: str) -> dict:
+    """machine_info() with the device and its name."""
+    info = {"device": device, "device_name": machine.device_name(device), **machine.machine_info()}
     if device == "cuda":
         import torch
 
@@ -156,18 +160,19 @@ def machine(device: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Measure every precision and batch size on the device; print the report and write its files."""
     device = args.device
     settings = resolve_settings(args)
     engines = resolve_engines(args.engines)
-    device_probe.check_device(device, str(bench.ROOT))
+    machine.check_device(device, str(ROOT))
     model_path, model_name = resolve_model(args)
     out = pathlib.Path(args.out)
     logs = out / "logs"
     print(f"measuring {device} memory bandwidth ...", file=sys.stderr)
-    bandwidth = device_probe.measure_device_bandwidth(device, settings["threads"], settings["bandwidth_mb"])
+    bandwidth = machine.measure_device_bandwidth(device, settings["threads"], settings["bandwidth_mb"])
     prompts_all = random_prompts(model_path, max(settings["batches"]), settings["prompt_tokens"])
     env = worker_environment(device)
-    load = bench.OtherLoad(settings["quiet_wait"])
+    load = machine.OtherLoad(settings["quiet_wait"])
     results: list[dict] = []
     busy: list[dict] = []
     for amp in settings["amps"]:
@@ -177,37 +182,23 @@ def run(args: argparse.Namespace) -> int:
             config_env = dict(env, **({"TORCHINDUCTOR_CACHE_DIR": inductor_cache} if inductor_cache else {}))
             load.start()
             try:
-                rows, _ = bench.measure_config(model_path, engines, amp, batch, settings, prompts_all[:batch],
-                                               {e: model_path for e in engines}, logs, load, config_env)
+                rows, _ = measure_config(model_path, engines, amp, batch, settings, prompts_all[:batch],
+                                         {e: model_path for e in engines}, logs, load, config_env)
             finally:
                 if inductor_cache:
                     shutil.rmtree(inductor_cache, ignore_errors=True)
             busy.append({"amp": amp, "batch": batch, **load.stop()})
             results += rows
-    floor = {}
-    for amp in settings["amps"]:
-        size = weight_bytes(model_path, amp)
-        floor[amp] = {"weight_bytes": size, "floor_ms": bench_report.roofline_ms(size, bandwidth["gb_per_s"] * 1e9)}
+    sizes = {amp: weight_bytes(model_path, amp) for amp in settings["amps"]}
     for row in results:
         row["compile_s"] = compile_seconds(row)
-    bench_report.add_roofline_fractions(results, {amp: f["weight_bytes"] for amp, f in floor.items()},
-                                        bandwidth["gb_per_s"] * 1e9)
-    bench_report.add_comparisons(results)
-    report = {
-        "schema": bench_device_report.SCHEMA,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(device),
-        "workload": {"model": model_name, "device": device, "prompt_tokens": settings["prompt_tokens"],
-                     "new_tokens": settings["new_tokens"], "repeats": settings["repeats"],
-                     "n_positions": settings["n_positions"], "threads": settings["threads"], "engines": engines,
-                     "amps": settings["amps"], "batches": settings["batches"]},
-        "bandwidth": bandwidth,
-        "floor": floor,
-        "results": results,
-        "other_load": busy,
-        "notes": bench.notes_for(results, settings) + bench.busy_notes(busy),
-    }
-    paths = bench_device_report.write_all(report, out)
-    print(bench_device_report.report_markdown(report))
+    workload = {"model": model_name, "device": device, "prompt_tokens": settings["prompt_tokens"],
+                "new_tokens": settings["new_tokens"], "repeats": settings["repeats"],
+                "n_positions": settings["n_positions"], "threads": settings["threads"], "engines": engines,
+                "amps": settings["amps"], "batches": settings["batches"]}
+    full_report = report.assemble(report.DEVICE_SCHEMA, machine_of(device), workload, bandwidth, sizes, results,
+                                  busy, settings)
+    paths = report.write_all(full_report, out)
+    print(report.markdown(full_report))
     print(f"wrote {paths['json']}, {paths['md']}", file=sys.stderr)
     return 0
