@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
                 "n_positions": settings["n_positions"], "threads": settings["threads"],
                 "engines": engines, "amps": settings["amps"], "batches": settings["batches"],
                 "quick": bool(args.quick)}
-    full_report = report.assemble(report.SCHEMA, machine_info(), workload, bandwidth, sizes, results, busy, settings,
-                                  notes, buckets)
+    full_report = report.assemble(report.SCHEMA, machine_info(), workload, bandwidth, sizes, results, busy,
+                                  settings, notes, buckets)
     paths = report.write_all(full_report, out)
     print(report.markdown(full_report))
     print(f"wrote {paths['json']}, {paths['md']}, {paths['png']}", file=sys.stderr)

@@ -196,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
                 "new_tokens": settings["new_tokens"], "repeats": settings["repeats"],
                 "n_positions": settings["n_positions"], "threads": settings["threads"], "engines": engines,
                 "amps": settings["amps"], "batches": settings["batches"]}
-    full_report = report.assemble(report.DEVICE_SCHEMA, machine_of(device), workload, bandwidth, sizes, results,
-                                  busy, settings)
+    full_report = report.assemble(report.DEVICE_SCHEMA, machine_of(device), workload, bandwidth, sizes,
+                                  results, busy, settings)
     paths = report.write_all(full_report, out)
     print(report.markdown(full_report))
     print(f"wrote {paths['json']}, {paths['md']}", file=sys.stderr)

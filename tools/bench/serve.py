@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     engines, unavailable = resolve_engines(args.engines or "pyhlo,llamacpp")
     engines = [e for e in engines if e != "hf" and e not in unavailable]
     out = Path(args.out)
-    rows = measure(model_path, engines, [1, 4, 8], args.serve_requests, args.new_tokens or 64, args.threads, out)
+    rows = measure(model_path, engines, [1, 4, 8], args.serve_requests, args.new_tokens or 64,
+                   args.threads, out)
     info = machine_info()
     text = (f"Serving: {model_path.name} as stored, {args.serve_requests} chat requests per level, "
             f"max_tokens {args.new_tokens or 64}, greedy, streamed; pyhlo serve with 8 lines; "

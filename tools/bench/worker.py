@@ -40,8 +40,9 @@ class Worker:
         environment["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT)] + ([environment["PYTHONPATH"]] if environment.get("PYTHONPATH") else []))
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tools.bench.worker", "--worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=environment)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tools.bench.worker", "--worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, env=environment)
 
     def call(self, op: str, **request: Any) -> Any:
         try:
