@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
-from decoders.session.batcher import ContinuousBatcher
+from serving.scheduler import ContinuousBatcher
 
 SHAPE = dict(n_positions=64, context_length_estimate=[8, 16])
 

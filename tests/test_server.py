@@ -21,8 +21,8 @@ def server(smollm2_gguf):
     import uvicorn
 
     from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
-    from tools.openai_api import create_app
-    from tools.serving_engine import Engine
+    from serving.engine import Engine
+    from serving.openai_api import create_app
 
     config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=LINES))
     model = LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=LINES, n_positions=256,

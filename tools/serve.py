@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     from decoders import ContinuousBatchingConfig, NeuronAutoModelForCausalLM, NeuronConfig
     from decoders.checkpoints.default_model import default_model_path
-    from tools.openai_api import create_app
-    from tools.serving_engine import Engine
+    from serving.engine import Engine
+    from serving.openai_api import create_app
 
     path = args.model or default_model_path()
     config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=args.batch_size),

@@ -21,7 +21,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from transformers import TextStreamer
 
-from decoders.session.batcher import ContinuousBatcher, Request
+from serving.scheduler import ContinuousBatcher, Request
 
 log = logging.getLogger("pyhlo")
 

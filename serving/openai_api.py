@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from tools.serving_engine import Engine, Sampling
+from serving.engine import Engine, Sampling
 
 
 class _Common(BaseModel):
