@@ -27,7 +27,7 @@ from decoders.programs.keys import ProgramKey
 from decoders.quantization import gguf_block_forms
 from decoders.session.generation import Generation, sampler_bound
 from decoders.session.inputs import check_sampling, parse_prompts, per_line
-from decoders.session.lines import forward_sequences
+from decoders.session.lines import run_sequences
 from decoders.session.session import Session
 
 log = logging.getLogger("pyhlo")
@@ -212,7 +212,7 @@ class DecoderForSampling:
         self._require_loaded()
         ids = parse_prompts(input_ids, vocab_size=self.decoder.head.vocab_size).as_given().astype(np.int32)
         if self.continuous_batching:
-            return torch.from_numpy(forward_sequences(self.session, ids, cache_ids, start_ids))
+            return torch.from_numpy(run_sequences(self.session, ids, cache_ids, start_ids))
         if ids.shape[0] != self.batch_size:
             raise ValueError(f"input_ids has {ids.shape[0]} lines; the model was compiled for "
                              f"batch_size={self.batch_size}")
@@ -221,7 +221,7 @@ class DecoderForSampling:
         if start_ids is not None:
             pads = np.asarray(per_line(np.asarray(start_ids).reshape(-1).tolist(), self.batch_size, "start_ids"),
                               np.int32)
-        logits = self.session.forward(ids, slot, pads)
+        logits = self.session.run_batch(ids, slot, pads)
         return torch.from_numpy(self.session.host_logits(logits))
 
     def _first_slot(self, cache_ids: Any, n_tokens: int) -> int:

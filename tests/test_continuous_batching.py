@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
-from decoders.session.batcher import ContinuousBatcher
+from serving.scheduler import ContinuousBatcher
 
 SHAPE = dict(n_positions=64, context_length_estimate=[8, 16])
 
@@ -49,7 +49,7 @@ def test_forward_with_seq_ids_runs_sequences_at_their_own_lengths(tiny_llama, ke
 
 
 def test_a_prompt_chunk_runs_in_a_program_for_its_line_alone(tiny_llama):
-    """Session.forward_line: a chunk written into one line gives the logits the every-line
+    """Session.prefill_line: a chunk written into one line gives the logits the every-line
     program gives that line, and leaves the other lines' caches as they were, bit for bit."""
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")
     model = batched_model(path)
@@ -65,7 +65,7 @@ def test_a_prompt_chunk_runs_in_a_program_for_its_line_alone(tiny_llama):
     before = caches()
     chunk = np.zeros((1, 16), np.int32)
     chunk[0, :11] = np.arange(40, 51)
-    alone = session.host_logits(session.forward_line(chunk, 2, 0, 10))[0]
+    alone = session.host_logits(session.prefill_line(chunk, 2, 0, 10))[0]
     after = caches()
     for old, new in zip(before, after):
         others = [0, 1, 3]
@@ -78,28 +78,28 @@ def test_a_prompt_chunk_runs_in_a_program_for_its_line_alone(tiny_llama):
     slots[3] = 0
     last = np.zeros(4, np.int32)
     last[3] = 10
-    together = session.host_logits(session.forward_lines(tokens, slots, last))[3]
+    together = session.host_logits(session.step_every_line(tokens, slots, last))[3]
     np.testing.assert_allclose(alone, together, rtol=1e-5, atol=1e-5)
     for cache in caches():
         np.testing.assert_allclose(cache[2, :, :11], cache[3, :, :11], rtol=1e-6, atol=1e-6)
     # One token for lines 2 and 3 (twins so far) through the two-row programs, then the same
     # tokens at the same slots through the every-line program: the same logits, row by row.
     before = caches()
-    paired = session.host_logits(session.forward_rows(np.array([7, 8]), np.array([2, 3]), np.array([11, 11])))
+    paired = session.host_logits(session.decode_lines(np.array([7, 8]), np.array([2, 3]), np.array([11, 11])))
     for old, new in zip(before, caches()):
         assert np.array_equal(old[[0, 1]], new[[0, 1]])
     tokens = np.zeros((4, 1), np.int32)
     tokens[2:, 0] = [7, 8]
     slots = np.array([session.n_positions, session.n_positions, 11, 11], np.int32)
-    every = session.host_logits(session.forward_lines(tokens, slots, np.zeros(4, np.int32)))
+    every = session.host_logits(session.step_every_line(tokens, slots, np.zeros(4, np.int32)))
     np.testing.assert_allclose(paired, every[2:], rtol=1e-5, atol=1e-5)
     assert not np.allclose(paired[0], paired[1], atol=1e-3)
     with pytest.raises(ValueError, match="rows one of"):
-        session.forward_rows(np.zeros(3, np.int32), np.array([0, 1, 2]), np.zeros(3, np.int32))
+        session.decode_lines(np.zeros(3, np.int32), np.array([0, 1, 2]), np.zeros(3, np.int32))
     with pytest.raises(ValueError, match="context bucket"):
-        session.forward_line(np.zeros((1, 5), np.int32), 2, 0, 4)
+        session.prefill_line(np.zeros((1, 5), np.int32), 2, 0, 4)
     with pytest.raises(ValueError, match="line in 0..3"):
-        session.forward_line(chunk, 4, 0, 10)
+        session.prefill_line(chunk, 4, 0, 10)
 
 
 def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(tiny_llama):
@@ -112,12 +112,15 @@ def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(
     requests, streamed = [], {}
     # Prompt chunks go through the one-line programs; the every-line program only decodes.
     widths, chunks = [], []
-    every_line, one_line = model.session.forward_lines, model.session.forward_line
-    model.session.forward_lines = lambda tokens, *rest: widths.append(tokens.shape[1]) or every_line(tokens, *rest)
-    model.session.forward_line = lambda tokens, *rest: chunks.append(tokens.shape[1]) or one_line(tokens, *rest)
+    every_line, one_line = model.session.step_every_line, model.session.prefill_line
+    model.session.step_every_line = (
+        lambda tokens, *rest: widths.append(tokens.shape[1]) or every_line(tokens, *rest))
+    model.session.prefill_line = (
+        lambda tokens, *rest: chunks.append(tokens.shape[1]) or one_line(tokens, *rest))
     # Decode steps with one or two active lines run the programs for that many rows.
-    row_steps, some_rows = [], model.session.forward_rows
-    model.session.forward_rows = lambda tokens, *rest: row_steps.append(len(tokens)) or some_rows(tokens, *rest)
+    row_steps, some_rows = [], model.session.decode_lines
+    model.session.decode_lines = (
+        lambda tokens, *rest: row_steps.append(len(tokens)) or some_rows(tokens, *rest))
 
     def on_token(request, token):
         streamed.setdefault(request.id, []).append(token)
@@ -215,8 +218,8 @@ def test_bad_continuous_batching_input_is_a_clear_error(tiny_llama):
         batcher.submit(list(range(1, 65)), max_new_tokens=1)
     with pytest.raises(ValueError, match="ContinuousBatcher needs"):
         ContinuousBatcher(LlamaForSampling.from_pretrained(path, **SHAPE))
-    with pytest.raises(ValueError, match="forward_lines\\(\\) needs"):
-        LlamaForSampling.from_pretrained(path, **SHAPE).session.forward_lines(np.zeros((1, 1)), [0], [0])
+    with pytest.raises(ValueError, match="step_every_line\\(\\) needs"):
+        LlamaForSampling.from_pretrained(path, **SHAPE).session.step_every_line(np.zeros((1, 1)), [0], [0])
 
 
 def test_a_prompt_sharing_a_cached_prefix_computes_only_the_rest(tiny_llama):

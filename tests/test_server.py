@@ -4,8 +4,10 @@ prompt alone, errors in OpenAI's shape, and clients that go away freeing their l
 Every wait here is bounded."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -21,8 +23,8 @@ def server(smollm2_gguf):
     import uvicorn
 
     from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
-    from tools.openai_api import create_app
-    from tools.serving_engine import Engine
+    from serving.engine import Engine
+    from serving.openai_api import create_app
 
     config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=LINES))
     model = LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=LINES, n_positions=256,
@@ -198,3 +200,80 @@ def test_fifty_clients_a_quarter_leaving_mid_stream_leave_no_line_in_use(server)
         assert 'pyhlo_requests_total{finish_reason="cancelled"}' in metrics
         assert "pyhlo_time_to_first_token_seconds_count" in metrics
         assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    from tools import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_serve_takes_the_spellings_vllm_and_llama_cpp_users_type():
+    from tools.serve import model_path
+
+    for argv in (["m.gguf"], ["-m", "m.gguf"], ["--model", "m.gguf"], ["m.gguf", "--model", "m.gguf"]):
+        assert model_path(serve_args(*argv)) == "m.gguf"
+    assert model_path(serve_args()) is None                     # the default model
+    with pytest.raises(ValueError, match="two models"):
+        model_path(serve_args("a.gguf", "-m", "b.gguf"))
+    args = serve_args("--max-num-seqs", "8", "--max-model-len", "512", "--dtype", "bf16", "--tp-degree", "2")
+    assert (args.batch_size, args.n_positions, args.amp, args.tp_degree) == (8, 512, "bf16", 2)
+    args = serve_args("--batch-size", "8", "--n-positions", "512", "--amp", "bf16")
+    assert (args.batch_size, args.n_positions, args.amp, args.tp_degree) == (8, 512, "bf16", 1)
+    assert not serve_args().no_request_log and serve_args("--no-request-log").no_request_log
+
+
+def test_serve_says_what_it_is_doing_while_it_starts(smollm2_gguf, capsys):
+    """A line per start-up step (each can take seconds), without -v."""
+    from tools.serve import build_engine
+
+    # The server fixture's shapes: its programs come from the compile cache.
+    args = serve_args("-m", str(smollm2_gguf), "--max-num-seqs", str(LINES), "--max-model-len", "256",
+                      "--context-length-estimate", "32,64")
+    engine = build_engine(args)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pyhlo serve: ")]
+    programs = len(engine.model.eager_programs())
+    assert said == [f"pyhlo serve: reading {smollm2_gguf} ...",
+                    f"pyhlo serve: compiling {programs} programs (from the compile cache when built before) "
+                    "...", "pyhlo serve: placing the weights ...", "pyhlo serve: loading the tokenizer ..."]
+    assert engine.model.session.loaded and engine.name == smollm2_gguf.name and engine.n_positions == 256
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_each_finished_request_gives_one_log_line_unless_quieted(server):
+    from serving.engine import request_log, show_request_log
+
+    base, _ = server
+    api = client(base)
+    lines = _Lines()
+    request_log.addHandler(lines)
+    try:
+        show_request_log(True)
+        done = api.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0)
+        cut = api.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
+                                     stop=[","])
+        assert len(lines.lines) == 2
+        logged = [(line.split()[0], dict(field.split("=") for field in line.split()[1:]))
+                  for line in lines.lines]
+        for (ident, values), response in zip(logged, (done, cut)):
+            assert ident == response.id and values["finish_reason"] == response.choices[0].finish_reason
+            assert int(values["prompt_tokens"]) == response.usage.prompt_tokens
+            assert float(values["time"].removesuffix("s")) > 0
+        assert logged[0][1]["finish_reason"] == "length" and logged[1][1]["finish_reason"] == "stop"
+        assert int(logged[0][1]["completion_tokens"]) == done.usage.completion_tokens == 3
+        show_request_log(False)                                  # pyhlo serve --no-request-log
+        api.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0)
+        assert len(lines.lines) == 2
+    finally:
+        request_log.removeHandler(lines)
+        request_log.setLevel(logging.NOTSET)

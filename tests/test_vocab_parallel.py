@@ -147,8 +147,8 @@ MODEL = textwrap.dedent("""
         sampled = model.sample(prompts, top_k=5, top_p=0.9, temperature=0.8, seed=7, **common)
         forward = model.forward(torch.tensor([prompts[1][:12], prompts[0] + prompts[1][:3]]))
         session = model.session
-        logits = session.forward(np.array([prompts[1][:16], prompts[0] + prompts[1][:7]], np.int32), 0,
-                                 np.zeros(2, np.int32))
+        logits = session.run_batch(np.array([prompts[1][:16], prompts[0] + prompts[1][:7]], np.int32), 0,
+                                   np.zeros(2, np.int32))
         sampler = session.sampler(session.sampler_k_max or 64)
         runs[tp] = {"greedy": greedy.tolist(), "scores": [s.tolist() for s in scores], "banned": banned.tolist(),
                     "sampled": sampled.tolist(), "forward": forward.tolist(),

@@ -8,9 +8,14 @@ endpoints:
   POST /v1/completions, POST /v1/chat/completions (streamed with "stream": true),
   GET /v1/models, GET /health, GET /metrics (Prometheus)
 
+While it starts, a line on stderr names each step (reading the model, compiling, placing
+the weights, loading the tokenizer); once it serves, a line per finished request (its id,
+prompt and completion tokens, time, finish reason) unless --no-request-log.
+
 examples:
   pyhlo serve                                   # SmolLM2-135M-Instruct on port 8000, 4 lines
   pyhlo serve path/to/llama-dir --batch-size 8 --port 8080
+  pyhlo serve -m path/to/llama-dir --max-num-seqs 8 --max-model-len 2048 --dtype bf16
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 """
@@ -19,44 +24,83 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import time
+from typing import Any
 
 from tools.model_options import add_quant_argument, int_list, weight_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("-m", "--model", dest="model_option", metavar="MODEL",
+                        help="the model, as an option instead of the positional argument")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    parser.add_argument("--batch-size", type=int, default=4, metavar="N",
+    parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=4, metavar="N",
                         help="batch lines: requests generated at the same time (default 4); more wait in a queue")
-    parser.add_argument("--n-positions", type=int, default=1024, metavar="N",
+    parser.add_argument("--n-positions", "--max-model-len", dest="n_positions", type=int, default=1024,
+                        metavar="N",
                         help="context length: prompt + answer tokens of one request (default 1024)")
     parser.add_argument("--context-length-estimate", type=int_list, metavar="N[,N]",
                         help="prompt chunk sizes, e.g. 64,256 (default: half of each token bucket)")
-    parser.add_argument("--amp", default="f32", choices=["f32", "bf16", "f16"], help="weights type (default f32)")
+    parser.add_argument("--amp", "--dtype", dest="amp", default="f32", choices=["f32", "bf16", "f16"],
+                        help="weights type (default f32)")
+    parser.add_argument("--tp-degree", type=int, default=1, metavar="N",
+                        help="tensor parallelism: the model split over N devices (default 1; on CPU, N "
+                             "devices come from XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     parser.add_argument("--served-model-name", help="the model's name in the API (default: the file or folder name)")
+    parser.add_argument("--no-request-log", action="store_true",
+                        help="no line on stderr per finished request (id, tokens, time, finish reason)")
     add_quant_argument(parser)
+
+
+def model_path(args: argparse.Namespace) -> str | None:
+    """The model given positionally or by -m / --model (None: the default model)."""
+    if args.model and args.model_option and args.model != args.model_option:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
+    return args.model_option or args.model
+
+
+def _phase(what: str) -> None:
+    """One line on stderr as a start-up step that can take seconds begins."""
+    print(f"pyhlo serve: {what} ...", file=sys.stderr, flush=True)
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """The model compiled and loaded, its tokenizer read, and the engine (not started) over it;
+    a line on stderr for each step."""
+    from decoders import ContinuousBatchingConfig, NeuronAutoModelForCausalLM, NeuronConfig
+    from decoders.checkpoints.default_model import default_model_path
+    from serving.engine import Engine
+
+    path = model_path(args) or default_model_path()
+    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=args.batch_size),
+                          **weight_options(args))
+    _phase(f"reading {path}")
+    model = NeuronAutoModelForCausalLM.from_pretrained(path, batch_size=args.batch_size, n_positions=args.n_positions,
+                                                       tp_degree=args.tp_degree, amp=args.amp,
+                                                       context_length_estimate=args.context_length_estimate,
+                                                       neuron_config=config)
+    _phase(f"compiling {len(model.eager_programs())} programs (from the compile cache when built before)")
+    # Compiled here so that its line comes before the weights'; to_neuron() then compiles nothing.
+    model.session.compile()
+    _phase("placing the weights")
+    model.to_neuron()
+    _phase("loading the tokenizer")
+    return Engine(model, args.served_model_name or pathlib.Path(path).name)      # reads the tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from decoders import ContinuousBatchingConfig, NeuronAutoModelForCausalLM, NeuronConfig
-    from decoders.checkpoints.default_model import default_model_path
-    from tools.openai_api import create_app
-    from tools.serving_engine import Engine
+    from serving.engine import show_request_log
+    from serving.openai_api import create_app
 
-    path = args.model or default_model_path()
-    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=args.batch_size),
-                          **weight_options(args))
-    model = NeuronAutoModelForCausalLM.from_pretrained(path, batch_size=args.batch_size, n_positions=args.n_positions,
-                                                       amp=args.amp, context_length_estimate=args.context_length_estimate,
-                                                       neuron_config=config)
-    model.to_neuron()
-    name = args.served_model_name or pathlib.Path(path).name
-    engine = Engine(model, name).start()
-    print(f"pyhlo serve: {name} on http://{args.host}:{args.port}/v1 ({args.batch_size} lines, context "
-          f"{model.n_positions})", file=sys.stderr)
+    started = time.perf_counter()
+    show_request_log(not args.no_request_log)
+    engine = build_engine(args).start()
+    print(f"pyhlo serve: {engine.name} on http://{args.host}:{args.port}/v1 ({args.batch_size} lines, "
+          f"context {engine.n_positions}; ready in {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     try:
         uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
     finally:

@@ -1,6 +1,7 @@
 """Choosing tokens on the host from f32 logits: greedy, or HF transformers' temperature,
-top-k and top-p warpers and a seeded torch generator (the continuous batcher and
-speculative decoding use it; sample() chooses on the device)."""
+top-k and top-p warpers and a seeded torch generator (sample() chooses on the device).
+Speculative decoding (here) and serving's scheduler (serving/scheduler.py) both use it, so
+it lives in decoders, which serving imports and never the other way round."""
 from __future__ import annotations
 
 from typing import Any

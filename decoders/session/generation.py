@@ -128,7 +128,7 @@ class Generation:
             if streamer is not None:
                 streamer.end()
             return generated
-        logits = session.forward(prompts.left_padded(), 0, self.pads)
+        logits = session.run_batch(prompts.left_padded(), 0, self.pads)
         newest = self._next_tokens(logits, lines)      # the last launched step's tokens (on the device)
         self.placement.start_host_copy(newest)
         pending = deque([newest])                       # launched steps' tokens not read yet, oldest first

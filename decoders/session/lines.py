@@ -5,7 +5,8 @@
 input_ids [k, n] are the next n tokens of k sequences; seq_ids [k] the batch lines (KV cache
 lines) they live in; cache_ids [k, n] their positions, consecutive in each row (or [k] for
 one token each; None: a new prompt from position 0). Lines not named keep their caches. The
-result is the f32 logits [k, vocab] of each row's last token, rows in the given order.
+result is the f32 logits [k, vocab] of each row's last token, rows in the given order
+(run_sequences, over the Session's continuous-batching entry points).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def first_positions(cache_ids: Any, rows: int, n_tokens: int, n_positions: int) 
     return ids[:, 0]
 
 
-def forward_sequences(session: Any, token_ids: np.ndarray, cache_ids: Any, seq_ids: Any) -> np.ndarray:
+def run_sequences(session: Any, token_ids: np.ndarray, cache_ids: Any, seq_ids: Any) -> np.ndarray:
     """Logits [k, vocab] (numpy f32) of each row's last token, the rows written into their lines."""
     rows, n = token_ids.shape
     b, n_positions = session.batch_size, session.n_positions
@@ -58,10 +59,10 @@ def forward_sequences(session: Any, token_ids: np.ndarray, cache_ids: Any, seq_i
     largest = session.context_buckets[-1]
     if n == 1 and rows <= max(session.decode_rows(), default=0):
         # A token for each of a few lines: the programs for that many rows.
-        return session.host_logits(session.forward_rows(token_ids[:, 0], lines, first))[:rows]
+        return session.host_logits(session.decode_lines(token_ids[:, 0], lines, first))[:rows]
     if n > 1 and rows < b and session.row_prefill:
         # A prompt per row, each through the programs for its line alone.
-        return np.concatenate([_forward_line(session, token_ids[i], int(lines[i]), int(first[i]))
+        return np.concatenate([_prefill_line(session, token_ids[i], int(lines[i]), int(first[i]))
                                for i in range(rows)])
     done = 0
     while done < n:
@@ -73,18 +74,18 @@ def forward_sequences(session: Any, token_ids: np.ndarray, cache_ids: Any, seq_i
         slots[lines] = first + done
         last_index = np.zeros(b, np.int32)
         last_index[lines] = size - 1
-        logits = session.forward_lines(chunk, slots, last_index)
+        logits = session.step_every_line(chunk, slots, last_index)
         done += size
     return session.host_logits(logits)[lines]
 
 
-def _forward_line(session: Any, tokens: np.ndarray, line: int, first: int) -> np.ndarray:
+def _prefill_line(session: Any, tokens: np.ndarray, line: int, first: int) -> np.ndarray:
     """Logits [1, vocab] of the last of `tokens` written into `line` from slot `first`."""
     largest, done = session.context_buckets[-1], 0
     while done < len(tokens):
         size = min(len(tokens) - done, largest)
         chunk = np.zeros((1, bucketing.pick(session.context_buckets, size)), np.int32)
         chunk[0, :size] = tokens[done:done + size]
-        logits = session.forward_line(chunk, line, first + done, size - 1)
+        logits = session.prefill_line(chunk, line, first + done, size - 1)
         done += size
     return session.host_logits(logits)

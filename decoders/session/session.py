@@ -1,20 +1,26 @@
 """Session: the compiled programs, the weights and the KV caches of one model on its device,
-and the one way to run the model over them.
+and the ways to run the model over them, each named for what its caller means:
 
-    session.forward(token_ids, slot=s, pads=p)   # logits (on the device) of each line's last token
-    session.host_logits(logits)                  # as numpy [batch, vocab], only when asked
+    session.run_batch(token_ids, slot=s, pads=p)   # logits (on the device) of each line's last token
+    session.host_logits(logits)                    # as numpy [batch, vocab], only when asked
 
-`forward` writes the tokens' keys and values at cache slots s .. s + n - 1 of every line
-(lines are left-padded: line i's real tokens start at slot pads[i]) and picks the programs:
-one token per line is a decode step (the whole model in one program, or embed, a block
-program per layer and the LM head), more is prefill in context-bucket chunks. sample(),
-the model's forward() and an HF generate() adapter are clients of it.
+`run_batch` runs the whole batch as one sequence per line, every line at the same cache
+slots: it writes the tokens' keys and values at slots s .. s + n - 1 of every line (lines
+are left-padded: line i's real tokens start at slot pads[i]) and picks the programs: one
+token per line is a decode step (the whole model in one program, or embed, a block program
+per layer and the LM head), more is prefill in context-bucket chunks. `decode` is its decode
+step with the greedy tokens the program makes, and `check_drafts` gives every position's
+logits (speculative decoding's check of draft tokens). sample(), the model's forward() and an
+HF generate() adapter are clients of them.
 
 Under continuous batching (builder.per_line_slots) every line is its own sequence at its
-own length: `forward_lines(token_ids, slots, last_index)` writes line i's tokens from its
-own slot. A chunk runs from each line's length into the scratch slots past n_positions
-(tokens past a line's last index are padding: written beyond its length, never attended,
-overwritten by its next tokens); a line with no part in a step writes at n_positions.
+own length:
+    step_every_line(token_ids, slots, last_index)   # every line's chunk or newest token, one program
+    prefill_line(token_ids, line, slot, last_index)  # one line's prompt chunk, that line alone
+    decode_lines(token_ids, lines, slots)            # one token for each of a few lines
+A chunk runs from each line's length into the scratch slots past n_positions (tokens past a
+line's last index are padding: written beyond its length, never attended, overwritten by its
+next tokens); a line with no part in a step writes at n_positions.
 """
 from __future__ import annotations
 
@@ -38,6 +44,16 @@ log = logging.getLogger("pyhlo")
 
 
 class Session:
+    """One model's state on its device and the only way to run programs over it.
+
+    It owns the compiled programs (a ProgramSet, compiled by compile() or on first use), the
+    weights placed on each replica (load_weights(), or presharded files), the KV caches and
+    the small step inputs kept on the device between calls. It knows buckets, slots and
+    lines, not requests: sample() / generate() (Generation), transformers-neuronx's forward()
+    (lines.py), speculative decoding and the server's scheduler decide what to run, and call
+    the entry points above.
+    """
+
     def __init__(self, builder: ProgramBuilder, backend: Any, token_buckets: list[int],
                  context_buckets: list[int], workers: int | None = None):
         self.builder = builder
@@ -60,7 +76,7 @@ class Session:
         self._prefixed_weights: dict[str, Any] = {}
         self._prefixed_cache_names: list[tuple[str, str]] = []
         # Speculative decoding (enable_speculative_decoder): the target checks this many draft
-        # tokens, plus the token before them, in one program (forward_all()).
+        # tokens, plus the token before them, in one program (check_drafts()).
         self.speculation_length: int | None = None
         # The sampler bound of NeuronConfig.on_device_generation, compiled with the rest so that
         # changing its settings later compiles nothing (None: the sampler is built on first use).
@@ -120,7 +136,7 @@ class Session:
 
     @property
     def row_prefill(self) -> bool:
-        """Continuous batching with programs for one line (forward_line()): a prompt is
+        """Continuous batching with programs for one line (prefill_line()): a prompt is
         prefilled at the cost of its own tokens, not of a chunk for every line. Not where a
         line's cache is spread over the replicas (flash decoding, lines split by replica)."""
         layout = self.builder.device_decoder.layer.attention.kv_layout
@@ -128,7 +144,7 @@ class Session:
 
     def decode_rows(self) -> list[int]:
         """Continuous batching: the numbers of lines (powers of two below the batch size) that
-        a decode step can run alone (forward_rows()), so that a step with few active lines
+        a decode step can run alone (decode_lines()), so that a step with few active lines
         does not compute a row for every line."""
         if not self.row_prefill:
             return []
@@ -251,14 +267,14 @@ class Session:
 
     # -- logits on the host -----------------------------------------------------------------
     def host_logits(self, logits: Any) -> np.ndarray:
-        """forward()'s logits as a new numpy f32 [batch, vocab] (forward_all()'s [batch, n,
+        """run_batch()'s logits as a new numpy f32 [batch, vocab] (check_drafts()'s [batch, n,
         vocab]): the replicas' blocks joined, the padding past the vocabulary trimmed. The one
         place full logits are gathered."""
         parts = [self.placement.host(logits, r) for r in range(self.builder.tp_degree)]
         return np.ascontiguousarray(np.concatenate(parts, axis=-1)[..., :self.builder.decoder.head.vocab_size])
 
     def device_logits(self, host: np.ndarray) -> Any:
-        """host_logits()'s inverse: f32 [batch, vocab] put back as forward() returns them, each
+        """host_logits()'s inverse: f32 [batch, vocab] put back as run_batch() returns them, each
         replica's block on it (the padding columns -inf, as the LM head masks them)."""
         width = self.builder.vocab_shard
         padded = np.full((host.shape[0], width * self.builder.tp_degree), -np.inf, np.float32)
@@ -297,9 +313,10 @@ class Session:
             raise ValueError(f"cache slots {slot}..{slot + n_tokens - 1} are outside the cache of "
                              f"n_positions {self.n_positions}")
 
-    def forward(self, token_ids: Any, slot: int, pads: np.ndarray, n_tokens: int | None = None) -> Any:
-        """f32 logits [batch, vocab] (a device buffer) of the last of the tokens written at
-        `slot`; under tensor parallelism each replica's block, [batch, vocab_shard] (host_logits()
+    def run_batch(self, token_ids: Any, slot: int, pads: np.ndarray, n_tokens: int | None = None) -> Any:
+        """The whole batch, every line from the same `slot` (a prompt, or a decode step): f32
+        logits [batch, vocab] (a device buffer) of the last of the tokens written at `slot`;
+        under tensor parallelism each replica's block, [batch, vocab_shard] (host_logits()
         joins them). token_ids: [batch, n] as numpy, or a device buffer (give n_tokens then)."""
         if n_tokens is None:
             n_tokens = int(np.shape(token_ids)[1])
@@ -310,7 +327,7 @@ class Session:
         return self._prefill(np.asarray(token_ids, dtype=np.int32), slot, pads)
 
     def decode(self, token_ids: Any, slot: int, pads: np.ndarray) -> tuple[Any, Any | None]:
-        """A decode step, forward() of one token per line ([batch, 1], numpy or on the device):
+        """A decode step, run_batch() of one token per line ([batch, 1], numpy or on the device):
         its logits, and each line's most likely token (s32[batch, 1] on the device) where the
         decode program makes them (the whole-model program does), else None."""
         self._check_slots(slot, 1)
@@ -349,29 +366,33 @@ class Session:
             logits = self._run(np.ascontiguousarray(ids[:, j:j + 1]), 1, n_attend, slot + j, pads, 0)
         return logits
 
-    def forward_lines(self, token_ids: np.ndarray, slots: np.ndarray, last_index: np.ndarray) -> Any:
-        """Continuous batching: line i's n tokens token_ids[i] written at its own slots
-        slots[i] .. slots[i] + n - 1 (n is 1 or a context bucket); logits (on the device) of
-        each line's token last_index[i]. A line at slot n_positions has no part in the step."""
+    def step_every_line(self, token_ids: np.ndarray, slots: np.ndarray, last_index: np.ndarray) -> Any:
+        """Continuous batching, one program over every line (a chunk of each prompt being
+        written, or each line's newest token): line i's n tokens token_ids[i] written at its
+        own slots slots[i] .. slots[i] + n - 1 (n is 1 or a context bucket); logits (on the
+        device) of each line's token last_index[i]. A line at slot n_positions has no part in
+        the step."""
         if not self.per_line:
-            raise ValueError("forward_lines() needs a model built with continuous batching "
+            raise ValueError("step_every_line() needs a model built with continuous batching "
                              "(NeuronConfig(continuous_batching=ContinuousBatchingConfig(...)))")
         token_ids = np.asarray(token_ids, np.int32)
         slots, last_index = np.asarray(slots, np.int32), np.asarray(last_index, np.int32)
         b, n = token_ids.shape
         if b != self.batch_size or slots.shape != (b,) or last_index.shape != (b,):
-            raise ValueError(f"forward_lines: token_ids [{self.batch_size}, n], slots and last_index "
+            raise ValueError(f"step_every_line: token_ids [{self.batch_size}, n], slots and last_index "
                              f"[{self.batch_size}]; got {token_ids.shape}, {slots.shape}, {last_index.shape}")
         if n != 1 and n not in self.context_buckets:
-            raise ValueError(f"forward_lines: a chunk of {n} tokens; use 1 or a context bucket {self.context_buckets}")
+            raise ValueError(f"step_every_line: a chunk of {n} tokens; use 1 or a context bucket "
+                             f"{self.context_buckets}")
         live = slots < self.n_positions
         if (slots < 0).any() or (slots > self.n_positions).any() or (last_index < 0).any() or (last_index >= n).any():
-            raise ValueError(f"forward_lines: slots must be in 0..{self.n_positions} ({self.n_positions}: no part "
-                             f"in the step) and last_index in 0..{n - 1}; got {slots.tolist()}, {last_index.tolist()}")
+            raise ValueError(f"step_every_line: slots must be in 0..{self.n_positions} ({self.n_positions}: "
+                             f"no part in the step) and last_index in 0..{n - 1}; got {slots.tolist()}, "
+                             f"{last_index.tolist()}")
         reach = slots[live] + last_index[live] + 1
         if (reach > self.n_positions).any():
-            raise ValueError(f"forward_lines: a line's last token would be at slot {int(reach.max()) - 1}, past "
-                             f"n_positions {self.n_positions}")
+            raise ValueError(f"step_every_line: a line's last token would be at slot {int(reach.max()) - 1}, "
+                             f"past n_positions {self.n_positions}")
         longest = int(reach.max()) if live.any() else 1
         if n == 1:
             n_attend = bucketing.pick(self.decode_buckets(), longest)
@@ -382,45 +403,47 @@ class Session:
         pads = np.where(live, 0, self.n_positions).astype(np.int32)
         return self._run(token_ids, n, n_attend, slots, pads, last_index)
 
-    def forward_line(self, token_ids: np.ndarray, line: int, slot: int, last_index: int) -> Any:
-        """Continuous batching: n tokens (a context bucket) of one line written at slots slot ..
-        slot + n - 1 of that line alone; logits (on the device) [1, vocab] of token last_index.
-        The other lines' caches are untouched and their rows are not computed."""
+    def prefill_line(self, token_ids: np.ndarray, line: int, slot: int, last_index: int) -> Any:
+        """Continuous batching, one line's prompt chunk: n tokens (a context bucket) of one line
+        written at slots slot .. slot + n - 1 of that line alone; logits (on the device)
+        [1, vocab] of token last_index. The other lines' caches are untouched and their rows
+        are not computed."""
         if not self.row_prefill:
-            raise ValueError("forward_line() needs a continuous-batching model of more than one line whose caches "
-                             "are not spread over replicas (no flash decoding, no lines split by replica)")
+            raise ValueError("prefill_line() needs a continuous-batching model of more than one line whose "
+                             "caches are not spread over replicas (no flash decoding, no lines split by "
+                             "replica)")
         token_ids = np.asarray(token_ids, np.int32)
         n = token_ids.shape[-1]
         if token_ids.shape != (1, n) or n not in self.context_buckets:
-            raise ValueError(f"forward_line: token_ids [1, n] with n a context bucket {self.context_buckets}; got "
-                             f"{token_ids.shape}")
+            raise ValueError(f"prefill_line: token_ids [1, n] with n a context bucket "
+                             f"{self.context_buckets}; got {token_ids.shape}")
         if not 0 <= line < self.batch_size or not 0 <= last_index < n or slot < 0 \
                 or slot + last_index + 1 > self.n_positions:
-            raise ValueError(f"forward_line: line in 0..{self.batch_size - 1}, last_index in 0..{n - 1} and the last "
-                             f"token's slot below n_positions {self.n_positions}; got line {line}, slot {slot}, "
-                             f"last_index {last_index}")
+            raise ValueError(f"prefill_line: line in 0..{self.batch_size - 1}, last_index in 0..{n - 1} and "
+                             f"the last token's slot below n_positions {self.n_positions}; got line {line}, "
+                             f"slot {slot}, last_index {last_index}")
         reach = slot + last_index + 1
         n_attend = n if reach <= n else bucketing.pick(self.token_buckets, reach)
         return self._run(token_ids, n, n_attend, np.array([slot], np.int32), np.zeros(1, np.int32),
                          np.array([last_index], np.int32), lines=np.array([line], np.int32))
 
-    def forward_rows(self, token_ids: np.ndarray, lines: np.ndarray, slots: np.ndarray) -> Any:
-        """Continuous batching: one token each for k lines, token_ids[i] written into line
-        lines[i] at slot slots[i] (n_positions: no part, its line's scratch slot), in the
-        programs for the smallest of decode_rows() that holds k rows; rows past k go to other
-        lines' scratch slots. Logits (on the device) [rows, vocab], the k given rows first. The
-        other lines are not computed."""
+    def decode_lines(self, token_ids: np.ndarray, lines: np.ndarray, slots: np.ndarray) -> Any:
+        """Continuous batching, the active lines' decode step: one token each for k lines,
+        token_ids[i] written into line lines[i] at slot slots[i] (n_positions: no part, its
+        line's scratch slot), in the programs for the smallest of decode_rows() that holds k
+        rows; rows past k go to other lines' scratch slots. Logits (on the device) [rows,
+        vocab], the k given rows first. The other lines are not computed."""
         token_ids = np.asarray(token_ids, np.int32).reshape(-1)
         lines, slots = np.asarray(lines, np.int32), np.asarray(slots, np.int32)
         k = token_ids.shape[0]
         fitting = [r for r in self.decode_rows() if r >= k]
         if k < 1 or not fitting or lines.shape != (k,) or slots.shape != (k,):
             most = max(self.decode_rows(), default=0)
-            raise ValueError(f"forward_rows: token_ids, lines and slots [k] with k rows one of 1..{most}; got "
-                             f"{token_ids.shape}, {lines.shape}, {slots.shape}")
+            raise ValueError(f"decode_lines: token_ids, lines and slots [k] with k rows one of 1..{most}; "
+                             f"got {token_ids.shape}, {lines.shape}, {slots.shape}")
         if len(set(lines.tolist())) != k or (lines < 0).any() or (lines >= self.batch_size).any() \
                 or (slots < 0).any() or (slots > self.n_positions).any():
-            raise ValueError(f"forward_rows: distinct lines in 0..{self.batch_size - 1} and slots in "
+            raise ValueError(f"decode_lines: distinct lines in 0..{self.batch_size - 1} and slots in "
                              f"0..{self.n_positions}; got {lines.tolist()}, {slots.tolist()}")
         rows = fitting[0]
         others = [line for line in range(self.batch_size) if line not in set(lines.tolist())]
@@ -432,9 +455,9 @@ class Session:
         return self._run(token_ids, 1, n_attend, slots, np.zeros(rows, np.int32), np.zeros(rows, np.int32),
                          lines=lines)
 
-    def forward_all(self, token_ids: np.ndarray, slot: int, pads: np.ndarray) -> Any:
-        """Logits (on the device) of every one of the n tokens written at `slot`, f32 [batch,
-        n, vocab]: speculative decoding's check of draft tokens in one program."""
+    def check_drafts(self, token_ids: np.ndarray, slot: int, pads: np.ndarray) -> Any:
+        """Speculative decoding's check of draft tokens in one program: the logits (on the
+        device) of every one of the n tokens written at `slot`, f32 [batch, n, vocab]."""
         token_ids = np.asarray(token_ids, np.int32)
         n = token_ids.shape[1]
         if slot < 0 or slot + n > self.n_positions:

@@ -6,7 +6,7 @@
     generator.acceptance_rate                      # accepted draft tokens / proposed
 
 Each round the draft model proposes k tokens one at a time; the target runs the token before
-them and the k proposals in one program (Session.forward_all) and gives its own choice after
+them and the k proposals in one program (Session.check_drafts) and gives its own choice after
 each. Greedy: the proposals are kept while they equal the target's choices, then the
 target's choice follows, so the output is the target's greedy output token for token.
 Sampling: proposal i is kept with probability min(1, p_i / q_i) (p the target's, q the
@@ -86,8 +86,8 @@ class SpeculativeGenerator:
             return int(np.argmax(probs_or_logits)) if greedy else choice.draw(probs_or_logits, generator)
 
         ids = np.array([prompt], np.int32)
-        draft.forward(ids, 0, pads)
-        first = target.host_logits(target.forward(ids, 0, pads))[0]
+        draft.run_batch(ids, 0, pads)
+        first = target.host_logits(target.run_batch(ids, 0, pads))[0]
         out = [pick(first if greedy else warped(first))]
         pending, draft_slot = [out[0]], len(prompt)        # tokens the draft has not read yet, and where they go
         if streamer is not None:
@@ -98,21 +98,23 @@ class SpeculativeGenerator:
             k = min(self.k, sequence_length - len(prompt) - len(out) - 1)
             drafts, draft_probs = [], []
             for token in pending:
-                logits = draft.host_logits(draft.forward(np.array([[token]], np.int32), draft_slot, pads))[0]
+                fed = np.array([[token]], np.int32)
+                logits = draft.host_logits(draft.run_batch(fed, draft_slot, pads))[0]
                 draft_slot += 1
             for i in range(k):
                 probs = None if greedy else warped(logits)
                 drafts.append(pick(logits if greedy else probs))
                 draft_probs.append(probs)
                 if i < k - 1:
-                    logits = draft.host_logits(draft.forward(np.array([drafts[-1:]], np.int32), draft_slot, pads))[0]
+                    proposed = np.array([drafts[-1:]], np.int32)
+                    logits = draft.host_logits(draft.run_batch(proposed, draft_slot, pads))[0]
                     draft_slot += 1
             checked = [out[-1], *drafts]
             # The compiled check takes k + 1 tokens: pad the last round's shorter one where the cache has room.
             width = self.k + 1 if slot + self.k + 1 <= target.n_positions else len(checked)
             tokens = np.zeros((1, width), np.int32)
             tokens[0, :len(checked)] = checked
-            verdicts = target.host_logits(target.forward_all(tokens, slot, pads))[0, :len(checked)]
+            verdicts = target.host_logits(target.check_drafts(tokens, slot, pads))[0, :len(checked)]
             self.target_calls += 1
             if greedy:
                 choices = verdicts.argmax(axis=-1)

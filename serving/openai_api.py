@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from tools.serving_engine import Engine, Sampling
+from serving.engine import Engine, Sampling
 
 
 class _Common(BaseModel):
@@ -141,11 +141,11 @@ def create_app(engine: Engine) -> FastAPI:
             raise ApiError(400, "the prompt is empty", "prompt")
         settings = sampling(body, len(prompt))
         loop = asyncio.get_running_loop()
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            request, pieces = engine.submit(prompt, settings, loop)
+            request, pieces = engine.submit(prompt, settings, loop, label=ident)
         except ValueError as error:
             raise ApiError(400, str(error), "prompt") from None
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         stops = _stops(body.stop)
         if body.stream:
@@ -156,7 +156,7 @@ def create_app(engine: Engine) -> FastAPI:
             while (piece := await pieces.get()) is not None:
                 text, stopped = _cut_at_stop(text + piece, stops)
                 if stopped:
-                    engine.cancel(request)
+                    engine.cancel(request, "stop")
                     break
         except asyncio.CancelledError:
             engine.cancel(request)
@@ -197,7 +197,7 @@ def create_app(engine: Engine) -> FastAPI:
                     yield event(text[len(sent):], None)
                     sent = text
                 if stopped:
-                    engine.cancel(request)
+                    engine.cancel(request, "stop")
                     break
             yield event(None, "stop" if stopped else _reason(request.finish_reason))
             yield "data: [DONE]\n\n"

@@ -7,7 +7,7 @@
 
 Each batch line holds one request at a time. A step runs every active line once: a line with
 prompt tokens still to write takes the next chunk of them (a context bucket wide) in a
-program for that line alone, costing its own tokens only (Session.forward_line); then the
+program for that line alone, costing its own tokens only (Session.prefill_line); then the
 lines that are generating take their newest token in one decode step (in the programs for
 that many rows when few lines are active), so each prompt being written delays the others by
 one chunk of its own per step. Where the caches are spread over replicas (no one-line
@@ -68,6 +68,18 @@ class Request:
 
 
 class ContinuousBatcher:
+    """The scheduler of a continuous-batching model: which request runs in which batch line,
+    and what each line runs at each step.
+
+    It owns the queue of waiting requests, the request in each line, and each free line's
+    kept prefix (the tokens its cache still holds, for prefix reuse); it chooses each
+    request's tokens on the host and ends requests (end of sequence, budget, end of cache,
+    cancelled). The model's Session owns the device state: the batcher only calls its
+    continuous-batching entry points (prefill_line, step_every_line, decode_lines). Not
+    thread-safe: one thread steps it (serving.engine.Engine); request() may be called from
+    any thread.
+    """
+
     def __init__(self, model: Any):
         if not getattr(model, "continuous_batching", False):
             raise ValueError("ContinuousBatcher needs a model built with NeuronConfig(continuous_batching="
@@ -164,7 +176,7 @@ class ContinuousBatcher:
         part = r.prompt[r.written:r.written + width]
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :len(part)] = part
-        logits = session.forward_line(tokens, r.line, r.written, len(part) - 1)
+        logits = session.prefill_line(tokens, r.line, r.written, len(part) - 1)
         r.written += len(part)
         self.prompt_tokens_written += len(part)
         if r.written == len(r.prompt):
@@ -203,7 +215,7 @@ class ContinuousBatcher:
                 tokens[r.line, 0] = r.tokens[-1]
                 slots[r.line] = r.length - 1
                 choosing.append(r)
-        logits = session.forward_lines(tokens, slots, last_index)
+        logits = session.step_every_line(tokens, slots, last_index)
         if not choosing:
             return
         rows = session.host_logits(logits)
@@ -223,7 +235,7 @@ class ContinuousBatcher:
             else:
                 tokens[i], slots[i] = r.tokens[-1], r.length - 1
         lines = np.array([r.line for r in active], np.int32)
-        logits = session.host_logits(session.forward_rows(tokens, lines, slots))
+        logits = session.host_logits(session.decode_lines(tokens, lines, slots))
         for i, r in enumerate(active):
             self._accept(r, self._choose(r, logits[i]))
 

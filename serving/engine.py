@@ -6,7 +6,8 @@ through an inbox, which it empties before each step.
 
 Each request's tokens go through HF transformers' TextStreamer (its word-boundary and
 UTF-8-safe decoding) into an asyncio queue of text pieces, closed by None. Prometheus
-metrics count requests, tokens, queue length, busy lines and time to first token.
+metrics count requests, tokens, queue length, busy lines and time to first token. Each
+finished request gives one line on the `pyhlo.requests` logger (show_request_log()).
 """
 from __future__ import annotations
 
@@ -21,9 +22,16 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from transformers import TextStreamer
 
-from decoders.session.batcher import ContinuousBatcher, Request
+from serving.scheduler import ContinuousBatcher, Request
 
 log = logging.getLogger("pyhlo")
+request_log = logging.getLogger("pyhlo.requests")
+
+
+def show_request_log(shown: bool = True) -> None:
+    """Show the line per finished request at the default log level (WARNING, where `-v` is
+    not given), or hide it even under `-v`: its logger's own level, INFO or WARNING."""
+    request_log.setLevel(logging.INFO if shown else logging.WARNING)
 
 
 @dataclass
@@ -50,13 +58,22 @@ class _QueueStreamer(TextStreamer):
 
 
 class Engine:
+    """The thread that owns a ContinuousBatcher and steps it while requests are in it.
+
+    It owns the batcher (only its thread touches it), the inbox through which the event loop
+    hands it requests and cancellations, and the Prometheus metrics. A step that fails ends
+    the requests it held with an error; the thread lives on.
+    """
+
     def __init__(self, model: Any, name: str):
         self.model = model
         self.name = name
         self.tokenizer = model.tokenizer
         self.batcher = ContinuousBatcher(model)
         self.eos_token_ids = tuple(model.eos_ids(None))
-        self._inbox: queues.SimpleQueue = queues.SimpleQueue()     # ("add" | "cancel" | "stop", request)
+        # (kind, request, reason): "add" | "cancel" (reason: why, for the request log) | "stop"
+        self._inbox: queues.SimpleQueue = queues.SimpleQueue()
+        self._ended_by: dict[int, str] = {}          # request id -> why it was cancelled (engine thread)
         self._thread = threading.Thread(target=self._loop, name="pyhlo-engine", daemon=True)
         self.registry = CollectorRegistry()
         self.requests = Counter("pyhlo_requests", "Requests by how they ended", ["finish_reason"],
@@ -82,13 +99,14 @@ class Engine:
         return self
 
     def stop(self) -> None:
-        self._inbox.put(("stop", None))
+        self._inbox.put(("stop", None, None))
         self._thread.join(timeout=30)
 
     # -- requests (from the event loop) ----------------------------------------------------
-    def submit(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop
-               ) -> tuple[Request, asyncio.Queue]:
-        """Queue a request; text pieces arrive on the returned queue, then None."""
+    def submit(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop,
+               label: str | None = None) -> tuple[Request, asyncio.Queue]:
+        """Queue a request; text pieces arrive on the returned queue, then None. label: its
+        name in the request log (the API's response id; default request-<n>)."""
         queue: asyncio.Queue = asyncio.Queue()
         streamer = _QueueStreamer(self.tokenizer, loop, queue)
         arrived = time.perf_counter()
@@ -106,6 +124,10 @@ class Engine:
         def on_finish(request: Request) -> None:
             streamer.end()
             self.requests.labels(request.finish_reason).inc()
+            request_log.info("%s prompt_tokens=%d cached=%d completion_tokens=%d time=%.2fs finish_reason=%s",
+                             label or f"request-{request.id}", len(request.prompt), request.reused,
+                             len(request.tokens), time.perf_counter() - arrived,
+                             self._ended_by.pop(request.id, request.finish_reason))
             loop.call_soon_threadsafe(queue.put_nowait, None)
 
         greedy = sampling.temperature == 0
@@ -114,11 +136,13 @@ class Engine:
                        eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish)
         request = self.batcher.request(prompt, sampling.max_tokens, **options)     # a ValueError: bad request
         self.prompt_tokens.inc(len(prompt))
-        self._inbox.put(("add", request))
+        self._inbox.put(("add", request, None))
         return request, queue
 
-    def cancel(self, request: Request) -> None:
-        self._inbox.put(("cancel", request))
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        """End a request (its line is freed); reason says why in the request log (e.g. "stop"
+        for a stop string the API found), its metrics count it as cancelled."""
+        self._inbox.put(("cancel", request, reason))
 
     def idle(self) -> bool:
         """No request queued, running, or on its way in."""
@@ -131,7 +155,7 @@ class Engine:
             # Block for work when idle; otherwise take whatever arrived since the last step.
             while True:
                 try:
-                    kind, request = self._inbox.get(block=not batcher.busy)
+                    kind, request, reason = self._inbox.get(block=not batcher.busy)
                 except queues.Empty:
                     break
                 if kind == "stop":
@@ -139,6 +163,8 @@ class Engine:
                 if kind == "add":
                     batcher.add(request)
                 else:
+                    if not request.done:
+                        self._ended_by[request.id] = reason
                     batcher.cancel(request)
             self.waiting.set(len(batcher.waiting))
             if batcher.busy:

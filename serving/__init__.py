@@ -1,0 +1,13 @@
+"""Serving a model to many clients, apart from the model (between decoders/ and tools/):
+
+    scheduler.py    ContinuousBatcher: requests come and go while the batch keeps running
+    engine.py       Engine: the thread that steps the batcher, with Prometheus metrics
+    openai_api.py   create_app(engine): the OpenAI-compatible HTTP API (FastAPI)
+
+`pyhlo serve` (tools/serve.py) is the command over them. serving imports decoders; decoders
+never imports serving. The engine and the API need the `serve` extras (fastapi, uvicorn,
+prometheus_client); the scheduler needs only the library.
+"""
+from serving.scheduler import ContinuousBatcher, Request
+
+__all__ = ["ContinuousBatcher", "Request"]
