@@ -64,7 +64,10 @@ class Source:
             resolved.append(next((n for n in names if present(n)), names[0]))
         return resolved
 
-    def describe(self) -> str:
+    @property
+    def label(self) -> str:
+        """The names read and the transforms applied, in one line ("a | b + c -> transpose"), as
+        `pyhlo inspect` shows them."""
         parts = [n if isinstance(n, str) else " | ".join(n) for n in self.names]
         text = " + ".join(parts)
         for transform in self.transforms:

@@ -79,6 +79,15 @@ def layer_prefix(layer: int) -> str:
 
 @dataclass(frozen=True)
 class ProgramBuilder:
+    """Writes every program of one compiled model (embed, block, lm_head, model_step, greedy,
+    sampler) for a batch size and cache length, from the decoder's pieces and the lowering.
+
+    It is the one place that turns the pieces' declarations into program parameters: the
+    model builds one per batch size, the compiled set (programs/compiled.py) asks it for each
+    bucket's programs, and the session and `pyhlo inspect` read its parameter specs. It writes
+    programs only: it holds no weights or caches and runs nothing.
+    """
+
     decoder: Decoder
     batch_size: int
     cache_len: int          # every layer's cache holds this many slots (n_positions, plus scratch)
