@@ -171,8 +171,9 @@ class QuantizationConfig:
     def check_amp(self, amp: str) -> None:
         """A ValueError when dequant_dtype is set and is not the model's amp type."""
         if self.dequant_dtype is not None and self.dequant_dtype != amp:
-            raise ValueError(f"QuantizationConfig.dequant_dtype={self.dequant_dtype!r} does not match amp={amp!r}: "
-                             f"products run in the amp type; set dequant_dtype={amp!r} or leave it None")
+            raise ValueError(f"QuantizationConfig.dequant_dtype={self.dequant_dtype!r} does not match "
+                             f"amp={amp!r}: products run in the amp type; set dequant_dtype={amp!r} or "
+                             "leave it None")
 
     def quantizes(self, name: str) -> bool:
         """Whether the layer parameter `name` (a linear weight) is stored quantized."""

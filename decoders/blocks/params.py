@@ -130,13 +130,14 @@ def declare_quantized(params: list[Param], config: QuantizationConfig | None,
                 declared.append(replace(weight, name=f"{param.name}.min", kind=Kind.TABLE,
                                         shape=(param.shape[0], width), part_of=param.name))
             continue
-        if config is None or param.kind is not Kind.LINEAR or param.is_head or not config.quantizes(param.name):
+        quantized = config is not None and param.kind is Kind.LINEAR and not param.is_head
+        if not quantized or not config.quantizes(param.name):
             declared.append(param)
             continue
         weight = replace(param, quant="s8")
         shard = Shard.REPLICATED if param.shard is Shard.ROW else param.shard
-        declared += [weight, replace(weight, name=f"{param.name}.scale", kind=Kind.VECTOR, shape=param.shape[:1],
-                                     shard=shard, part_of=param.name)]
+        declared += [weight, replace(weight, name=f"{param.name}.scale", kind=Kind.VECTOR,
+                                     shape=param.shape[:1], shard=shard, part_of=param.name)]
     return declared
 
 

@@ -21,11 +21,13 @@ def gguf_block_forms(checkpoint, layer_params: list[Param], head_params: list[Pa
             continue
         names = [name for layer in layers for name in param.source.resolve(layer, checkpoint.__contains__)]
         found = {checkpoint.block_form(name) for name in names if name in checkpoint}
-        if len(found) == 1 and None not in found and not param.source.transforms and param.shape[1] % BLOCK == 0:
+        whole_blocks = not param.source.transforms and param.shape[1] % BLOCK == 0
+        if len(found) == 1 and None not in found and whole_blocks:
             forms[param.name] = found.pop()
             continue
         types = {checkpoint.quant_type(name) for name in names if name in checkpoint}
-        widened |= {t for t in types if t not in (None, "F32", "F16", "BF16")} | ({"mixed"} if len(found) > 1 else set())
+        widened |= {t for t in types if t not in (None, "F32", "F16", "BF16")}
+        widened |= {"mixed"} if len(found) > 1 else set()
     if widened:
         log.info("GGUF weights stored %s are widened at load; Q8_0, Q4_0 and Q4_1 run as stored",
                  ", ".join(sorted(widened)))
