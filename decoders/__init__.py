@@ -1,8 +1,7 @@
 """Decoder LLM families, their configuration and the sampling API.
 
     decoders/
-      config.py      NeuronConfig, GenerationConfig, GQA (transformers-neuronx's names)
-      quantization.py QuantizationConfig: int8 per-channel weights, their declarations
+      config.py      NeuronConfig, GenerationConfig, QuantizationConfig, GQA (transformers-neuronx's names)
       model.py       DecoderForSampling: from_pretrained, to_neuron, sample, forward, save, load
       auto.py        NeuronAutoModelForCausalLM: the family class picked by the checkpoint's model_type
       hf_adapter.py  HuggingFaceGenerationModelAdapter: HF generate() over a compiled model
@@ -17,9 +16,18 @@
       programs/      typed program keys, the builder writing them, buckets, the compiled set
       session/       Session (programs + weights + KV caches), the sampling loop, input checks
       checkpoints/   HF directories (safetensors, sharded, .bin), GGUF files, the default model
+      weights/       stored.py: the forms quantized weights are stored in (int8 rows, GGUF blocks);
+                     quantize.py: their numpy quantization and dequantization
 """
 from decoders.auto import NeuronAutoModelForCausalLM
-from decoders.config import GQA, ContinuousBatchingConfig, GenerationConfig, NeuronConfig, NotSupportedYet
+from decoders.config import (
+    GQA,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    NeuronConfig,
+    NotSupportedYet,
+    QuantizationConfig,
+)
 from decoders.families.bloom import BloomForSampling
 from decoders.families.gpt2 import GPT2ForSampling, GPT2ForSamplingWithContextBroadcasting
 from decoders.families.gpt_neox import GPTNeoXForSampling
@@ -29,7 +37,6 @@ from decoders.families.mistral import MistralForSampling
 from decoders.families.mixtral import MixtralForSampling
 from decoders.families.opt import OPTForSampling
 from decoders.families.qwen2 import Qwen2ForSampling
-from decoders.quantization import QuantizationConfig
 from decoders.session.speculative import SpeculativeGenerator
 
 __all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",

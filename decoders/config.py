@@ -1,4 +1,5 @@
-"""Configuration: NeuronConfig (how programs are built) and GenerationConfig (sampling).
+"""Configuration: NeuronConfig (how programs are built), QuantizationConfig (its weights'
+quantization) and GenerationConfig (sampling).
 
 Names follow transformers-neuronx so its users' code ports by changing an import.
 Every field is validated at construction; an option that is not built yet raises
@@ -12,6 +13,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyhlo.dtypes import element_type_of_amp
 from pyhlo.scribe import DOT_PRECISIONS
 
 
@@ -21,18 +23,6 @@ class NotSupportedYet(ValueError):
 
 # NeuronConfig.f32_matmul_precision: XLA's dot precisions, and "tf32" (XLA's "default").
 F32_MATMUL_PRECISIONS = (*DOT_PRECISIONS, "tf32")
-
-AMP_TYPES = {"f32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
-             "f16": "f16", "float16": "f16"}
-
-
-def element_type_of_amp(amp: str) -> str:
-    """'f32' | 'bf16' | 'f16' (or torch names) -> element type name; anything else is an error."""
-    try:
-        return AMP_TYPES[amp]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown amp {amp!r}; use one of 'f32', 'bf16', 'f16'") from None
-
 
 class GQA(enum.Enum):
     """How tensor parallelism shares out the KV heads of grouped-query attention
@@ -138,6 +128,65 @@ class ContinuousBatchingConfig:
             raise ValueError(f"ContinuousBatchingConfig.batch_size_for_shared_caches must be an int >= 1, got {size!r}")
 
 
+# QuantizationConfig: transformers-neuronx calls per-output-channel symmetric scaling "vector_dynamic".
+QUANT_METHODS = ("vector_dynamic", "per_channel_symmetric")
+QUANT_DTYPES = ("s8",)
+
+
+@dataclass
+class QuantizationConfig:
+    """How weights are quantized (transformers-neuronx's names), e.g.
+    NeuronConfig(quant=QuantizationConfig(quant_dtype="s8", dequant_dtype="bf16")).
+
+    Every linear weight inside the decoder layers (attention and MLP products, experts and
+    routers included; not the embedding or the LM head) is stored as int8 [out, in] with one
+    f32 scale per output row, symmetric: w ~= scale[o] * q[o, i], scale[o] = max_i |w[o, i]| / 127.
+    A product computes (x @ q.T) * scale: XLA converts q to `dequant_dtype` inside the program
+    (plain HLO, any backend), pyhlo's CPU kernel widens it in registers.
+
+    quant_dtype: the stored type ("s8"). dequant_dtype: the type products run in after
+    dequantizing; None: the model's amp type (anything else must equal it). quantize_method:
+    "vector_dynamic" or its plain name "per_channel_symmetric". quantize_attn: False keeps the
+    attention products unquantized. no_quantize_list: parameter names (as `pyhlo inspect`
+    lists them, e.g. "mlp.down.weight") kept unquantized.
+    """
+
+    quant_dtype: str = "s8"
+    dequant_dtype: str | None = None
+    quantize_method: str = "vector_dynamic"
+    quantize_attn: bool = True
+    no_quantize_list: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.quant_dtype not in QUANT_DTYPES:
+            raise ValueError(f"QuantizationConfig.quant_dtype must be one of {QUANT_DTYPES}, got "
+                             f"{self.quant_dtype!r}")
+        if self.quantize_method not in QUANT_METHODS:
+            raise ValueError(f"QuantizationConfig.quantize_method must be one of {QUANT_METHODS}, got "
+                             f"{self.quantize_method!r}")
+        if self.dequant_dtype is not None:
+            self.dequant_dtype = element_type_of_amp(self.dequant_dtype)
+        self.no_quantize_list = list(self.no_quantize_list)
+
+    def check_amp(self, amp: str) -> None:
+        """A ValueError when dequant_dtype is set and is not the model's amp type."""
+        if self.dequant_dtype is not None and self.dequant_dtype != amp:
+            raise ValueError(f"QuantizationConfig.dequant_dtype={self.dequant_dtype!r} does not match "
+                             f"amp={amp!r}: products run in the amp type; set dequant_dtype={amp!r} or "
+                             "leave it None")
+
+    def quantizes(self, name: str) -> bool:
+        """Whether the layer parameter `name` (a linear weight) is stored quantized."""
+        if name in self.no_quantize_list:
+            return False
+        return self.quantize_attn or not name.startswith("attn.")
+
+    def to_dict(self) -> dict:
+        return {"quant_dtype": self.quant_dtype, "dequant_dtype": self.dequant_dtype,
+                "quantize_method": self.quantize_method, "quantize_attn": self.quantize_attn,
+                "no_quantize_list": list(self.no_quantize_list)}
+
+
 @dataclass
 class NeuronConfig:
     """How the programs are built. Defaults are what pyhlo builds today."""
@@ -193,8 +242,6 @@ class NeuronConfig:
             except ValueError:
                 raise ValueError(f"NeuronConfig.group_query_attention must be None or one of "
                                  f"{[g.value for g in GQA]}, got {self.group_query_attention!r}") from None
-        from decoders.quantization import QuantizationConfig
-
         if isinstance(self.quant, dict):
             self.quant = QuantizationConfig(**self.quant)
         if self.quant is not None and not isinstance(self.quant, QuantizationConfig):

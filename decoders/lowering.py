@@ -26,16 +26,9 @@ import numpy as np
 
 from decoders import sharding
 from decoders.blocks.params import Kind, Param, Shard
-from decoders.config import GQA, NeuronConfig
-from decoders.quantization import (
-    BLOCK_FORMS,
-    BlockWeight,
-    QuantizationConfig,
-    QuantizedWeight,
-    quantize_per_channel,
-    stored_dims,
-    stored_dtype,
-)
+from decoders.config import GQA, NeuronConfig, QuantizationConfig
+from decoders.weights.quantize import quantize_per_channel
+from decoders.weights.stored import BLOCK_FORMS, BlockWeight, QuantizedWeight, stored_dims, stored_dtype
 from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.attention import decode_attention_kernel

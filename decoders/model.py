@@ -18,17 +18,18 @@ from typing import Any
 import numpy as np
 
 from decoders.checkpoints import open_checkpoint
-from decoders.config import GenerationConfig, NeuronConfig, NotSupportedYet, element_type_of_amp
+from decoders.checkpoints.gguf_forms import gguf_block_forms
+from decoders.config import GenerationConfig, NeuronConfig, NotSupportedYet
 from decoders.description import ConfigReader, Family
 from decoders.lowering import XlaLowering, choose_lowering
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder
 from decoders.programs.keys import ProgramKey
-from decoders.quantization import gguf_block_forms
 from decoders.session.generation import Generation, sampler_bound
 from decoders.session.inputs import check_sampling, parse_prompts, per_line
 from decoders.session.lines import run_sequences
 from decoders.session.session import Session
+from pyhlo.dtypes import element_type_of_amp
 
 log = logging.getLogger("pyhlo")
 

@@ -68,3 +68,16 @@ def comparison_type(name: str) -> str:
     if name in SIGNED_TYPES:
         return "SIGNED"
     return "UNSIGNED"
+
+
+# Names an `amp` setting may take (pyhlo's element type names and torch's), by element type.
+AMP_TYPES = {"f32": "f32", "float32": "f32", "bf16": "bf16", "bfloat16": "bf16",
+             "f16": "f16", "float16": "f16"}
+
+
+def element_type_of_amp(amp: str) -> str:
+    """'f32' | 'bf16' | 'f16' (or torch names) -> element type name; anything else is an error."""
+    try:
+        return AMP_TYPES[amp]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown amp {amp!r}; use one of 'f32', 'bf16', 'f16'") from None

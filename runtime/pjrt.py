@@ -238,11 +238,6 @@ def deserialize_executable(platform: str, data: bytes, num_replicas: int = 1,
     return get_client(platform).deserialize_executable(data, xc.DeviceList(tuple(chosen)), options)
 
 
-def executable_devices(exe: LoadedExecutable) -> list:
-    """This process's devices of the executable, replica order."""
-    return list(exe.local_devices())
-
-
 def execute(exe: LoadedExecutable, args: Sequence[Buffer]) -> list[Buffer]:
     """Run a one-device executable; a tuple result comes back flattened into a list."""
     return exe.execute(list(args))

@@ -760,12 +760,12 @@ def test_attention_split_qkv_stored_in_out():
 def test_attention_contiguous_qkv_params():
     att = _contiguous_attention(hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, qkv_bias=True, out_bias=True,
                                 stored_in_out=True)
-    sources = {p.name: p.source.describe() for p in att.params("attn")}
+    sources = {p.name: p.source.label for p in att.params("attn")}
     assert sources == {"attn.qkv.weight": "transformer.h.{i}.attn.c_attn.weight -> transpose",
                        "attn.qkv.bias": "transformer.h.{i}.attn.c_attn.bias",
                        "attn.out.weight": "transformer.h.{i}.attn.c_proj.weight -> transpose",
                        "attn.out.bias": "transformer.h.{i}.attn.c_proj.bias"}
-    split = {p.name: p.source.describe() for p in _contiguous_attention(
+    split = {p.name: p.source.label for p in _contiguous_attention(
         hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, stored_in_out=True, fused=False).params("attn")}
     assert split["attn.k.weight"] == "transformer.h.{i}.attn.c_attn.weight -> transpose -> rows 8:16"
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_quantized_blocks import FORMS, random_blocks
 
-from decoders.quantization import dequantize_blocks
+from decoders.weights.quantize import dequantize_blocks
 from pyhlo.ops import linalg
 from pyhlo.shape_inference import HloShapeError
 from runtime import cpu_kernels

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import extra_ops
 import numpy as np
 import pytest
 
@@ -35,8 +36,8 @@ def program(scribe):
         collectives.all_reduce_sum(x, PAIRS),
         collectives.all_gather(x, 0, ALL),
         collectives.all_gather(x, 1, PAIRS),
-        collectives.reduce_scatter(x, 0, ALL),
-        collectives.reduce_scatter(x, 1, PAIRS),
+        extra_ops.reduce_scatter(x, 0, ALL),
+        extra_ops.reduce_scatter(x, 1, PAIRS),
         collectives.replica_id(scribe),
     ]
 
@@ -122,7 +123,7 @@ def test_groups_must_have_equal_sizes():
 
 def test_reduce_scatter_needs_an_even_split():
     def bad(scribe):
-        return collectives.reduce_scatter(scribe.f32[3, 2].Parameter(parameter_number=0), 0, ALL)
+        return extra_ops.reduce_scatter(scribe.f32[3, 2].Parameter(parameter_number=0), 0, ALL)
 
     with pytest.raises(ValueError, match=r"dim 0 of f32\[3,2\] does not split into 4 parts"):
         compile_py_func(bad)

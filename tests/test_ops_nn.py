@@ -1,6 +1,7 @@
 """Neural-network composites against torch and HF transformers' own modules."""
 from __future__ import annotations
 
+import extra_ops
 import numpy as np
 import pytest
 import torch
@@ -15,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from pyhlo import compile_py_func
 from pyhlo.dtypes import numpy_dtype
-from pyhlo.ops import nn, precision
+from pyhlo.ops import nn
 from pyhlo.ops.shape_ops import broadcast
 
 BF16 = numpy_dtype("bf16")
@@ -140,7 +141,7 @@ def test_gated_mlp_f32(lead, hidden, inter, activation, seed):
 
     def program(scribe):
         ws = [_param(scribe, "f32", w.shape, i + 1) for i, w in enumerate((gate, up, down))]
-        return nn.gated_mlp(_param(scribe, "f32", x.shape), *ws, activation=activation)
+        return extra_ops.gated_mlp(_param(scribe, "f32", x.shape), *ws, activation=activation)
 
     (out,) = run_fn(program, x, gate, up, down)
     act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation]
@@ -155,7 +156,7 @@ def test_gated_mlp_bf16_accumulates_in_f32():
 
     def program(scribe):
         ws = [_param(scribe, "bf16", w.shape, i + 1) for i, w in enumerate((gate, up, down))]
-        return nn.gated_mlp(_param(scribe, "bf16", x.shape), *ws)
+        return extra_ops.gated_mlp(_param(scribe, "bf16", x.shape), *ws)
 
     (out,) = run_fn(program, x, gate, up, down)
     f = [torch.from_numpy(a.astype(np.float32)) for a in (x, gate, up, down)]
@@ -271,7 +272,7 @@ def test_alibi_slopes_match_hf_bloom(n_heads):
 def test_alibi_bias_matches_hf_bloom():
     n_heads, n_keys = 12, 9
     slopes = nn.alibi_slopes(n_heads)
-    (bias,) = run_fn(lambda scribe: nn.alibi_bias(scribe, slopes, n_keys))
+    (bias,) = run_fn(lambda scribe: extra_ops.alibi_bias(scribe, slopes, n_keys))
     hf = build_alibi_tensor(torch.ones(1, n_keys, dtype=torch.long), n_heads, torch.float32)[:, 0, :]
     np.testing.assert_allclose(bias, hf.numpy(), rtol=1e-6)
 
@@ -281,20 +282,20 @@ def test_alibi_bias_matches_hf_bloom():
 @pytest.mark.parametrize("amp, name", [("f32", "f32"), ("float32", "f32"), ("bf16", "bf16"),
                                        ("bfloat16", "bf16"), ("f16", "f16"), ("float16", "f16")])
 def test_compute_dtype(amp, name):
-    assert precision.compute_dtype(amp) == name
+    assert extra_ops.compute_dtype(amp) == name
 
 
 def test_compute_dtype_lists_the_valid_names():
     with pytest.raises(ValueError, match=r"unknown amp dtype 'int8'; valid names: .*bfloat16.*float32"):
-        precision.compute_dtype("int8")
+        extra_ops.compute_dtype("int8")
 
 
 def test_upcast_and_downcast():
     x = np.array([1.0, 1.0 + 2**-10, -3.3], np.float32)
 
     def program(scribe):
-        low = precision.downcast(_param(scribe, "f32", (3,)), "bf16")
-        return [low, precision.upcast(low)]
+        low = extra_ops.downcast(_param(scribe, "f32", (3,)), "bf16")
+        return [low, extra_ops.upcast(low)]
 
     low, high = run_fn(program, x)
     assert low.dtype == BF16 and high.dtype == np.float32

@@ -8,7 +8,8 @@ from hlo_run import run_fn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoders.quantization import QuantizationConfig, dequantize, quantize_per_channel
+from decoders.config import QuantizationConfig
+from decoders.weights.quantize import dequantize, quantize_per_channel
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.shape_ops import broadcast
 

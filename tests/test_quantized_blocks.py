@@ -8,7 +8,8 @@ from hlo_run import run_fn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoders.quantization import BlockWeight, dequantize_blocks
+from decoders.weights.quantize import dequantize_blocks
+from decoders.weights.stored import BlockWeight
 from pyhlo.ops.quantized import dequantize_blocks as dequantize_in_program
 from pyhlo.shape_inference import HloShapeError
 

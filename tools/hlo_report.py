@@ -390,7 +390,7 @@ def format_weights(model: Any) -> str:
         for param in params:
             spec = builder.spec(param)
             rows.append((where, spec.name, f"{spec.dtype}[{','.join(map(str, spec.dims))}]", param.shard.value,
-                         param.source.describe()))
+                         param.source.label))
     return format_table(["", "parameter", "program shape", "shard", "checkpoint ({i}: layer)"], rows)
 
 

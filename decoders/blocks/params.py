@@ -5,17 +5,20 @@ Every piece of the decoder (norm, attention, MLP, embedding, head) declares its 
 which picks the layout and element type), the loader reads them from a checkpoint with
 their `Source`, the inspect tool lists them, and tensor parallelism shards them along
 their `Shard` axis. Shapes are logical and torch-like: a linear weight is [out, in].
+`declare_quantized` stores linear weights quantized, each followed by its scales (and minimums).
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import ml_dtypes
 import numpy as np
 
 from decoders.checkpoints.base import is_float_dtype
+from decoders.config import QuantizationConfig
+from decoders.weights.stored import BLOCK, BLOCK_FORMS, BlockWeight
 
 
 class Shard(enum.Enum):
@@ -61,7 +64,10 @@ class Source:
             resolved.append(next((n for n in names if present(n)), names[0]))
         return resolved
 
-    def describe(self) -> str:
+    @property
+    def label(self) -> str:
+        """The names read and the transforms applied, in one line ("a | b + c -> transpose"), as
+        `pyhlo inspect` shows them."""
         parts = [n if isinstance(n, str) else " | ".join(n) for n in self.names]
         text = " + ".join(parts)
         for transform in self.transforms:
@@ -94,15 +100,45 @@ class Param:
     # Attention projections: the parts (indices into segments; (0,) for a lone k or v weight)
     # that hold keys or values, which some GQA strategies hold whole or split by features.
     kv_segments: tuple[int, ...] = ()
-    # Weight quantization (decoders/quantization.py): the form this linear weight is stored in
-    # ("s8": int8 per-row; a GGUF block form: "q8_0", "q4_0", "q4_1"), or the quantized weight
-    # named `part_of` this array (its scales or minimums) belongs to, read from the same tensor.
+    # Weight quantization (declare_quantized; the forms: decoders/weights/stored.py): the form
+    # this linear weight is stored in ("s8": int8 per-row; a GGUF block form: "q8_0", "q4_0",
+    # "q4_1"), or the quantized weight named `part_of` this array (its scales or minimums)
+    # belongs to, read from the same tensor.
     quant: str | None = None
     part_of: str | None = None
 
     def __post_init__(self) -> None:
         if self.segments and sum(self.segments) != self.shape[0]:
             raise ValueError(f"{self.name}: segments {self.segments} do not add up to {self.shape[0]}")
+
+
+def declare_quantized(params: list[Param], config: QuantizationConfig | None,
+                      blocks: dict[str, str] | None = None) -> list[Param]:
+    """Parameters with each linear weight stored quantized, followed by the arrays that
+    belong to it (NAME.scale, NAME.min): in the GGUF block form `blocks` names for it, else,
+    for a layer weight `config` quantizes, int8 with its f32 scales [out] (split with the
+    weight's rows, whole beside a weight split by columns)."""
+    declared = []
+    for param in params:
+        form = (blocks or {}).get(param.name)
+        if form is not None:
+            weight = replace(param, quant=form)
+            width = param.shape[1] // BLOCK
+            declared += [weight, replace(weight, name=f"{param.name}.scale", kind=Kind.TABLE,
+                                         shape=(param.shape[0], width), part_of=param.name)]
+            if BLOCK_FORMS[form].has_mins:
+                declared.append(replace(weight, name=f"{param.name}.min", kind=Kind.TABLE,
+                                        shape=(param.shape[0], width), part_of=param.name))
+            continue
+        quantized = config is not None and param.kind is Kind.LINEAR and not param.is_head
+        if not quantized or not config.quantizes(param.name):
+            declared.append(param)
+            continue
+        weight = replace(param, quant="s8")
+        shard = Shard.REPLICATED if param.shard is Shard.ROW else param.shard
+        declared += [weight, replace(weight, name=f"{param.name}.scale", kind=Kind.VECTOR,
+                                     shape=param.shape[:1], shard=shard, part_of=param.name)]
+    return declared
 
 
 def padded_groups(groups: int, tp_degree: int) -> int:
@@ -169,8 +205,6 @@ def read(param: Param, checkpoint, layer: int | None) -> np.ndarray:
 
 def _read_blocks(param: Param, checkpoint, names: list[str]):
     """A GGUF block weight's parts concatenated along rows (a fused q|k|v is three tensors)."""
-    from decoders.quantization import BlockWeight
-
     parts = [checkpoint.blocks(name) for name in names]
     forms = {part.form for part in parts}
     if forms != {param.quant} or param.source.transforms:
@@ -178,5 +212,5 @@ def _read_blocks(param: Param, checkpoint, names: list[str]):
                          + (" with transforms" if param.source.transforms else ""))
     joined = [np.concatenate(arrays, axis=0) if len(parts) > 1 else arrays[0]
               for arrays in zip(*(part[1:3] for part in parts))]
-    mins = np.concatenate([p.mins for p in parts], axis=0) if param.quant == "q4_1" else None
+    mins = np.concatenate([p.mins for p in parts], axis=0) if BLOCK_FORMS[param.quant].has_mins else None
     return BlockWeight(param.quant, *joined, mins)

@@ -10,6 +10,8 @@ import pathlib
 import ml_dtypes
 import numpy as np
 
+from decoders.weights.stored import BlockWeight
+
 # Float types numpy does not know natively; np.dtype(...).kind is "V" for them.
 _EXTRA_FLOAT_DTYPES = frozenset(
     np.dtype(t) for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
@@ -67,8 +69,8 @@ class Checkpoint:
         as by blocks(); None: it is read as a float array only."""
         return None
 
-    def blocks(self, name: str):
-        """A tensor in its GGUF block form, as stored (decoders.quantization.BlockWeight)."""
+    def blocks(self, name: str) -> BlockWeight:
+        """A tensor in its GGUF block form, as stored."""
         raise CheckpointError(f"{self}: {name} is not stored in GGUF blocks")
 
     def chat_template(self) -> str | None:

@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from decoders.checkpoints.base import Checkpoint, CheckpointError
+from decoders.weights.stored import BLOCK_FORMS, BlockWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +150,8 @@ def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
 # Arrays longer than this (the vocabulary, its merges and scores) are not kept once the file is
 # open: as parsed they take far more memory than the weights of a small model.
 LONG_ARRAY = 1024
-# GGML types run as stored: the block form's name and the bytes of one block of 32 values
-# (f16 scale, Q4_1's f16 minimum, then the values).
-BLOCK_LAYOUTS = {"Q8_0": ("q8_0", 34), "Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20)}
+# GGML types run as stored, by the name of their block form (decoders/weights/stored.py).
+FORM_OF_TYPE = {form.ggml_type: name for name, form in BLOCK_FORMS.items()}
 # Quantized tensors are dequantized this many values at a time, to bound the temporaries.
 DEQUANTIZE_CHUNK = 1 << 22
 
@@ -338,22 +338,21 @@ class GGUFCheckpoint(Checkpoint):
 
     def block_form(self, name: str) -> str | None:
         self._require(name)
-        return BLOCK_LAYOUTS.get(self.quant_type(name), (None,))[0]
+        return FORM_OF_TYPE.get(self.quant_type(name))
 
-    def blocks(self, name: str):
+    def blocks(self, name: str) -> BlockWeight:
         """A Q8_0, Q4_0 or Q4_1 tensor's blocks split into values, scales (and minimums), bit
-        for bit, rows in Hugging Face's order (decoders.quantization.BlockWeight)."""
-        from decoders.quantization import BlockWeight
-
+        for bit, rows in Hugging Face's order."""
         form = self.block_form(name)
         if form is None:
             raise CheckpointError(f"{self.path}: {name} is stored {self.quant_type(name)}, not in a block form "
-                                  f"pyhlo runs as stored ({', '.join(BLOCK_LAYOUTS)})")
+                                  f"pyhlo runs as stored ({', '.join(FORM_OF_TYPE)})")
         tensor, rope_heads, expert = self._tensors[name]
         data = tensor.data if expert is None else tensor.data[expert]
-        rows, block_bytes = self.shape(name)[0], BLOCK_LAYOUTS[self.quant_type(name)][1]
+        rows, block_bytes = self.shape(name)[0], BLOCK_FORMS[form].block_bytes
         blocks = np.asarray(data).reshape(rows, -1, block_bytes)
-        halves = 2 if form == "q4_1" else 1
+        # Each block: an f16 scale, an f16 minimum where the form has one, then the values.
+        halves = 2 if BLOCK_FORMS[form].has_mins else 1
         parts = [np.ascontiguousarray(blocks[:, :, 2 * i:2 * i + 2]).view(np.float16)[:, :, 0] for i in range(halves)]
         values = np.ascontiguousarray(blocks[:, :, 2 * halves:]).reshape(rows, -1)
         if form == "q8_0":

@@ -19,6 +19,7 @@ import tempfile
 from decoders.checkpoints.base import Checkpoint
 from decoders.checkpoints.gguf import GGUFCheckpoint, _cache_key, load_cached_tokenizer
 from decoders.checkpoints.hf import HFCheckpoint
+from decoders.weights.stored import BLOCK_FORMS, BlockWeight
 
 
 def converted_dir(path: pathlib.Path) -> pathlib.Path | None:
@@ -65,14 +66,13 @@ class ConvertedGGUF(HFCheckpoint):
         self._require(name)
         return self._forms.get(name)
 
-    def blocks(self, name: str):
-        from decoders.quantization import BlockWeight
-
+    def blocks(self, name: str) -> BlockWeight:
         form = self.block_form(name)
         if form is None:
             return self._gguf().blocks(name)     # names the GGML type it has instead
         parts = [self._blocks.get_tensor(f"{name}:{part}") for part in ("values", "scales")]
-        return BlockWeight(form, *parts, self._blocks.get_tensor(f"{name}:mins") if form == "q4_1" else None)
+        mins = self._blocks.get_tensor(f"{name}:mins") if BLOCK_FORMS[form].has_mins else None
+        return BlockWeight(form, *parts, mins)
 
     def close(self) -> None:
         super().close()

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders import quantization, sharding
+from decoders import sharding
 from decoders.blocks import parallel
 from decoders.blocks.embedding import HEAD_WEIGHT
 from decoders.blocks.layer import Decoder
-from decoders.blocks.params import Param
+from decoders.blocks.params import Param, declare_quantized
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
 from decoders.lowering import XlaLowering
@@ -79,6 +79,15 @@ def layer_prefix(layer: int) -> str:
 
 @dataclass(frozen=True)
 class ProgramBuilder:
+    """Writes every program of one compiled model (embed, block, lm_head, model_step, greedy,
+    sampler) for a batch size and cache length, from the decoder's pieces and the lowering.
+
+    It is the one place that turns the pieces' declarations into program parameters: the
+    model builds one per batch size, the compiled set (programs/compiled.py) asks it for each
+    bucket's programs, and the session and `pyhlo inspect` read its parameter specs. It writes
+    programs only: it holds no weights or caches and runs nothing.
+    """
+
     decoder: Decoder
     batch_size: int
     cache_len: int          # every layer's cache holds this many slots (n_positions, plus scratch)
@@ -125,11 +134,11 @@ class ProgramBuilder:
         return ParamSpec(prefix + param.name, self.lowering.param_dtype(param), self.lowering.param_dims(param))
 
     def layer_params(self) -> list[Param]:
-        return quantization.declare(self.decoder.layer.params(), self.lowering.quant, self.lowering.block_forms)
+        return declare_quantized(self.decoder.layer.params(), self.lowering.quant, self.lowering.block_forms)
 
     def head_params(self) -> list[Param]:
         """The final norm's and the LM head's (its weight in a GGUF block form, if the file has it)."""
-        return quantization.declare(self.decoder.head.params(), None, self.lowering.block_forms)
+        return declare_quantized(self.decoder.head.params(), None, self.lowering.block_forms)
 
     def shared_params(self) -> list[Param]:
         return self.decoder.embedding.params(include_tokens=not self.one_table) + self.head_params()

@@ -15,6 +15,7 @@ import numpy as np
 
 from decoders.session.inputs import Prompts
 from decoders.session.session import Session
+from pyhlo.ops.sampling import seed_state
 
 # Decode steps launched ahead of the one whose tokens the host reads (when no step needs
 # the host's view of the last tokens first).
@@ -27,7 +28,7 @@ def _rng_state(seed: int | None) -> np.ndarray:
     from runtime import distributed
 
     entropy = seed if seed is not None else distributed.agreed_entropy()
-    return np.random.SeedSequence(entropy).generate_state(4, dtype=np.uint32).reshape(2, 2)
+    return seed_state(entropy)
 
 
 def banned_ngram_tokens(tokens: list[int], n: int) -> set[int]:

@@ -33,20 +33,6 @@ def all_gather(x: HloValue, dim: int, replica_groups: Sequence[Sequence[int]]) -
     return getattr(x.scribe, x.dtype)[dims].AllGather(x, dimensions=[dim], replica_groups=groups)
 
 
-def reduce_scatter(x: HloValue, dim: int, replica_groups: Sequence[Sequence[int]]) -> HloValue:
-    """The group's sum of x, split along `dim`: the i-th replica of a group keeps the i-th block."""
-    groups = _groups(replica_groups)
-    dim %= len(x.dims)
-    size = len(groups[0])
-    if x.dims[dim] % size:
-        raise ValueError(f"reduce_scatter: dim {dim} of {x.shape!r} does not split into {size} parts")
-    dims = list(x.dims)
-    dims[dim] //= size
-    return getattr(x.scribe, x.dtype)[dims].ReduceScatter(
-        x, dimensions=[dim], replica_groups=groups, to_apply=scalar_computation(x.dtype, "Add")
-    )
-
-
 def replica_id(scribe: Scribe) -> HloValue:
     """This replica's number (u32 scalar)."""
     return scribe.u32[()].ReplicaId()

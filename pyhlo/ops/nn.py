@@ -1,4 +1,4 @@
-"""Neural-network composites: softmax, norms, activations, gated MLP, rotary embeddings, masks, ALiBi.
+"""Neural-network composites: softmax, norms, activations, rotary embeddings, masks, ALiBi slopes.
 
 Reductions and transcendental math run in f32 when the input is bf16 or f16;
 results come back in the input's element type.
@@ -25,11 +25,10 @@ from pyhlo.ops.elementwise import (
     subtract,
     tanh,
 )
-from pyhlo.ops.linalg import matmul
-from pyhlo.ops.precision import LOW_PRECISION, compute_in_f32
+from pyhlo.ops.precision import compute_in_f32
 from pyhlo.ops.reductions import reduce_max, reduce_sum
 from pyhlo.ops.shape_ops import broadcast, concatenate, iota, reshape, slice_along
-from pyhlo.scribe import HloValue, Scribe
+from pyhlo.scribe import HloValue
 
 
 def expand(x: HloValue, dims: tuple[int, ...], dim: int) -> HloValue:
@@ -124,21 +123,6 @@ def activation_fn(name: str):
     if name not in ACTIVATIONS:
         raise ValueError(f"unknown activation {name!r}; valid: {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
-
-
-def gated_mlp(x: HloValue, gate_w: HloValue, up_w: HloValue, down_w: HloValue,
-              activation: str = "silu") -> HloValue:
-    """down(act(x @ gate) * (x @ up)); weights [in, out]: gate/up [hidden, inter], down [inter, hidden].
-
-    bf16/f16 products accumulate into f32 (the fast bf16 form on XLA:CPU for [in, out]
-    weights), the activation runs in f32, and the result comes back in x's type.
-    """
-    act = activation_fn(activation)
-    acc = "f32" if x.dtype in LOW_PRECISION else x.dtype
-    gate = matmul(x, gate_w, out_dtype=acc)
-    up = matmul(x, up_w, out_dtype=acc)
-    hidden = convert(multiply(act(gate), up), x.dtype)
-    return convert(matmul(hidden, down_w, out_dtype=acc), x.dtype)
 
 
 # -- rotary position embeddings ------------------------------------------------
@@ -236,11 +220,3 @@ def alibi_slopes(n_heads: int) -> np.ndarray:
         remaining = min(closest, n_heads - closest)
         slopes += [extra_base ** p for p in range(1, 1 + 2 * remaining, 2)]
     return np.asarray(slopes, dtype=np.float32)
-
-
-def alibi_bias(scribe: Scribe, slopes: np.ndarray, n_keys: int) -> HloValue:
-    """f32[n_heads, n_keys] = slope[h] * key_index, added to attention scores before softmax."""
-    slopes = np.asarray(slopes, dtype=np.float32).reshape(-1)
-    dims = (len(slopes), n_keys)
-    per_head = broadcast(constant(scribe, "f32", slopes, (len(slopes),)), dims, [0])
-    return multiply(per_head, iota(scribe, "f32", dims, 1))

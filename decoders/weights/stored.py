@@ -1,0 +1,83 @@
+"""The forms a linear weight is stored in for the programs, and what each form's arrays are.
+
+A weight quantized at load (NeuronConfig.quant) is int8 [out, in] with one f32 scale per
+output row ("s8", `QuantizedWeight`). A weight a GGUF file stores in one of llama.cpp's block
+forms runs as stored (`BlockWeight`: the same bits, as values, scales and minimums): each row
+in blocks of values that share an f16 scale (and an f16 minimum), dequantized inside the
+program or pyhlo's CPU kernel. BLOCK_FORMS lists those forms, one row each; a new form starts
+with a row there.
+
+A leaf: the pieces' declarations, the checkpoints and the lowering all import it, and it
+imports none of them.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from pyhlo.ops import quantized
+
+# Values per block of the block forms below (each block has its own scale): the block the
+# programs dequantize.
+BLOCK = quantized.BLOCK
+
+
+class BlockForm(NamedTuple):
+    """A GGUF block form run as stored: how its values are held, and its blocks in a file."""
+
+    values_dtype: str       # the element type of the values array ("s8", "u8")
+    values_per_byte: int    # 2 for 4-bit values: byte j of a block's 16 holds values j and j + 16
+    ggml_type: str          # the GGML type a GGUF file names it by
+    block_bytes: int        # one block in a GGUF file: f16 scale, f16 minimum (if any), values
+    has_mins: bool          # a minimum per block: w = scale * value + min (else scale * value)
+
+
+BLOCK_FORMS = {
+    "q8_0": BlockForm("s8", 1, "Q8_0", 34, False),
+    "q4_0": BlockForm("u8", 2, "Q4_0", 18, False),
+    "q4_1": BlockForm("u8", 2, "Q4_1", 20, True),
+}
+
+
+class QuantizedWeight(NamedTuple):
+    """A linear weight [out, in] as int8 values and f32 per-row scales."""
+
+    values: np.ndarray
+    scales: np.ndarray
+
+
+class BlockWeight(NamedTuple):
+    """A linear weight [out, in] in a GGUF block form: `values` s8 [out, in] (q8_0) or u8
+    [out, in/2] (q4_0, q4_1: byte j of a block's 16 holds value j in its low nibble and
+    value j+16 in its high one), `scales` f16 [out, in/32], `mins` f16 [out, in/32] (q4_1)."""
+
+    form: str
+    values: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None = None
+
+
+class Stored(Protocol):
+    """What the stored form of a declared parameter (decoders.blocks.params.Param) depends on."""
+
+    shape: tuple[int, ...]
+    quant: str | None
+    part_of: str | None
+
+
+def stored_dims(param: Stored) -> tuple[int, ...]:
+    """The dims of a parameter as stored: a GGUF block weight's values are [out, in / values
+    per byte]; anything else, its logical shape."""
+    if param.quant in BLOCK_FORMS and not param.part_of:
+        return (param.shape[0], param.shape[1] // BLOCK_FORMS[param.quant].values_per_byte)
+    return param.shape
+
+
+def stored_dtype(param: Stored) -> str | None:
+    """The element type of a quantized weight or one of its arrays; None: not quantized."""
+    if param.quant is None:
+        return None
+    if param.quant == "s8":
+        return "f32" if param.part_of else "s8"
+    return "f16" if param.part_of else BLOCK_FORMS[param.quant].values_dtype
