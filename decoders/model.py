@@ -51,8 +51,7 @@ class DecoderForSampling:
         if not isinstance(tp_degree, int) or tp_degree < 1:
             raise ValueError(f"tp_degree must be an int >= 1, got {tp_degree!r}")
         self.tp_degree = tp_degree
-        dtype = element_type_of_amp(amp)
-        self.dtype = dtype
+        self.dtype = element_type_of_amp(amp)
         self.amp = amp
         self.neuron_config = neuron_config or NeuronConfig()
         if self.neuron_config.quant is not None:
@@ -74,7 +73,7 @@ class DecoderForSampling:
         kv = kv_sharding.decide(self.decoder.layer.attention, tp_degree=tp_degree,
                                 strategy=self.neuron_config.group_query_attention,
                                 over_sequence=self.neuron_config.shard_over_sequence)
-        lowering = choose_lowering(self.neuron_config, backend, dtype=dtype, batch_size=batch_size,
+        lowering = choose_lowering(self.neuron_config, backend, dtype=self.dtype, batch_size=batch_size,
                                    tp_degree=tp_degree, kv_sharding=kv, gguf_blocks=self._gguf_blocks(tp_degree))
         builder = ProgramBuilder(self.decoder, batch_size, self.n_positions + self._scratch_slots(), lowering,
                                  per_line_slots=self.continuous_batching)
