@@ -74,7 +74,8 @@ class DecoderForSampling:
                                 strategy=self.neuron_config.group_query_attention,
                                 over_sequence=self.neuron_config.shard_over_sequence)
         lowering = choose_lowering(self.neuron_config, backend, dtype=self.dtype, batch_size=batch_size,
-                                   tp_degree=tp_degree, kv_sharding=kv, gguf_blocks=self._gguf_blocks(tp_degree))
+                                   tp_degree=tp_degree, kv_sharding=kv,
+                                   gguf_blocks=self._gguf_blocks(tp_degree))
         builder = ProgramBuilder(self.decoder, batch_size, self.n_positions + self._scratch_slots(), lowering,
                                  per_line_slots=self.continuous_batching)
         builder.check_sharding()                 # heads or rows that do not split fail here, naming the fix

@@ -34,12 +34,13 @@ def _cpu_kernel_obstacles(neuron_config: NeuronConfig, backend: Any, dtype: str)
         from runtime import cpu_kernels
 
         if not cpu_kernels.register():
-            reasons.append("the kernels are off (PYHLO_CPU_KERNELS=0, or they did not build: see the warning)")
+            reasons.append("the kernels are off (PYHLO_CPU_KERNELS=0, or they did not build: see the "
+                           "warning)")
     return reasons
 
 
-def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch_size: int, tp_degree: int = 1,
-                    kv_sharding: KVSharding = KVSharding.HEADS,
+def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch_size: int,
+                    tp_degree: int = 1, kv_sharding: KVSharding = KVSharding.HEADS,
                     gguf_blocks: tuple[tuple[str, str], ...] = ()) -> XlaLowering:
     """The lowering for this backend and configuration.
 
@@ -51,8 +52,9 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
     """
     wanted = neuron_config.cpu_kernels
     if neuron_config.int8_activations and not gguf_blocks:
-        raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their "
-                         "blocks, and this model has none (a .gguf file with such tensors, tp_degree 1)")
+        raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept in "
+                         "their blocks, and this model has none (a .gguf file with such tensors, "
+                         "tp_degree 1)")
     if wanted is not False:
         reasons = _cpu_kernel_obstacles(neuron_config, backend, dtype)
         if reasons and wanted:
@@ -61,9 +63,9 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
             return cpu_kernel_lowering(neuron_config, backend, dtype, tp_degree=tp_degree,
                                        kv_sharding=kv_sharding, gguf_blocks=gguf_blocks)
     if neuron_config.int8_activations:
-        raise ValueError("NeuronConfig.int8_activations rounds activations inside pyhlo's CPU kernels, which this "
-                         "model does not use: " + ("; ".join(_cpu_kernel_obstacles(neuron_config, backend, dtype))
-                                                   or "cpu_kernels=False"))
+        obstacles = "; ".join(_cpu_kernel_obstacles(neuron_config, backend, dtype)) or "cpu_kernels=False"
+        raise ValueError("NeuronConfig.int8_activations rounds activations inside pyhlo's CPU kernels, which "
+                         "this model does not use: " + obstacles)
     if getattr(backend, "platform", None) == "cuda":
         return gpu_lowering(neuron_config, dtype, tp_degree=tp_degree, kv_sharding=kv_sharding,
                             gguf_blocks=gguf_blocks)
@@ -109,7 +111,8 @@ def xla_lowering(neuron_config: NeuronConfig, dtype: str, batch_size: int, tp_de
     (preferred_weight_layout) unless NeuronConfig names one, the LM head in f32, decode steps
     per block unless NeuronConfig.whole_model_program asks for one program."""
     layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
-    return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(neuron_config.whole_model_program),
+    whole = bool(neuron_config.whole_model_program)
+    return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=whole,
                        tp_degree=tp_degree, kv_sharding=kv_sharding, quant=neuron_config.quant,
                        gguf_blocks=gguf_blocks, kv_cache_quant=neuron_config.kv_cache_quant,
                        f32_dot_precision=neuron_config.f32_dot_precision)

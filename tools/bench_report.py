@@ -258,7 +258,8 @@ def report_markdown(report: dict) -> str:
         from decoders.kernel_calibration import format_table
 
         table = {kind: tuple(rows) for kind, rows in json.loads(paths[0][2]).items()}
-        out.append(f"- pyhlo's product paths, timed on this CPU: the matrix-vector kernel for {format_table(table)} "
+        out.append("- pyhlo's product paths, timed on this CPU: the matrix-vector kernel for "
+                   f"{format_table(table)} "
                    "(activation rows; \"blocks\": GGUF block forms), XLA's dot for the others")
     if report.get("other_load"):
         shares = ", ".join(f"{b['amp']} batch {b['batch']} {b['other_cpu_fraction'] * 100:.0f}%"

@@ -236,8 +236,8 @@ class Attention:
             q = replica.exchange(q, 1, 0, self.tp_degree)
             k, v = replica.own_block(k, 0, lines), replica.own_block(v, 0, lines)
             slot = replica.own_block(step.slot, 0, lines) if step.per_line else step.slot
-            step = Step(replica.own_block(step.positions, 0, lines), slot, replica.own_block(step.pad, 0, lines),
-                        step.n_tokens, step.n_attend)
+            step = Step(replica.own_block(step.positions, 0, lines), slot,
+                        replica.own_block(step.pad, 0, lines), step.n_tokens, step.n_attend)
             context, cache_k, cache_v = self._attend_here(values, q, k, v, step, cache_k, cache_v)
             context = replica.exchange(context, 0, 1, self.tp_degree)
         else:

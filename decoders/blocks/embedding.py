@@ -171,6 +171,7 @@ class Head:
         width = logits.dims[1]
         if width * values.lowering.tp_degree > self.vocab_size:
             # A zero padding row's logit 0 would beat negative real ones: it can never be chosen.
-            ids = ew.add(iota(logits.scribe, "s32", logits.dims, 1), replica.block_start(logits.scribe, width))
+            columns = iota(logits.scribe, "s32", logits.dims, 1)
+            ids = ew.add(columns, replica.block_start(logits.scribe, width))
             logits = ew.select(ew.compare(ids, self.vocab_size, "LT"), logits, float("-inf"))
         return logits

@@ -113,8 +113,8 @@ def decide(heads: HeadCounts, tp_degree: int, strategy: GQA | None = None,
     n_heads, n_kv_heads, tp = heads.n_heads, heads.n_kv_heads, tp_degree
     try:
         if over_sequence and strategy not in (None, GQA.REPLICATED_HEADS):
-            raise _Unfit(f"NeuronConfig.shard_over_sequence splits the caches by slot and cannot be combined with "
-                         f"GQA.{strategy.name}; leave group_query_attention None")
+            raise _Unfit(f"NeuronConfig.shard_over_sequence splits the caches by slot and cannot be combined "
+                         f"with GQA.{strategy.name}; leave group_query_attention None")
         if strategy is GQA.SHARD_OVER_HEADS and n_kv_heads % tp:
             raise _Unfit(f"GQA.SHARD_OVER_HEADS splits the {n_kv_heads} KV heads over the devices, and "
                          f"tp_degree {tp} does not divide them (use a tp_degree that divides {n_kv_heads})")
@@ -136,15 +136,15 @@ def device_heads(heads: HeadCounts, tp_degree: int, kv_sharding: KVSharding) -> 
 def _device_heads(n_heads: int, n_kv_heads: int, tp: int, kv_sharding: KVSharding) -> DeviceHeads:
     if kv_sharding is not KVSharding.HEADS:
         if n_heads % tp:
-            raise _Unfit(f"{kv_sharding.asked_as} splits the {n_heads} query heads evenly, and tp_degree {tp} "
-                         f"does not divide them")
+            raise _Unfit(f"{kv_sharding.asked_as} splits the {n_heads} query heads evenly, and tp_degree "
+                         f"{tp} does not divide them")
         heads = n_heads // tp
         if kv_sharding is not KVSharding.GATHER:
             return DeviceHeads(heads, n_kv_heads)
         group = n_heads // n_kv_heads
         if heads % group and group % heads:
-            raise _Unfit(f"GQA.ALL_GATHER_HEADS gives each device {heads} query heads, which neither hold whole "
-                         f"groups of the {group} query heads that share a KV head nor sit inside one")
+            raise _Unfit(f"GQA.ALL_GATHER_HEADS gives each device {heads} query heads, which neither hold "
+                         f"whole groups of the {group} query heads that share a KV head nor sit inside one")
         return DeviceHeads(heads, max(heads // group, 1))
     groups = padded_groups(n_kv_heads, tp)
     heads = n_heads // n_kv_heads * groups

@@ -291,7 +291,8 @@ class ProgramBuilder:
             if self.tp_degree == 1:
                 tokens, state = sampling.sample(logits, *settings, k_max=k_max)
             else:
-                tokens, state = sampling.sample_sharded(logits, replica.block_start(logits.scribe, v), *settings, k_max=k_max,
+                first = replica.block_start(logits.scribe, v)
+                tokens, state = sampling.sample_sharded(logits, first, *settings, k_max=k_max,
                                                         replica_groups=self.lowering.replica_groups)
             state.set_alias_to(p["rng_state"])
             return {"tokens": reshape(tokens, (b, 1)), "rng_state": state}
