@@ -12,7 +12,10 @@
                      declares its parameters once (params.py: name, shape, shard axis, source)
       lowering.py    how the platform runs products and attention (plain XLA, CPU kernels,
                      tensor parallelism's collectives)
-      sharding.py    which part of each declared weight a device holds under tensor parallelism
+      platform_choice.py  which lowering runs on this backend (the one place that looks at it)
+      kernel_calibration.py  the CPU kernels timed against XLA's dot once per machine
+      parallel/      tensor parallelism: weight sharding, KVSharding (how keys and values are
+                     shared out, decided once per model), each replica's program helpers
       programs/      typed program keys, the builder writing them, buckets, the compiled set
       session/       Session (programs + weights + KV caches), the sampling loop, input checks
       checkpoints/   HF directories (safetensors, sharded, .bin), GGUF files, the default model

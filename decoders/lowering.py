@@ -11,22 +11,22 @@ platform at hand:
   attention reading the cache in place, weights [out, in], decode steps as one unrolled
   program and, as the attention kernel reads only the filled slots, one decode program.
 
-`choose_lowering()` is the only place that looks at the platform. Tensor parallelism adds
-a sharded lowering here (an all-reduce after every ROW-sharded product, the LM head's
-argmax across vocabulary shards), reading each parameter's declared `Shard`.
+platform_choice.py picks one (the only place that looks at the platform). Tensor
+parallelism is a setting of every lowering: each replica's part of a parameter
+(decoders/parallel/sharding.py, by its declared `Shard` and the model's `KVSharding`), an
+all-reduce after every ROW-sharded product, the LM head's logits left split by vocabulary.
 """
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from decoders import sharding
 from decoders.blocks.params import Kind, Param, Shard
-from decoders.config import GQA, NeuronConfig, QuantizationConfig
+from decoders.config import QuantizationConfig
+from decoders.parallel import sharding
+from decoders.parallel.kv_sharding import KVSharding
 from decoders.weights.quantize import quantize_per_channel
 from decoders.weights.stored import BLOCK_FORMS, BlockWeight, QuantizedWeight, stored_dims, stored_dtype
 from pyhlo.dtypes import numpy_dtype
@@ -38,12 +38,10 @@ from pyhlo.ops.nn import expand_last
 from pyhlo.ops.quantized import dequantize_blocks
 from pyhlo.scribe import HloValue, check_precision
 
-log = logging.getLogger("pyhlo")
-
 # The activation rows (first, last; by weight type, "blocks": GGUF block forms) for which a
 # product runs on the matrix-vector kernel, else on XLA's dot: what a CpuKernelLowering made
 # without a measurement uses. choose_lowering() takes the rows measured on the machine
-# (decoders/product_paths.py).
+# (decoders/kernel_calibration.py).
 DEFAULT_KERNEL_ROWS = {"f32": (1, 4), "bf16": (1, 4), "s8": (1, 8), "blocks": (1, 8)}
 
 
@@ -59,20 +57,19 @@ class XlaLowering:
     # Decode steps as one unrolled program (True) or embed, block per layer, head (False).
     whole_model_decode: bool = False
     # Tensor parallelism: every program runs on this many replicas, each holding its part of
-    # every sharded parameter (decoders/sharding.py); ROW products are summed over replicas
-    # (all-reduce); the vocabulary-sharded LM head's logits stay split (each replica's rows).
+    # every sharded parameter (decoders/parallel/sharding.py); ROW products are summed over
+    # replicas (all-reduce); the vocabulary-sharded LM head's logits stay split (each
+    # replica's rows).
     tp_degree: int = 1
-    # How the KV heads are shared out over the replicas (NeuronConfig.group_query_attention;
-    # Attention.sharded): None, the automatic choice.
-    gqa: GQA | None = None
-    # Flash decoding (NeuronConfig.shard_over_sequence): each replica holds a stretch of every
-    # line's cache slots; attention's partial softmax statistics are combined across them.
-    shard_over_sequence: bool = False
+    # How keys and values are shared out over the replicas (decoders/parallel/kv_sharding.py,
+    # from NeuronConfig.group_query_attention and shard_over_sequence): which rows of the K and
+    # V projections each replica holds, and how the attention piece runs.
+    kv_sharding: KVSharding = KVSharding.HEADS
     # Weight quantization (NeuronConfig.quant): the layers' linear weights stored int8 with
-    # per-row scales (decoders/quantization.py); None: every weight in `dtype`.
+    # per-row scales (decoders/config.py: QuantizationConfig); None: every weight in `dtype`.
     quant: QuantizationConfig | None = None
     # Weights a GGUF file stores in a block form, run as stored: (parameter name, form) pairs
-    # (decoders/quantization.py; chosen by the model from the file, at tp_degree 1).
+    # (decoders/weights/stored.py; chosen by the model from the file, at tp_degree 1).
     gguf_blocks: tuple[tuple[str, str], ...] = ()
     # KV caches of packed int8 rows, a scale per line, head and slot (NeuronConfig.kv_cache_quant).
     kv_cache_quant: bool = False
@@ -101,7 +98,7 @@ class XlaLowering:
         """One device's part of the parameter, in the program's layout."""
         if param.quant in BLOCK_FORMS:
             return stored_dims(param)            # as the file stores them, on one device
-        shape = sharding.local_shape(param, self.tp_degree, self.kv_split)
+        shape = sharding.local_shape(param, self.tp_degree, self.kv_sharding)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
             return tuple(reversed(shape))
         return shape
@@ -132,17 +129,10 @@ class XlaLowering:
             if not isinstance(array, QuantizedWeight):
                 array = self.prepare(param, array)
             array = array.scales if param.part_of else array.values
-        array = sharding.shard(param, array, self.tp_degree, rank, self.kv_split)
+        array = sharding.shard(param, array, self.tp_degree, rank, self.kv_sharding)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
             array = array.T
         return np.ascontiguousarray(array, dtype=numpy_dtype(self.param_dtype(param)))
-
-    @property
-    def kv_split(self) -> str:
-        """How the K and V projections are shared out (decoders/sharding.py)."""
-        if self.shard_over_sequence or self.gqa is GQA.SHARD_OVER_BATCH:
-            return "replicated"
-        return "features" if self.gqa is GQA.ALL_GATHER_HEADS else "heads"
 
     @property
     def replica_groups(self) -> list[list[int]]:
@@ -203,8 +193,8 @@ class CpuKernelLowering(XlaLowering):
     name = "xla-cpu-kernels"
 
     def __post_init__(self) -> None:
-        if self.weight_layout != "out_in" or self.dtype not in ("f32", "bf16") \
-                or self.head_dtype not in ("f32", "bf16"):
+        if (self.weight_layout != "out_in" or self.dtype not in ("f32", "bf16")
+                or self.head_dtype not in ("f32", "bf16")):
             raise ValueError("pyhlo's CPU kernels need weight_layout='out_in' and f32 or bf16 weights, got "
                              f"{self.weight_layout!r} and {self.dtype}/{self.head_dtype}")
 
@@ -233,77 +223,3 @@ class CpuKernelLowering(XlaLowering):
 def _scaled(product: HloValue, scale: HloValue) -> HloValue:
     """product [..., out] times the per-row scales [out] of the weight that made it."""
     return ew.multiply(product, expand_last(ew.convert(scale, product.dtype), product.dims))
-
-
-def preferred_weight_layout(dtype: str, batch_size: int) -> str:
-    """The weight layout whose matrix-vector products stream fastest on XLA:CPU's own dot:
-    f32 [in, out] at every batch size; bf16 and f16 at batch 1 only [out, in]."""
-    return "out_in" if dtype in ("bf16", "f16") and batch_size == 1 else "in_out"
-
-
-def _cpu_kernel_obstacles(neuron_config: NeuronConfig, backend: Any, dtype: str) -> list[str]:
-    reasons = []
-    if getattr(backend, "platform", None) != "cpu":
-        reasons.append(f"the backend is {backend!r}, not XLA:CPU")
-    if dtype not in ("f32", "bf16"):
-        reasons.append(f"amp {dtype} (the kernel reads f32 or bf16 weights)")
-    if neuron_config.weight_layout == "in_out":
-        reasons.append("weight_layout='in_out' (the kernel reads [out, in] weights)")
-    if not reasons:
-        from runtime import cpu_kernels
-
-        if not cpu_kernels.register():
-            reasons.append("the kernels are off (PYHLO_CPU_KERNELS=0, or they did not build: see the warning)")
-    return reasons
-
-
-def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch_size: int,
-                    tp_degree: int = 1, gguf_blocks: tuple[tuple[str, str], ...] = ()) -> XlaLowering:
-    """The lowering for this backend and configuration.
-
-    NeuronConfig.cpu_kernels None (the default) uses pyhlo's CPU kernels where they can run:
-    XLA:CPU, f32 or bf16 weights, [out, in] layout, a C++ compiler to build them, and
-    PYHLO_CPU_KERNELS not 0. True insists (an error says what is missing); False is off.
-    NeuronConfig.whole_model_program None unrolls decode steps where that is faster (with
-    the kernels: it saves the launch of one block program per layer, about 37 us each).
-    """
-    wanted = neuron_config.cpu_kernels
-    whole = neuron_config.whole_model_program
-    # What every lowering takes from the model's settings alike.
-    common = dict(tp_degree=tp_degree, gqa=neuron_config.group_query_attention,
-                  shard_over_sequence=neuron_config.shard_over_sequence, quant=neuron_config.quant,
-                  gguf_blocks=gguf_blocks, kv_cache_quant=neuron_config.kv_cache_quant,
-                  f32_dot_precision=neuron_config.f32_dot_precision)
-    if neuron_config.int8_activations and not gguf_blocks:
-        raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept in their "
-                         "blocks, and this model has none (a .gguf file with such tensors, tp_degree 1)")
-    if wanted is not False:
-        reasons = _cpu_kernel_obstacles(neuron_config, backend, dtype)
-        if reasons and wanted:
-            raise ValueError("NeuronConfig.cpu_kernels=True, but " + "; ".join(reasons))
-        if not reasons:
-            from decoders.product_paths import kernel_rows
-
-            return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole,
-                                     kernel_rows=tuple(kernel_rows(backend).items()),
-                                     int8_activations=neuron_config.int8_activations, **common)
-    if neuron_config.int8_activations:
-        raise ValueError("NeuronConfig.int8_activations rounds activations inside pyhlo's CPU kernels, which this "
-                         "model does not use: " + ("; ".join(_cpu_kernel_obstacles(neuron_config, backend, dtype))
-                                                   or "cpu_kernels=False"))
-    if getattr(backend, "platform", None) == "cuda":
-        return gpu_lowering(neuron_config, dtype, common)
-    layout = neuron_config.weight_layout or preferred_weight_layout(dtype, batch_size)
-    return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=bool(whole), **common)
-
-
-def gpu_lowering(neuron_config: NeuronConfig, dtype: str, common: dict) -> XlaLowering:
-    """Plain HLO shaped for XLA:GPU: weights in the checkpoint's own [out, in] layout (cuBLAS
-    reads either; nothing is transposed on the host), the LM head in the amp type with f32
-    accumulation (as the other products), a decode step as one program (one launch per token
-    instead of one per layer), and attention without a `conditional` (whose branch index the
-    GPU runtime must read back before it launches what follows)."""
-    whole = neuron_config.whole_model_program
-    return XlaLowering(dtype, neuron_config.weight_layout or "out_in", head_dtype=dtype,
-                       whole_model_decode=True if whole is None else whole, attention_in_conditional=False,
-                       **common)

@@ -1,9 +1,11 @@
 """DecoderForSampling: from_pretrained -> to_neuron -> sample / forward, for every family.
 
 A family subclass only names its `Family` description (families/). The model reads the
-checkpoint's config into pieces (blocks/), chooses the platform's lowering once
-(lowering.py), and hands both to a Session (session/) that owns the compiled programs,
-the weights and the KV caches. sample() and forward() are thin clients of that Session.
+checkpoint's config into pieces (blocks/), decides once how tensor parallelism shares out
+keys and values (parallel/kv_sharding.py) and which lowering runs on the platform
+(platform_choice.py), and hands pieces and lowering to a Session (session/) that owns the
+compiled programs, the weights and the KV caches. sample() and forward() are thin clients
+of that Session.
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from decoders.checkpoints import open_checkpoint
 from decoders.checkpoints.gguf_forms import gguf_block_forms
 from decoders.config import GenerationConfig, NeuronConfig, NotSupportedYet
 from decoders.description import ConfigReader, Family
-from decoders.lowering import XlaLowering, choose_lowering
+from decoders.lowering import XlaLowering
+from decoders.parallel import kv_sharding
+from decoders.platform_choice import choose_lowering
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder
 from decoders.programs.keys import ProgramKey
@@ -67,8 +71,12 @@ class DecoderForSampling:
             from runtime import get_backend
 
             backend = get_backend()
-        lowering = choose_lowering(self.neuron_config, backend, self.dtype, batch_size, tp_degree,
-                                   self._gguf_blocks(tp_degree))
+        kv = kv_sharding.decide(self.decoder.layer.attention, tp_degree=tp_degree,
+                                strategy=self.neuron_config.group_query_attention,
+                                over_sequence=self.neuron_config.shard_over_sequence)
+        lowering = choose_lowering(self.neuron_config, backend, dtype=self.dtype, batch_size=batch_size,
+                                   tp_degree=tp_degree, kv_sharding=kv,
+                                   gguf_blocks=self._gguf_blocks(tp_degree))
         builder = ProgramBuilder(self.decoder, batch_size, self.n_positions + self._scratch_slots(), lowering,
                                  per_line_slots=self.continuous_batching)
         builder.check_sharding()                 # heads or rows that do not split fail here, naming the fix
@@ -348,7 +356,8 @@ class DecoderForSampling:
         return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
 
     # -- save / load -------------------------------------------------------------
-    def describe(self) -> dict:
+    def saved_settings(self) -> dict:
+        """The settings save() writes beside the programs (pyhlo_model.json) and load() checks."""
         return {
             "format": SAVE_FORMAT, "class": type(self).__name__, "amp": self.amp,
             "batch_size": self.batch_size, "n_positions": self.token_buckets, "tp_degree": self.tp_degree,
@@ -363,7 +372,7 @@ class DecoderForSampling:
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.programs.save(directory)
-        description = self.describe()
+        description = self.saved_settings()
         if sharded_weights:
             description["sharded_weights"] = {**self.session.save_weights(directory), "amp": self.amp}
         (directory / "pyhlo_model.json").write_text(json.dumps(description, indent=2))
@@ -376,7 +385,7 @@ class DecoderForSampling:
         if not manifest.exists():
             raise ValueError(f"{directory} has no pyhlo_model.json: it was not written by model.save()")
         saved = json.loads(manifest.read_text())
-        mine = self.describe()
+        mine = self.saved_settings()
         for key in ("class", "amp", "batch_size", "n_positions", "tp_degree"):
             if saved.get(key) != mine[key]:
                 raise ValueError(f"{directory} was saved with {key}={saved.get(key)!r}, this model has {mine[key]!r}")

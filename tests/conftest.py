@@ -51,7 +51,7 @@ def _take_lowering_of(monkeypatch, platform: str) -> None:
     for `platform`, and still run on XLA:CPU. A model given a backend of another platform (a
     NeuronCCBackend, say) keeps that platform's lowering."""
     import decoders.model
-    from decoders.lowering import choose_lowering
+    from decoders.platform_choice import choose_lowering
 
     def choose(neuron_config, backend, *args, **kwargs):
         if getattr(backend, "platform", None) == "cpu":

@@ -66,7 +66,7 @@ RUN = textwrap.dedent("""
         results[json.dumps([variant, tp, gqa, over_sequence, kernels])] = {
             "tokens": tokens.tolist(), "scores": np.stack(scores).tolist(),
             "cache_dims": list(model.session.builder.cache_spec("cache").dims),
-            "layout": attention.kv_layout, "device_bytes": model.session.device_bytes()}
+            "layout": attention.kv_sharding.value, "device_bytes": model.session.device_bytes()}
     print(json.dumps(results))
 """)
 
@@ -109,6 +109,7 @@ def test_the_caches_are_split_by_line_or_by_slot(results, run):
 def test_strategies_that_do_not_fit_say_why_and_name_those_that_do():
     from decoders import GQA
     from decoders.blocks import Attention
+    from decoders.parallel.kv_sharding import KVSharding, decide
 
     def attention(heads, kv_heads):
         return Attention(out="o", q="q", k="k", v="v", hidden=heads * 4, n_heads=heads, n_kv_heads=kv_heads,
@@ -116,37 +117,39 @@ def test_strategies_that_do_not_fit_say_why_and_name_those_that_do():
 
     with pytest.raises(ValueError, match=r"GQA.SHARD_OVER_BATCH splits the 6 query heads evenly, and tp_degree 4 "
                                          r"does not divide them; REPLICATED_HEADS \(or None\) works"):
-        attention(6, 6).sharded(4, GQA.SHARD_OVER_BATCH)
+        decide(attention(6, 6), 4, GQA.SHARD_OVER_BATCH)
     with pytest.raises(ValueError, match=r"GQA.ALL_GATHER_HEADS gives each device 3 query heads, which neither hold "
                                          r"whole groups of the 2 query heads .*SHARD_OVER_BATCH works with a batch "
                                          r"size that 4 divides"):
-        attention(12, 6).sharded(4, GQA.ALL_GATHER_HEADS)
+        decide(attention(12, 6), 4, GQA.ALL_GATHER_HEADS)
     with pytest.raises(ValueError, match=r"shard_over_sequence splits the caches by slot and cannot be combined "
                                          r"with GQA.SHARD_OVER_BATCH"):
-        attention(4, 2).sharded(2, GQA.SHARD_OVER_BATCH, over_sequence=True)
-    device = attention(4, 2).sharded(2, GQA.SHARD_OVER_BATCH)
+        decide(attention(4, 2), 2, GQA.SHARD_OVER_BATCH, over_sequence=True)
+    device = attention(4, 2).sharded(2, KVSharding.BATCH)
     with pytest.raises(ValueError, match="tp_degree 2 does not divide batch_size 3"):
         device.cache_dims(3, 64)
-    device = attention(4, 2).sharded(4, over_sequence=True)
+    device = attention(4, 2).sharded(4, KVSharding.SEQUENCE)
     with pytest.raises(ValueError, match="tp_degree 4 does not divide n_positions 66"):
         device.cache_dims(1, 66)
     assert device.cache_dims(2, 64) == (2, 2, 16, 4)
 
 
-@pytest.mark.parametrize("kv_split, k_and_v_rows", [
+@pytest.mark.parametrize("kv_sharding, k_and_v_rows", [
     ("heads", lambda r: [8 + 2 * (r // 2), 9 + 2 * (r // 2), 12 + 2 * (r // 2), 13 + 2 * (r // 2)]),  # its KV head
-    ("replicated", lambda r: list(range(8, 16))),                                                   # all of K and V
-    ("features", lambda r: [8 + r, 12 + r]),                                                         # a quarter of each
+    ("batch", lambda r: list(range(8, 16))),                                                        # all of K and V
+    ("gather", lambda r: [8 + r, 12 + r]),                                                           # a quarter of each
 ])
-def test_fused_qkv_rows_each_device_holds(kv_split, k_and_v_rows):
+def test_fused_qkv_rows_each_device_holds(kv_sharding, k_and_v_rows):
     """A fused [q | k | v] weight of 4 query heads and 2 KV heads, 2 features each, over 4
     devices: device r always holds query head r (rows 2r, 2r + 1); its keys and values depend
     on the split."""
-    from decoders import sharding
     from decoders.blocks import Attention
+    from decoders.parallel import sharding
+    from decoders.parallel.kv_sharding import KVSharding
 
     attention = Attention(out="o", q="q", k="k", v="v", hidden=8, n_heads=4, n_kv_heads=2, head_dim=2)
     fused = attention.params("attn")[0]
     assert fused.segments == (8, 4, 4) and fused.kv_segments == (1, 2)
     for rank in range(4):
-        assert sharding.indices(fused, 4, rank, kv_split).tolist() == [2 * rank, 2 * rank + 1, *k_and_v_rows(rank)]
+        held = sharding.indices(fused, 4, rank, KVSharding(kv_sharding))
+        assert held.tolist() == [2 * rank, 2 * rank + 1, *k_and_v_rows(rank)]

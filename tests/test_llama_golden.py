@@ -61,7 +61,7 @@ def test_decode_is_one_program_by_default_where_the_kernels_run():
     """XLA:CPU's default: a decode step is one program with pyhlo's kernels (it saves the launch
     of a block program per layer), a program per layer with XLA's own dot."""
     from decoders import NeuronConfig
-    from decoders.lowering import choose_lowering
+    from decoders.platform_choice import choose_lowering
     from runtime import get_backend
 
     backend = get_backend()

@@ -17,7 +17,8 @@ from test_llama_golden import hf_greedy, relative_error
 
 from decoders import LlamaForSampling, NeuronConfig
 from decoders.blocks.params import Kind
-from decoders.lowering import XlaLowering, choose_lowering
+from decoders.lowering import XlaLowering
+from decoders.platform_choice import choose_lowering
 from decoders.programs.compiled import compile_workers
 from decoders.programs.keys import Block, LMHead, ModelStep
 from runtime import pjrt

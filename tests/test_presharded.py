@@ -96,7 +96,7 @@ RUN = textwrap.dedent("""
     from decoders import LlamaForSampling
     from decoders.checkpoints.hf import _SafetensorsShard
     from decoders.lowering import XlaLowering
-    from decoders.sharding import local_shape
+    from decoders.parallel.sharding import local_shape
     import tiny_llama
 
     path = tiny_llama.save(tiny_llama.make_model("gqa_tied_llama3"), pathlib.Path(tempfile.mkdtemp()), "safetensors")

@@ -30,7 +30,7 @@ RUN = textwrap.dedent("""
     import numpy as np
     import torch
     from decoders import NeuronAutoModelForCausalLM, NeuronConfig
-    from decoders.sharding import split_axis
+    from decoders.parallel.sharding import split_axis
     from pyhlo.dtypes import byte_size
     import tiny_families, tiny_llama
 
@@ -109,8 +109,8 @@ def test_each_device_holds_its_share_of_weights_and_caches(results, variant):
 
 
 def test_rows_that_do_not_split_are_padded_with_zero_rows():
-    from decoders import sharding
     from decoders.blocks.params import Kind, Param, Shard, Source
+    from decoders.parallel import sharding
 
     # gate | up, 5 rows each, over 2 devices: 3 rows of each part a device, the last one padding.
     gate_up = Param("mlp.gate_up.weight", Kind.LINEAR, (10, 4), Shard.COLUMN, Source(("w",)), segments=(5, 5))
@@ -176,16 +176,18 @@ def test_each_gqa_strategy_gives_each_device_its_heads(heads, kv_heads, tp, stra
                                                         device_kv_heads):
     from decoders import GQA
     from decoders.blocks import Attention
+    from decoders.parallel.kv_sharding import decide
 
     attention = Attention(out="o", q="q", k="k", v="v", hidden=heads * 4, n_heads=heads, n_kv_heads=kv_heads,
                           head_dim=4)
-    device = attention.sharded(tp, GQA[strategy])
+    device = attention.sharded(tp, decide(attention, tp, GQA[strategy]))
     assert (device.n_heads, device.n_kv_heads) == (device_heads, device_kv_heads)
 
 
 def test_gqa_strategies_that_do_not_fit_name_the_ones_that_work():
     from decoders import GQA
     from decoders.blocks import Attention
+    from decoders.parallel.kv_sharding import decide
 
     def attention(heads, kv_heads):
         return Attention(out="o", q="q", k="k", v="v", hidden=heads * 4, n_heads=heads, n_kv_heads=kv_heads,
@@ -194,10 +196,10 @@ def test_gqa_strategies_that_do_not_fit_name_the_ones_that_work():
     with pytest.raises(ValueError, match=r"SHARD_OVER_HEADS .* 2 KV heads .* tp_degree 4 does not divide them.*"
                                          r"REPLICATED_HEADS \(or None\) works: 1 query and 1 KV heads a device, "
                                          r"the 2 KV heads replicated"):
-        attention(4, 2).sharded(4, GQA.SHARD_OVER_HEADS)
+        decide(attention(4, 2), 4, GQA.SHARD_OVER_HEADS)
     with pytest.raises(ValueError, match=r"REPLICATED_HEADS \(or None\) works: 6 query and 2 KV heads a device, "
                                          r"the 3 KV heads padded to 4"):
-        attention(9, 3).sharded(2, GQA.SHARD_OVER_HEADS)
+        decide(attention(9, 3), 2, GQA.SHARD_OVER_HEADS)
 
 
 GQA_RUN = textwrap.dedent("""

@@ -14,21 +14,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from decoders.blocks import parallel
-from decoders.blocks.params import (
-    Kind,
-    Param,
-    Shard,
-    Source,
-    Transform,
-    padded_groups,
-    per_head_qkv,
-    rows,
-    transposed,
-)
+from decoders.blocks.params import Kind, Param, Shard, Source, Transform, per_head_qkv, rows, transposed
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
-from decoders.config import GQA
+from decoders.parallel import replica
+from decoders.parallel.kv_sharding import KVSharding, device_heads
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops import nn
 from pyhlo.ops.attention import attention, combine_attention_parts, partial_attention
@@ -47,10 +37,6 @@ from pyhlo.ops.shape_ops import (
     transpose,
 )
 from pyhlo.scribe import HloValue
-
-
-class _Unfit(Exception):
-    """A sharding strategy that does not fit the model (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -102,11 +88,10 @@ class Attention:
     total_heads: int = 0
     # The whole model's KV heads.
     total_kv_heads: int = 0
-    # How a device of tensor parallelism holds keys and values (sharded()): "heads" (its KV
-    # heads, for every line and slot), "batch" (every KV head, for its batch lines),
-    # "gather" (K and V projected by features, gathered, then its query heads' KV heads) or
-    # "sequence" (every KV head, for its stretch of cache slots: flash decoding).
-    kv_layout: str = "heads"
+    # How a device of tensor parallelism holds keys and values (sharded(); decided by
+    # decoders/parallel/kv_sharding.py): its KV heads, its batch lines, K and V gathered by
+    # features, or its stretch of cache slots.
+    kv_sharding: KVSharding = KVSharding.HEADS
     # KV caches of packed int8 rows, one scale per line, head and slot (NeuronConfig.kv_cache_quant).
     kv_quant: bool = False
 
@@ -117,8 +102,8 @@ class Attention:
             raise ValueError(f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} kv heads")
         if self.qkv_layout not in ("per_head", "contiguous"):
             raise ValueError(f"qkv_layout must be 'per_head' or 'contiguous', got {self.qkv_layout!r}")
-        if self.qkv is not None and self.qkv_layout == "per_head" and self.n_kv_heads != self.attending_heads \
-                and self.kv_layout != "gather":
+        if (self.qkv is not None and self.qkv_layout == "per_head" and self.n_kv_heads != self.attending_heads
+                and self.kv_sharding is not KVSharding.GATHER):
             raise ValueError("a per-head fused qkv projection has as many kv heads as heads")
         if self.stored_in_out and self.qkv is None and self.fused:
             # Source concatenates parts along axis 0, which is `in` for [in, out] tensors.
@@ -138,26 +123,26 @@ class Attention:
     def attending_heads(self) -> int:
         """The query heads this device's attention runs over: every head in the batch and
         sequence layouts (which trade heads for lines or slots), else its own."""
-        return self.n_heads * self.tp_degree if self.kv_layout in ("batch", "sequence") else self.n_heads
+        return self.n_heads if self.kv_sharding.whole_lines else self.n_heads * self.tp_degree
 
     @property
     def kv_width(self) -> int:
         """Features of K (and of V) out of this device's projection."""
-        if self.kv_layout == "gather":
+        if self.kv_sharding is KVSharding.GATHER:
             return -(-self.total_kv_heads * self.head_dim // self.tp_degree)
         return self.kv_size
 
     def cache_dims(self, batch_size: int, cache_len: int) -> tuple[int, int, int, int]:
         """This device's KV cache of one layer: [lines, KV heads, slots, head_dim]."""
-        if self.kv_layout == "batch" and batch_size % self.tp_degree:
+        if self.kv_sharding is KVSharding.BATCH and batch_size % self.tp_degree:
             raise ValueError(f"GQA.SHARD_OVER_BATCH splits the caches by batch line, and tp_degree "
                              f"{self.tp_degree} does not divide batch_size {batch_size}; use a batch size that "
                              f"it divides, or another strategy")
-        if self.kv_layout == "sequence" and cache_len % self.tp_degree:
+        if self.kv_sharding is KVSharding.SEQUENCE and cache_len % self.tp_degree:
             raise ValueError(f"shard_over_sequence splits the caches by slot, and tp_degree {self.tp_degree} does "
                              f"not divide n_positions {cache_len}; use an n_positions that it divides")
-        lines = batch_size // self.tp_degree if self.kv_layout == "batch" else batch_size
-        slots = cache_len // self.tp_degree if self.kv_layout == "sequence" else cache_len
+        lines = batch_size // self.tp_degree if self.kv_sharding is KVSharding.BATCH else batch_size
+        slots = cache_len // self.tp_degree if self.kv_sharding is KVSharding.SEQUENCE else cache_len
         return lines, self.n_kv_heads, slots, self.head_dim + (SCALE_BYTES if self.kv_quant else 0)
 
     def cache_dtype(self, amp: str) -> str:
@@ -235,7 +220,7 @@ class Attention:
         """Attention output [b, n, hidden], and both caches with this step's keys and values."""
         b, n = step.batch_size, step.n_tokens
         q, k, v = self._project(values, x)
-        if self.kv_layout == "gather":
+        if self.kv_sharding is KVSharding.GATHER:
             k, v = self._own_kv_heads(k), self._own_kv_heads(v)
         q = reshape(q, (b, n, self.n_heads, self.head_dim))
         k = reshape(k, (b, n, self.n_kv_heads, self.head_dim))
@@ -243,18 +228,18 @@ class Attention:
         if isinstance(self.positions, Rotary):
             q, k = self._rotate(q, k, step.positions)
         q, k, v = (transpose(t, (0, 2, 1, 3)) for t in (q, k, v))     # [b, heads, n, d]
-        if self.kv_layout == "sequence":
+        if self.kv_sharding is KVSharding.SEQUENCE:
             context, cache_k, cache_v = self._attend_stretch(q, k, v, step, cache_k, cache_v)
-        elif self.kv_layout == "batch":
+        elif self.kv_sharding is KVSharding.BATCH:
             # Heads for lines: every query head of this device's lines, over its caches; then back.
             lines = b // self.tp_degree
-            q = parallel.exchange(q, 1, 0, self.tp_degree)
-            k, v = parallel.own_block(k, 0, lines), parallel.own_block(v, 0, lines)
-            slot = parallel.own_block(step.slot, 0, lines) if step.per_line else step.slot
-            step = Step(parallel.own_block(step.positions, 0, lines), slot, parallel.own_block(step.pad, 0, lines),
-                        step.n_tokens, step.n_attend)
+            q = replica.exchange(q, 1, 0, self.tp_degree)
+            k, v = replica.own_block(k, 0, lines), replica.own_block(v, 0, lines)
+            slot = replica.own_block(step.slot, 0, lines) if step.per_line else step.slot
+            step = Step(replica.own_block(step.positions, 0, lines), slot,
+                        replica.own_block(step.pad, 0, lines), step.n_tokens, step.n_attend)
             context, cache_k, cache_v = self._attend_here(values, q, k, v, step, cache_k, cache_v)
-            context = parallel.exchange(context, 0, 1, self.tp_degree)
+            context = replica.exchange(context, 0, 1, self.tp_degree)
         else:
             context, cache_k, cache_v = self._attend_here(values, q, k, v, step, cache_k, cache_v)
         context = ew.convert(reshape(transpose(context, (0, 2, 1, 3)), (b, n, self.q_size)), x.dtype)
@@ -290,23 +275,23 @@ class Attention:
         and KV head. Every query head attends over them (partial softmax statistics), the
         replicas combine their parts, and each keeps its own query heads' outputs."""
         tp, length = self.tp_degree, cache_k.dims[2]
-        q = all_gather(q, 1, parallel.group(tp))
-        first = parallel.block_start(q.scribe, length)
-        cache_k = parallel.write_stretch(cache_k, self._to_cache(k), step.slot, first)
-        cache_v = parallel.write_stretch(cache_v, self._to_cache(v), step.slot, first)
+        q = all_gather(q, 1, replica.group(tp))
+        first = replica.block_start(q.scribe, length)
+        cache_k = replica.write_stretch(cache_k, self._to_cache(k), step.slot, first)
+        cache_v = replica.write_stretch(cache_v, self._to_cache(v), step.slot, first)
         bias = self._alibi(step, first, length) if isinstance(self.positions, Alibi) else None
         keys, values = self._from_cache(cache_k, q.dtype), self._from_cache(cache_v, q.dtype)
         parts = partial_attention(q, keys, values, self._mask(step, first, length), self.scale, bias)
-        context = combine_attention_parts(*parts, parallel.group(tp))
-        return parallel.own_block(ew.convert(context, q.dtype), 1, self.n_heads), cache_k, cache_v
+        context = combine_attention_parts(*parts, replica.group(tp))
+        return replica.own_block(ew.convert(context, q.dtype), 1, self.n_heads), cache_k, cache_v
 
     def _own_kv_heads(self, projected: HloValue) -> HloValue:
         """GQA.ALL_GATHER_HEADS: this device's features of K (or V) [b, n, kv_width], gathered
         from every device, narrowed to the KV heads of this device's query heads."""
         b, n, _ = projected.dims
-        everything = all_gather(projected, 2, parallel.group(self.tp_degree))
+        everything = all_gather(projected, 2, replica.group(self.tp_degree))
         group = self.total_heads // self.total_kv_heads
-        first = ew.divide(parallel.block_start(projected.scribe, self.n_heads), group)
+        first = ew.divide(replica.block_start(projected.scribe, self.n_heads), group)
         return dynamic_slice(everything, [0, 0, ew.multiply(first, self.head_dim)], [b, n, self.kv_size])
 
     def _project(self, values: PieceValues, x: HloValue) -> tuple[HloValue, HloValue, HloValue]:
@@ -364,90 +349,20 @@ class Attention:
         slopes = ew.constant(scribe, "f32", everyone, everyone.shape)
         if self.tp_degree > 1 and not all_heads:
             # This replica's heads: a block of the whole model's, picked by its replica id.
-            slopes = parallel.own_block(slopes, 0, self.n_heads)
+            slopes = replica.own_block(slopes, 0, self.n_heads)
         key_slots = ew.convert(self._key_slots(scribe, dims, 3, first), "f32")
         key_positions = ew.subtract(key_slots, broadcast(ew.convert(step.pad, "f32"), dims, [0]))
         return ew.multiply(broadcast(slopes, dims, [1]), key_positions)
 
-    def sharded(self, tp_degree: int, strategy: GQA | None = None, over_sequence: bool = False) -> Attention:
-        """One device's share over `tp_degree` devices (as decoders/sharding.py splits the
-        weights), by NeuronConfig.group_query_attention (`strategy`) and shard_over_sequence:
-
-        - None, GQA.REPLICATED_HEADS: the KV heads split, or replicated when fewer than the
-          devices, or padded with zero heads (their query heads with them) up to a multiple
-          of the devices; each device the query heads of its KV heads;
-        - GQA.SHARD_OVER_HEADS: the same, insisting on an even split of the KV heads;
-        - GQA.SHARD_OVER_BATCH: query heads split evenly, every KV head for the device's
-          batch lines;
-        - GQA.ALL_GATHER_HEADS: query heads split evenly, K and V by features, gathered;
-        - over_sequence (flash decoding): query heads split evenly, every KV head for the
-          device's stretch of cache slots.
-
-        A strategy that does not fit is a ValueError naming the ones that do."""
+    def sharded(self, tp_degree: int, kv_sharding: KVSharding = KVSharding.HEADS) -> Attention:
+        """One device's share over `tp_degree` devices (as decoders/parallel/sharding.py splits
+        the weights) under `kv_sharding` (decided by decoders/parallel/kv_sharding.py): its
+        query and KV heads; declarations (params) stay the whole model's."""
         if tp_degree == 1:
             return self
-        try:
-            return self._device_share(tp_degree, strategy, over_sequence)
-        except _Unfit as unfit:
-            raise ValueError(f"{unfit}; {self._working(tp_degree)}") from None
-
-    def _device_share(self, tp: int, strategy: GQA | None, over_sequence: bool) -> Attention:
-        if over_sequence and strategy not in (None, GQA.REPLICATED_HEADS):
-            raise _Unfit(f"NeuronConfig.shard_over_sequence splits the caches by slot and cannot be combined with "
-                         f"GQA.{strategy.name}; leave group_query_attention None")
-        if over_sequence or strategy in (GQA.SHARD_OVER_BATCH, GQA.ALL_GATHER_HEADS):
-            name = "shard_over_sequence" if over_sequence else f"GQA.{strategy.name}"
-            if self.n_heads % tp:
-                raise _Unfit(f"{name} splits the {self.n_heads} query heads evenly, and tp_degree {tp} does not "
-                             f"divide them")
-            heads = self.n_heads // tp
-            common = dict(n_heads=heads, tp_degree=tp, total_heads=self.n_heads, total_kv_heads=self.n_kv_heads)
-            if over_sequence:
-                return replace(self, kv_layout="sequence", **common)
-            if strategy is GQA.SHARD_OVER_BATCH:
-                return replace(self, kv_layout="batch", **common)
-            group = self.n_heads // self.n_kv_heads
-            if heads % group and group % heads:
-                raise _Unfit(f"GQA.ALL_GATHER_HEADS gives each device {heads} query heads, which neither hold whole "
-                             f"groups of the {group} query heads that share a KV head nor sit inside one")
-            return replace(self, kv_layout="gather", n_kv_heads=max(heads // group, 1), **common)
-        if strategy is GQA.SHARD_OVER_HEADS and self.n_kv_heads % tp:
-            raise _Unfit(f"GQA.SHARD_OVER_HEADS splits the {self.n_kv_heads} KV heads over the devices, and "
-                         f"tp_degree {tp} does not divide them (use a tp_degree that divides {self.n_kv_heads})")
-        groups = padded_groups(self.n_kv_heads, tp)
-        heads = self.n_heads // self.n_kv_heads * groups
-        if heads % tp:
-            raise _Unfit(f"{self.n_heads} attention heads cannot be split over tp_degree {tp}; use a tp_degree "
-                         f"that divides {self.n_heads}")
-        kv = groups // tp if groups % tp == 0 else 1
-        return replace(self, n_heads=heads // tp, n_kv_heads=kv, tp_degree=tp, total_heads=self.n_heads,
-                       total_kv_heads=self.n_kv_heads)
-
-    def _working(self, tp: int) -> str:
-        """What works for this model over `tp` devices, for an error message."""
-        works = []
-        try:
-            device = self._device_share(tp, None, False)
-            groups = padded_groups(self.n_kv_heads, tp)
-            how = ("split" if self.n_kv_heads % tp == 0 else "replicated" if groups == self.n_kv_heads
-                   else f"padded to {groups}")
-            names = (["SHARD_OVER_HEADS"] if self.n_kv_heads % tp == 0 else []) + ["REPLICATED_HEADS (or None)"]
-            works.append(f"{' and '.join(names)} {'work' if len(names) > 1 else 'works'}: {device.n_heads} query "
-                         f"and {device.n_kv_heads} KV heads a device, the {self.n_kv_heads} KV heads {how}")
-        except _Unfit:
-            pass
-        if self.n_heads % tp == 0:
-            heads = self.n_heads // tp
-            works.append(f"SHARD_OVER_BATCH works with a batch size that {tp} divides: {heads} query heads a "
-                         f"device, all {self.n_kv_heads} KV heads cached for its lines")
-            try:
-                device = self._device_share(tp, GQA.ALL_GATHER_HEADS, False)
-                works.append(f"ALL_GATHER_HEADS works: {heads} query and {device.n_kv_heads} KV heads a device, "
-                             "K and V split by features and gathered")
-            except _Unfit:
-                pass
-            works.append(f"shard_over_sequence works with an n_positions that {tp} divides")
-        return "; ".join(works) if works else f"no strategy splits {self.n_heads} query heads over tp_degree {tp}"
+        heads = device_heads(self, tp_degree, kv_sharding)
+        return replace(self, n_heads=heads.n_heads, n_kv_heads=heads.n_kv_heads, tp_degree=tp_degree,
+                       total_heads=self.n_heads, total_kv_heads=self.n_kv_heads, kv_sharding=kv_sharding)
 
     @staticmethod
     def _rows_of(cache: HloValue, lines: HloValue, n_attend: int) -> HloValue:

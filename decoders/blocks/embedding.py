@@ -10,16 +10,16 @@ When the LM head is the token table in the same element type, the model keeps on
 (`Head.params` declares it; the embedding reads its rows, or its columns in [in, out]).
 
 Under tensor parallelism the head is split by vocabulary rows and its logits stay split:
-replica r returns the logits of its block of rows, r * w .. r * w + w - 1 (parallel.block_start).
+replica r returns the logits of its block of rows, r * w .. r * w + w - 1 (replica.block_start).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders.blocks import parallel
 from decoders.blocks.norm import Norm
 from decoders.blocks.params import Kind, Param, Shard, Source
 from decoders.blocks.values import PieceValues
+from decoders.parallel import replica
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.quantized import dequantize_blocks
 from pyhlo.ops.shape_ops import concatenate, dynamic_slice, iota, reshape, transpose
@@ -171,6 +171,7 @@ class Head:
         width = logits.dims[1]
         if width * values.lowering.tp_degree > self.vocab_size:
             # A zero padding row's logit 0 would beat negative real ones: it can never be chosen.
-            ids = ew.add(iota(logits.scribe, "s32", logits.dims, 1), parallel.block_start(logits.scribe, width))
+            columns = iota(logits.scribe, "s32", logits.dims, 1)
+            ids = ew.add(columns, replica.block_start(logits.scribe, width))
             logits = ew.select(ew.compare(ids, self.vocab_size, "LT"), logits, float("-inf"))
         return logits

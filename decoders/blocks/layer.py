@@ -13,7 +13,7 @@ from decoders.blocks.norm import Norm
 from decoders.blocks.params import Param
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
-from decoders.config import GQA
+from decoders.parallel.kv_sharding import KVSharding
 from pyhlo.ops import elementwise as ew
 from pyhlo.scribe import HloValue
 
@@ -78,11 +78,11 @@ class Decoder:
     def tied(self) -> bool:
         return self.head.weight is None
 
-    def sharded(self, tp_degree: int, strategy: GQA | None = None, over_sequence: bool = False) -> Decoder:
+    def sharded(self, tp_degree: int, kv_sharding: KVSharding = KVSharding.HEADS) -> Decoder:
         """The pieces as one device of `tp_degree` runs them (its share of the attention heads,
-        KV heads shared out by `strategy`, or the caches split by slot: `over_sequence`);
-        parameter declarations stay the whole model's."""
-        attention = self.layer.attention.sharded(tp_degree, strategy, over_sequence)
+        keys and values shared out by `kv_sharding`); parameter declarations stay the whole
+        model's."""
+        attention = self.layer.attention.sharded(tp_degree, kv_sharding)
         layer = replace(self.layer, attention=attention)
         return replace(self, layer=layer)
 

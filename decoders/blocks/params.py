@@ -95,10 +95,10 @@ class Param:
     unit: int = 1
     # Attention projections: each part is this many KV-head groups of heads (the KV heads
     # themselves, or the query heads that share each). Tensor parallelism pads the groups to
-    # a number the devices split (padded_groups), with zero heads.
+    # a number the devices split (parallel/kv_sharding.py: padded_groups), with zero heads.
     head_groups: int = 0
     # Attention projections: the parts (indices into segments; (0,) for a lone k or v weight)
-    # that hold keys or values, which some GQA strategies hold whole or split by features.
+    # that hold keys or values, which some KV shardings hold whole or split by features.
     kv_segments: tuple[int, ...] = ()
     # Weight quantization (declare_quantized; the forms: decoders/weights/stored.py): the form
     # this linear weight is stored in ("s8": int8 per-row; a GGUF block form: "q8_0", "q4_0",
@@ -139,15 +139,6 @@ def declare_quantized(params: list[Param], config: QuantizationConfig | None,
         declared += [weight, replace(weight, name=f"{param.name}.scale", kind=Kind.VECTOR,
                                      shape=param.shape[:1], shard=shard, part_of=param.name)]
     return declared
-
-
-def padded_groups(groups: int, tp_degree: int) -> int:
-    """KV-head groups as `tp_degree` devices hold them: as many as there are where the groups
-    split over the devices or the devices over the groups, else padded up to a multiple of
-    tp_degree (3 KV heads over 2 or 4 devices: 4)."""
-    if groups % tp_degree == 0 or tp_degree % groups == 0:
-        return groups
-    return -(-groups // tp_degree) * tp_degree
 
 
 def labelled(label: str, transform: Transform) -> Transform:

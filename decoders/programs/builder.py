@@ -21,14 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoders import sharding
-from decoders.blocks import parallel
 from decoders.blocks.embedding import HEAD_WEIGHT
 from decoders.blocks.layer import Decoder
 from decoders.blocks.params import Param, declare_quantized
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
 from decoders.lowering import XlaLowering
+from decoders.parallel import replica, sharding
 from pyhlo import Scribe, compile_py_func
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops import sampling
@@ -106,7 +105,7 @@ class ProgramBuilder:
     @property
     def device_decoder(self) -> Decoder:
         """The pieces as one device runs them (its share of the heads under tensor parallelism)."""
-        decoder = self.decoder.sharded(self.tp_degree, self.lowering.gqa, self.lowering.shard_over_sequence)
+        decoder = self.decoder.sharded(self.tp_degree, self.lowering.kv_sharding)
         return decoder.with_kv_quant() if self.lowering.kv_cache_quant else decoder
 
     @property
@@ -280,7 +279,7 @@ class ProgramBuilder:
         if self.tp_degree == 1:
             tokens = sampling.greedy(logits)
         else:
-            start = parallel.block_start(logits.scribe, self.vocab_shard)
+            start = replica.block_start(logits.scribe, self.vocab_shard)
             tokens = sampling.greedy_sharded(logits, start, self.lowering.replica_groups)
         return reshape(tokens, (logits.dims[0], 1))
 
@@ -300,7 +299,8 @@ class ProgramBuilder:
             if self.tp_degree == 1:
                 tokens, state = sampling.sample(logits, *settings, k_max=k_max)
             else:
-                tokens, state = sampling.sample_sharded(logits, parallel.block_start(logits.scribe, v), *settings, k_max=k_max,
+                first = replica.block_start(logits.scribe, v)
+                tokens, state = sampling.sample_sharded(logits, first, *settings, k_max=k_max,
                                                         replica_groups=self.lowering.replica_groups)
             state.set_alias_to(p["rng_state"])
             return {"tokens": reshape(tokens, (b, 1)), "rng_state": state}

@@ -139,8 +139,8 @@ class Session:
         """Continuous batching with programs for one line (prefill_line()): a prompt is
         prefilled at the cost of its own tokens, not of a chunk for every line. Not where a
         line's cache is spread over the replicas (flash decoding, lines split by replica)."""
-        layout = self.builder.device_decoder.layer.attention.kv_layout
-        return self.per_line and self.batch_size > 1 and layout in ("heads", "gather")
+        whole_lines = self.builder.device_decoder.layer.attention.kv_sharding.whole_lines
+        return self.per_line and self.batch_size > 1 and whole_lines
 
     def decode_rows(self) -> list[int]:
         """Continuous batching: the numbers of lines (powers of two below the batch size) that
@@ -206,7 +206,8 @@ class Session:
         """What presharded weights are made for: a replica's parts depend on these, not on the
         batch size or the buckets."""
         lowering = self.lowering
-        return {"files": preshards.FILES, "tp_degree": lowering.tp_degree, "kv_split": lowering.kv_split,
+        return {"files": preshards.FILES, "tp_degree": lowering.tp_degree,
+                "kv_split": lowering.kv_sharding.projections,
                 "quant": lowering.quant.to_dict() if lowering.quant is not None else None,
                 "gguf_blocks": [list(pair) for pair in lowering.gguf_blocks], "lowering": lowering.name,
                 "weight_layout": lowering.weight_layout, "dtype": lowering.dtype, "head_dtype": lowering.head_dtype}

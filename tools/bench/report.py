@@ -316,10 +316,11 @@ def report_markdown(report: dict) -> str:
     paths = sorted({(r["amp"], r["batch"], json.dumps(r["info"]["kernel_rows"])) for r in report["results"]
                     if r.get("status") == "ok" and r.get("info", {}).get("kernel_rows")})
     if paths:
-        from decoders.product_paths import describe
+        from decoders.kernel_calibration import format_table
 
         table = {kind: tuple(rows) for kind, rows in json.loads(paths[0][2]).items()}
-        out.append(f"- pyhlo's product paths, timed on this CPU: the matrix-vector kernel for {describe(table)} "
+        out.append("- pyhlo's product paths, timed on this CPU: the matrix-vector kernel for "
+                   f"{format_table(table)} "
                    "(activation rows; \"blocks\": GGUF block forms), XLA's dot for the others")
     if report.get("other_load"):
         shares = ", ".join(f"{b['amp']} batch {b['batch']} {b['other_cpu_fraction'] * 100:.0f}%"

@@ -1,4 +1,4 @@
-"""Tensor parallelism over declared parameters: which part of a weight each device holds.
+"""How tensor parallelism splits the declared parameters: which part of a weight each device holds.
 
 A `Param` says along which axis it is split (`Shard.COLUMN`: `out`; `ROW`: `in`; `VOCAB`:
 rows of the LM head; `REPLICATED`: not at all). A weight fused from parts (q|k|v, gate|up)
@@ -13,19 +13,20 @@ split that does not divide (a vocabulary of 49153 rows, an MLP 1000 wide, over 4
 padded the same way with zero rows up to a multiple of the devices: a padding MLP feature's
 zero input and output weights add nothing, and the LM head masks its padding logits.
 
-How keys and values are shared out (`kv_split`, from the GQA strategy):
-- "heads": as above (GQA.SHARD_OVER_HEADS, GQA.REPLICATED_HEADS);
-- "replicated": every device holds the whole K and V projections (GQA.SHARD_OVER_BATCH and
+How keys and values are shared out (a `KVSharding`, decided in kv_sharding.py):
+- HEADS: as above (GQA None, SHARD_OVER_HEADS, REPLICATED_HEADS);
+- BATCH, SEQUENCE: every device holds the whole K and V projections (GQA.SHARD_OVER_BATCH and
   flash decoding, whose caches are split by batch line or by sequence slot instead);
-- "features": K and V split evenly by features, heads cut across devices
-  (GQA.ALL_GATHER_HEADS, which gathers them after the product).
-Under the last two, query heads split evenly, never padded in KV groups.
+- GATHER: K and V split evenly by features, heads cut across devices (GQA.ALL_GATHER_HEADS,
+  which gathers them after the product).
+Under the last three, query heads split evenly, never padded in KV groups.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from decoders.blocks.params import Kind, Param, Shard, padded_groups
+from decoders.blocks.params import Kind, Param, Shard
+from decoders.parallel.kv_sharding import KVSharding, padded_groups
 
 
 def split_axis(param: Param) -> int | None:
@@ -37,14 +38,11 @@ def split_axis(param: Param) -> int | None:
     return 0
 
 
-KV_SPLITS = ("heads", "replicated", "features")
-
-
-def indices(param: Param, tp_degree: int, rank: int, kv_split: str = "heads") -> np.ndarray | None:
+def indices(param: Param, tp_degree: int, rank: int,
+            kv_sharding: KVSharding = KVSharding.HEADS) -> np.ndarray | None:
     """The indices along split_axis(param) that device `rank` of `tp_degree` holds (None: all;
     -1: a row of a padding head, zeros)."""
-    if kv_split not in KV_SPLITS:
-        raise ValueError(f"kv_split must be one of {KV_SPLITS}, got {kv_split!r}")
+    projections = KVSharding(kv_sharding).projections
     axis = split_axis(param)
     if axis is None or tp_degree == 1:
         return None
@@ -53,15 +51,15 @@ def indices(param: Param, tp_degree: int, rank: int, kv_split: str = "heads") ->
     held, start = [], 0
     for index, size in enumerate(segments):
         unit = param.unit
-        if kv_split != "heads" and axis == 0 and index in param.kv_segments:
-            if kv_split == "replicated":
+        if projections != "heads" and axis == 0 and index in param.kv_segments:
+            if projections == "replicated":
                 held.append(start + np.arange(size))
                 start += size
                 continue
             unit = 1                                                  # "features"
         units = size // unit
         padded = units
-        groups = param.head_groups if kv_split == "heads" else 0
+        groups = param.head_groups if projections == "heads" else 0
         if groups:
             padded = units // groups * padded_groups(groups, tp_degree)
         if groups and padded % tp_degree and tp_degree % padded == 0:
@@ -75,9 +73,9 @@ def indices(param: Param, tp_degree: int, rank: int, kv_split: str = "heads") ->
     return np.concatenate(held)
 
 
-def local_shape(param: Param, tp_degree: int, kv_split: str = "heads") -> tuple[int, ...]:
+def local_shape(param: Param, tp_degree: int, kv_sharding: KVSharding = KVSharding.HEADS) -> tuple[int, ...]:
     """The shape of one device's part."""
-    held = indices(param, tp_degree, 0, kv_split)
+    held = indices(param, tp_degree, 0, kv_sharding)
     if held is None:
         return param.shape
     shape = list(param.shape)
@@ -85,9 +83,10 @@ def local_shape(param: Param, tp_degree: int, kv_split: str = "heads") -> tuple[
     return tuple(shape)
 
 
-def shard(param: Param, array: np.ndarray, tp_degree: int, rank: int, kv_split: str = "heads") -> np.ndarray:
+def shard(param: Param, array: np.ndarray, tp_degree: int, rank: int,
+          kv_sharding: KVSharding = KVSharding.HEADS) -> np.ndarray:
     """Device `rank`'s part of a parameter's full (logical) array."""
-    held = indices(param, tp_degree, rank, kv_split)
+    held = indices(param, tp_degree, rank, kv_sharding)
     if held is None:
         return array
     axis = split_axis(param)

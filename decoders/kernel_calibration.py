@@ -1,4 +1,5 @@
-"""Which products run on pyhlo's matrix-vector kernel on this machine, decided by timing.
+"""Calibration of pyhlo's CPU kernels: which products run on the matrix-vector kernel on
+this machine, decided by timing it against XLA's dot.
 
 The kernel reads each weight row once for all activation rows, so it wins where a product
 is bound by streaming the weights: a decode step at a small batch size. How small depends
@@ -33,6 +34,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from decoders.blocks.params import Kind, Param, Shard, Source
+from decoders.lowering import CpuKernelLowering, XlaLowering
+from pyhlo import compile_py_func
+from pyhlo.dtypes import name_of_numpy, numpy_dtype
+from pyhlo.ops import elementwise as ew
+
 log = logging.getLogger("pyhlo")
 
 TYPES = ("f32", "bf16", "s8", "blocks")
@@ -56,8 +63,8 @@ def parse(text: str) -> dict[str, Rows]:
         first, dash, last = value.strip().partition("-")
         if not dash:
             first, last = ("1", first) if first != "0" else ("0", "0")
-        if name not in TYPES or not first.isdigit() or not last.isdigit() \
-                or not (int(first) == int(last) == 0 or 1 <= int(first) <= int(last)):
+        if (name not in TYPES or not first.isdigit() or not last.isdigit()
+                or not (int(first) == int(last) == 0 or 1 <= int(first) <= int(last))):
             raise ValueError(f"{ENV}={text!r}: expected TYPE=ROWS or TYPE=FIRST-LAST items for each of "
                              f"{', '.join(TYPES)}, e.g. 'f32=4,bf16=2-8,s8=8,blocks=8'; got {item!r}")
         table[name] = (int(first), int(last))
@@ -108,7 +115,7 @@ def kernel_rows(backend: Any) -> dict[str, Rows]:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".part") as f:
         json.dump(record, f, indent=1)
     os.replace(f.name, path)
-    log.info("kernel rows on %s: %s (%.0f s)", record["cpu"] or "this CPU", describe(table),
+    log.info("kernel rows on %s: %s (%.0f s)", record["cpu"] or "this CPU", format_table(table),
              time.perf_counter() - started)
     return table
 
@@ -151,7 +158,7 @@ def range_from(times: dict[int, tuple[float, float]]) -> Rows:
     return first, last
 
 
-def describe(table: dict[str, Rows]) -> str:
+def format_table(table: dict[str, Rows]) -> str:
     """'f32 rows 2-8, bf16 rows 1-2, s8 none, ...'."""
     return ", ".join(f"{kind} " + (f"rows {a}-{b}" if a else "none") for kind, (a, b) in table.items())
 
@@ -181,8 +188,6 @@ def _weights(kind: str, shape: tuple[int, int], count: int, rng: np.random.Gener
         if kind == "f32":
             made.append([rng.standard_normal(shape).astype(np.float32)])
         elif kind == "bf16":
-            from pyhlo.dtypes import numpy_dtype
-
             made.append([rng.standard_normal(shape).astype(numpy_dtype("bf16"))])
         elif kind == "s8":
             made.append([rng.integers(-127, 128, shape, dtype=np.int8), rng.random(n).astype(np.float32)])
@@ -196,12 +201,6 @@ def _chain(backend: Any, kind: str, rows: int, shape: tuple[int, int], chain_byt
            kernel: bool) -> Callable[[], float]:
     """A compiled chain of products (the kernel's or XLA's dot), and a function that runs it
     once and returns microseconds per product."""
-    from decoders.blocks.params import Kind, Param, Shard, Source
-    from decoders.lowering import CpuKernelLowering, XlaLowering
-    from pyhlo import compile_py_func
-    from pyhlo.dtypes import name_of_numpy
-    from pyhlo.ops import elementwise as ew
-
     dtype = "bf16" if kind == "bf16" else "f32"
     blocks = (("w", "q4_1"),) if kind == "blocks" else ()
     everything = {k: (1, max(ROWS)) for k in TYPES}
