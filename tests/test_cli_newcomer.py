@@ -156,8 +156,7 @@ def test_generate_with_tp_degree_2_on_cpu_makes_its_devices_and_gives_the_same_t
     assert done.stdout.split() == greedy_words(checkpoint, prompt, 6)
 
 
-def test_a_compile_that_will_call_the_compiler_says_so_and_a_cached_one_is_quiet(checkpoint, caplog, monkeypatch,
-                                                                                  tmp_path):
+def test_a_compile_the_cache_lacks_says_so_and_a_cached_one_is_not(checkpoint, caplog, monkeypatch, tmp_path):
     monkeypatch.setenv("PYHLO_CACHE_DIR", str(tmp_path))            # an empty compile cache
     with caplog.at_level(logging.INFO, logger="pyhlo.progress"):
         NeuronAutoModelForCausalLM.from_pretrained(checkpoint, n_positions=128).to_neuron()
