@@ -100,7 +100,6 @@ def test_logging_shows_phase_lines_always_pyhlo_with_v_and_not_jax_info():
     finally:
         logging.getLogger("pyhlo").setLevel(logging.NOTSET)
         logging.getLogger("pyhlo.progress").setLevel(logging.NOTSET)
-        logging.getLogger("pyhlo.progress").propagate = True
 
 
 @pytest.mark.quick

@@ -51,18 +51,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Formatter(logging.Formatter):
+    """'pyhlo: message' for pyhlo's records (its phase lines too), 'name: message' for others."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        name = "pyhlo" if record.name.startswith("pyhlo") else record.name
+        return f"{name}: {record.getMessage()}"
+
+
 def configure_logging(verbose: bool) -> None:
     """pyhlo's own records at INFO with -v (other libraries' INFO, such as jax's note that it
     found no TPU, stay hidden), its phase lines always, warnings from everyone."""
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("pyhlo").setLevel(logging.INFO if verbose else logging.WARNING)
-    progress = logging.getLogger(PROGRESS_LOGGER)
-    progress.setLevel(logging.INFO)
-    if not progress.handlers:
+    root = logging.getLogger()
+    if not root.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("pyhlo: %(message)s"))
-        progress.addHandler(handler)
-    progress.propagate = False
+        handler.setFormatter(_Formatter())
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
+    logging.getLogger("pyhlo").setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger(PROGRESS_LOGGER).setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:
