@@ -54,6 +54,9 @@ def _not_yet(name: str, value: Any, hint: str = "") -> NotSupportedYet:
 class GenerationConfig:
     """Sampling parameters used on the device (transformers-neuronx's GenerationConfig).
 
+    max_length: as transformers-neuronx, sample() stops each line at max_length tokens (the
+    padded prompt width and the new tokens), or at its sequence_length if that is smaller.
+
     top_k=0 means no top-k filter; global_top_k bounds the candidates considered on
     the device (None: the whole vocabulary when needed), and every top_k must fit in it.
     With per_batch_line=True, top_k, top_p and temperature may be lists with one value
@@ -75,8 +78,11 @@ class GenerationConfig:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_length is not None and self.max_length < 1:
-            raise ValueError(f"GenerationConfig.max_length must be >= 1, got {self.max_length}")
+        if self.max_length is not None and (isinstance(self.max_length, bool)
+                                            or not isinstance(self.max_length, numbers.Integral)
+                                            or self.max_length < 1):
+            raise ValueError(f"GenerationConfig.max_length must be None or an int >= 1 (prompt and new "
+                             f"tokens of a line), got {self.max_length!r}")
         for name in ("top_k", "top_p", "temperature", "top_p_min_tokens"):
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):
@@ -210,6 +216,9 @@ class NeuronConfig:
     # integers: faster, within the rounding of the exact product (off: activations stay f32).
     int8_activations: bool = False
     on_device_generation: GenerationConfig | None = None
+    # The token embedding runs inside the device program (transformers-neuronx's
+    # on_device_embedding=True): pyhlo's programs always start from token ids.
+    on_device_embedding: bool = True
     padding_side: str = "right"
     output_all_logits: bool = False
     # A ContinuousBatchingConfig: one sequence per batch line, each at its own length.
@@ -249,6 +258,12 @@ class NeuronConfig:
                              f"QuantizationConfig(quant_dtype='s8')), got {self.quant!r}")
         if self.on_device_generation is not None:
             self._check_generation(self.on_device_generation)
+        if self.on_device_embedding not in (True, False):
+            raise ValueError(f"NeuronConfig.on_device_embedding must be True or False, "
+                             f"got {self.on_device_embedding!r}")
+        if not self.on_device_embedding:
+            raise _not_yet("on_device_embedding", False, "; the programs take token ids and look up the "
+                           "embedding on the device (embedding on the host is not built)")
         if self.padding_side not in ("left", "right"):
             raise ValueError(f"NeuronConfig.padding_side must be 'left' or 'right', got {self.padding_side!r}")
         if self.padding_side == "left":
@@ -300,8 +315,8 @@ class NeuronConfig:
 
     @staticmethod
     def _check_generation(config: Any) -> None:
-        """sample() takes do_sample, top_k, top_p, temperature (per line with per_batch_line),
-        global_top_k and eos_token_id from it; the rest is not built yet."""
+        """sample() takes max_length, do_sample, top_k, top_p, temperature (per line with
+        per_batch_line), global_top_k and eos_token_id from it; the rest is not built yet."""
         if not isinstance(config, GenerationConfig):
             raise ValueError("NeuronConfig.on_device_generation must be a GenerationConfig or None")
         refused = (
@@ -309,7 +324,6 @@ class NeuronConfig:
             ("dynamic", True, "; settings are inputs of the compiled sampler (update_generation_config "
                               "changes them without compiling)"),
             ("deterministic", False, "; each draw uses the seeded random state"),
-            ("max_length", None, "; give sample() its sequence_length"),
         )
         for name, built, hint in refused:
             if getattr(config, name) != built:

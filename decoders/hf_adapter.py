@@ -1,8 +1,11 @@
 """HuggingFaceGenerationModelAdapter: HF transformers' own generate() on a compiled model.
 
     model = LlamaForSampling.from_pretrained(path, batch_size=3, n_positions=256).to_neuron()
-    adapter = HuggingFaceGenerationModelAdapter(AutoConfig.from_pretrained(path), model)
+    adapter = HuggingFaceGenerationModelAdapter(model.config, model)
     out = adapter.generate(input_ids, attention_mask=mask, do_sample=True, top_k=50, max_new_tokens=64)
+
+The config is an HF PreTrainedConfig (AutoConfig.from_pretrained(path) of an HF directory) or
+the checkpoint's own config dict, `model.config`, which a GGUF file has too.
 
 As in transformers-neuronx, generate()'s loop, logits processors, stopping criteria and
 streamers run on the host around `model.forward(input_ids, cache_ids, start_ids)`: the

@@ -104,7 +104,8 @@ def kernel_rows(backend: Any) -> dict[str, Rows]:
         return {kind: range_from({int(r): tuple(t) for r, t in timings[kind].items()}) for kind in TYPES}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    log.info("timing pyhlo's matrix-vector kernel against XLA's dot on this CPU (once, about 30 s) ...")
+    logging.getLogger("pyhlo.progress").info("timing pyhlo's matrix-vector kernel against XLA's dot on this "
+                                             "CPU (once, about 30 s) ...")
     started = time.perf_counter()
     timings = measure(backend)
     table = {kind: range_from(rows) for kind, rows in timings.items()}

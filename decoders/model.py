@@ -38,13 +38,16 @@ from pyhlo.dtypes import element_type_of_amp
 log = logging.getLogger("pyhlo")
 
 SAVE_FORMAT = 2
+# transformers-neuronx's n_positions when the caller gives none (lowered to what a learned
+# position table holds).
+DEFAULT_N_POSITIONS = 2048
 
 
 class DecoderForSampling:
     family: Family
 
     def __init__(self, checkpoint_path: str | os.PathLike, batch_size: int = 1,
-                 n_positions: int | list[int] = 2048, tp_degree: int = 1, amp: str = "f32",
+                 n_positions: int | list[int] | None = None, tp_degree: int = 1, amp: str = "f32",
                  context_length_estimate: int | list[int] | None = None,
                  neuron_config: NeuronConfig | None = None, backend: Any = None):
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -63,7 +66,7 @@ class DecoderForSampling:
         self._check_family(self.config)
         self.decoder = self.family.describe(ConfigReader(self.config, self.family.name), self.neuron_config.fuse_qkv)
         self.batch_size = batch_size
-        self.token_buckets = bucketing.token_buckets(n_positions)
+        self.token_buckets = bucketing.token_buckets(self._n_positions_or_default(n_positions))
         self.context_buckets = bucketing.context_buckets(self.token_buckets, context_length_estimate)
         self.n_positions = self.token_buckets[-1]
         self._check_position_table()
@@ -93,7 +96,7 @@ class DecoderForSampling:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, batch_size: int = 1,
-                        n_positions: int | list[int] = 2048, tp_degree: int = 1, amp: str = "f32",
+                        n_positions: int | list[int] | None = None, tp_degree: int = 1, amp: str = "f32",
                         context_length_estimate: int | list[int] | None = None,
                         neuron_config: NeuronConfig | None = None, **kwargs: Any):
         """Open a checkpoint (HF directory or .gguf). Nothing is compiled until to_neuron()."""
@@ -140,14 +143,33 @@ class DecoderForSampling:
                              "in Q8_0, Q4_0 or Q4_1 blocks")
         return tuple(sorted(forms.items()))
 
+    def _n_positions_or_default(self, n_positions: int | list[int] | None) -> int | list[int]:
+        """n_positions as asked; when not asked, transformers-neuronx's 2048, or as many positions
+        as a learned position table holds if fewer (asking for more stays an error)."""
+        if n_positions is not None:
+            return n_positions
+        rows = self._position_rows()
+        if rows is None or rows >= DEFAULT_N_POSITIONS:
+            return DEFAULT_N_POSITIONS
+        log.info("n_positions %d: the most the checkpoint's learned position table (%s) holds "
+                 "(transformers-neuronx's default is %d)", rows, self.decoder.embedding.positions,
+                 DEFAULT_N_POSITIONS)
+        return rows
+
+    def _position_rows(self) -> int | None:
+        """How many positions the checkpoint's learned position table holds (None: no table)."""
+        embedding = self.decoder.embedding
+        if embedding.positions is None:
+            return None
+        return embedding.n_positions - embedding.position_offset
+
     def _check_position_table(self) -> None:
         """A learned position table must hold every position a sequence can reach."""
-        embedding = self.decoder.embedding
-        if embedding.positions is not None:
-            rows = embedding.n_positions - embedding.position_offset
-            if self.n_positions > rows:
-                raise ValueError(f"n_positions {self.n_positions} exceeds the {rows} positions of the checkpoint's "
-                                 f"learned position table ({embedding.positions}); use n_positions <= {rows}")
+        rows = self._position_rows()
+        if rows is not None and self.n_positions > rows:
+            raise ValueError(f"n_positions {self.n_positions} exceeds the {rows} positions of the "
+                             f"checkpoint's learned position table ({self.decoder.embedding.positions}); "
+                             f"use n_positions <= {rows}")
 
     # -- what was built ------------------------------------------------------------
     @property
@@ -274,8 +296,8 @@ class DecoderForSampling:
         return sampler_bound([max(wanted, 2)], vocab)
 
     def update_generation_config(self, generation_config: GenerationConfig) -> None:
-        """Change the on-device generation settings (do_sample, top_k, top_p, temperature,
-        eos_token_id) for later sample() calls, as transformers-neuronx does: they are inputs of
+        """Change the on-device generation settings (max_length, do_sample, top_k, top_p,
+        temperature, eos_token_id) for later sample() calls, as transformers-neuronx does: they are inputs of
         the compiled sampler, so nothing is compiled. per_batch_line and global_top_k are fixed
         when the model is built (a global_top_k of None keeps the built one)."""
         if self._on_device is None:
@@ -298,7 +320,8 @@ class DecoderForSampling:
                eos_token_id: int | list[int] | None = None, streamer: Any = None,
                stopping_criteria_list: Any = None, no_repeat_ngram_size: int | None = None,
                seed: int | None = None, attention_mask: Any = None, output_scores: bool = False):
-        """Generate until each line is `sequence_length` long (prompt included).
+        """Generate until each line is `sequence_length` long (prompt included), or the on-device
+        GenerationConfig.max_length where that is smaller.
 
         input_ids: a [batch, length] tensor, padded and marked by `attention_mask` or
         `start_ids` (offset of each line's first real token); the result is [batch,
@@ -318,13 +341,17 @@ class DecoderForSampling:
             )
         if not isinstance(sequence_length, int) or sequence_length < 1:
             raise ValueError(f"sequence_length must be a positive int, got {sequence_length!r}")
+        max_length = self._on_device.max_length if self._on_device is not None else None
+        if max_length is not None and max_length < sequence_length:
+            sequence_length = max_length        # as transformers-neuronx: the smaller of the two
         if sequence_length > self.n_positions:
             raise ValueError(
                 f"sequence_length {sequence_length} exceeds n_positions {self.n_positions}; "
                 "rebuild the model with a larger n_positions"
             )
         if prompts.width > sequence_length:
-            raise ValueError(f"prompt length {prompts.width} exceeds sequence_length {sequence_length}")
+            bound = "GenerationConfig.max_length" if sequence_length == max_length else "sequence_length"
+            raise ValueError(f"prompt length {prompts.width} exceeds {bound} {sequence_length}")
         on_device = self._on_device
         configured = on_device or GenerationConfig()
         if top_k is None:

@@ -121,6 +121,10 @@ class CompileCache:
     def path_of(self, key: str) -> str:
         return os.path.join(self.dir, key + SUFFIX)
 
+    def holds(self, backend: Any, hlo_bytes: bytes, num_replicas: int = 1) -> bool:
+        """Whether get_or_compile() would find an entry (to say ahead of time that a compile is coming)."""
+        return self.enabled and os.path.exists(self.path_of(cache_key(backend, hlo_bytes, num_replicas)))
+
     def get_or_compile(self, backend: Any, hlo_bytes: bytes, num_replicas: int = 1) -> tuple[Any, bool]:
         """The executable of hlo_bytes on backend, and whether it came from the cache."""
         if not self.enabled:

@@ -91,6 +91,10 @@ def build(compiler: str | None = None) -> pathlib.Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    import logging
+
+    logging.getLogger("pyhlo.progress").info("building pyhlo's CPU kernels with %s (once, a few seconds) ...",
+                                             pathlib.Path(compiler).name)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = pathlib.Path(tmp) / target.name
         command = [compiler, *_flags(), f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(built)]

@@ -33,6 +33,7 @@ def fake_pip(monkeypatch, wheel_members):
     return calls
 
 
+@pytest.mark.quick
 def test_cached_file_is_used_without_pip(tmp_path, no_subprocess):
     (tmp_path / FILENAME).write_bytes(b"GGUF")
     assert default_model_path(tmp_path) == tmp_path / FILENAME

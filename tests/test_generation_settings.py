@@ -112,7 +112,7 @@ def test_settings_that_are_not_built_or_do_not_fit_are_clear_errors(path):
         GenerationConfig(top_k=64, global_top_k=32)
     with pytest.raises(ValueError, match="top_p must be in"):
         GenerationConfig(per_batch_line=True, top_p=[0.5, 0.0])
-    for refused in (dict(dynamic=False), dict(max_length=64), dict(deterministic=True)):
+    for refused in (dict(dynamic=False), dict(deterministic=True)):
         with pytest.raises(NotSupportedYet, match=next(iter(refused))):
             NeuronConfig(on_device_generation=GenerationConfig(**refused))
     with pytest.raises(ValueError, match="GenerationConfig.top_k has 3 values for 2 batch lines"):

@@ -119,8 +119,10 @@ def test_every_neuron_config_option_is_built_or_refused():
         NeuronConfig(padding_side="left")
     with pytest.raises(NotSupportedYet, match="deterministic"):
         NeuronConfig(on_device_generation=GenerationConfig(deterministic=True))
-    with pytest.raises(NotSupportedYet, match="max_length"):
-        NeuronConfig(on_device_generation=GenerationConfig(max_length=64))
+    assert NeuronConfig(on_device_generation=GenerationConfig(max_length=64))   # built: sample() stops there
+    assert NeuronConfig(on_device_embedding=True).on_device_embedding        # built: embedding on the device
+    with pytest.raises(NotSupportedYet, match="on_device_embedding=False"):
+        NeuronConfig(on_device_embedding=False)
     with pytest.raises(NotSupportedYet, match="dynamic=False"):
         NeuronConfig(on_device_generation=GenerationConfig(dynamic=False))
     assert NeuronConfig(fuse_qkv=False).fuse_qkv is False       # built: three q, k, v weights

@@ -34,8 +34,12 @@ def build(path, batch_size=1, **kwargs):
     return LlamaForSampling.from_pretrained(path, batch_size=batch_size, **kwargs).to_neuron()
 
 
-@pytest.mark.parametrize("kernels, whole", [pytest.param(True, None, marks=pytest.mark.cpu_only),
-                                             pytest.param(True, False, marks=pytest.mark.cpu_only), (False, False)],
+CPU_QUICK = (pytest.mark.cpu_only, pytest.mark.quick)
+
+
+@pytest.mark.parametrize("kernels, whole", [pytest.param(True, None, marks=CPU_QUICK),
+                                             pytest.param(True, False, marks=pytest.mark.cpu_only),
+                                             pytest.param(False, False, marks=pytest.mark.quick)],
                          ids=["cpu_kernels-whole_model", "cpu_kernels-per_block", "xla_dot-per_block"])
 @pytest.mark.parametrize("variant", ["mha", "gqa_tied_llama3"])
 def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels, whole):

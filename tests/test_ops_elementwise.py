@@ -56,6 +56,7 @@ def _inputs(seed, dims, dtype, positive=False):
     return x.astype(numpy_dtype(dtype))
 
 
+@pytest.mark.quick
 @SETTINGS
 @given(dims=shapes, seed=seeds)
 def test_binary_ops_f32(dims, seed):

@@ -45,6 +45,7 @@ def _numpy(t):
 TOLERANCE = {"f32": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=1e-2, atol=1e-2)}
 
 
+@pytest.mark.quick
 @SETTINGS
 @given(dims=shapes, seed=seeds, dtype=float_types, data=st.data())
 def test_softmax(dims, seed, dtype, data):
@@ -65,6 +66,7 @@ def test_softmax_is_stable_for_large_logits():
     np.testing.assert_allclose(out[1], [1 / 3] * 3, rtol=1e-6)
 
 
+@pytest.mark.quick
 @SETTINGS
 @given(lead=st.lists(st.integers(1, 4), max_size=2), hidden=st.integers(1, 16), seed=seeds, dtype=float_types)
 def test_rms_norm_matches_hf_llama(lead, hidden, seed, dtype):

@@ -12,6 +12,7 @@ from pyhlo.schema import hlo_pb2
 BF16 = numpy_dtype("bf16")
 
 
+@pytest.mark.quick
 def test_lm_head_from_transformers_neuronx():
     hidden_size, n_active_tokens, batch_size, vocab_size = 16, 3, 2, 40
 

@@ -1,7 +1,71 @@
-"""The options that say which model to build, shared by the commands that build one."""
+"""The options that say which model to build, shared by the commands that build one.
+
+Today's names come first; the spellings HF, vLLM and llama.cpp users type are aliases beside
+them: -m / --model or a positional MODEL, --dtype for --amp, --max-model-len for --n-positions.
+"""
 from __future__ import annotations
 
 import argparse
+import os
+
+# --amp / --dtype: pyhlo's names, and the torch names HF and vLLM users type.
+AMP_NAMES = {"f32": "f32", "float32": "f32", "float": "f32", "bf16": "bf16", "bfloat16": "bf16",
+             "f16": "f16", "float16": "f16", "half": "f16"}
+
+
+def amp_name(value: str) -> str:
+    """'bfloat16' -> 'bf16' (and the other torch names); pyhlo's own names as they are."""
+    try:
+        return AMP_NAMES[value.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"unknown type {value!r}; use f32, bf16 or f16 (or float32, "
+                                         "bfloat16, float16)") from None
+
+
+def add_model_argument(parser: argparse.ArgumentParser, positional: bool = True) -> None:
+    """The model as `-m PATH`, `--model PATH` or (positional) a first MODEL argument; read it
+    back with model_path(args)."""
+    if positional:
+        parser.add_argument("model_positional", nargs="?", metavar="MODEL",
+                            help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct); "
+                                 "or give it as -m / --model")
+    parser.add_argument("-m", "--model", metavar="PATH",
+                        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+
+
+def model_path(args: argparse.Namespace) -> str | None:
+    """The model given as MODEL or -m / --model (None: the default model); both given must agree."""
+    given = getattr(args, "model_positional", None)
+    if given is not None and args.model is not None and given != args.model:
+        raise ValueError(f"two models given: {given} and --model {args.model}; give one")
+    return args.model if args.model is not None else given
+
+
+def add_amp_argument(group, default: str = "f32", help: str = "weights and activations type") -> None:
+    group.add_argument("--amp", "--dtype", dest="amp", default=default, type=amp_name,
+                       choices=["f32", "bf16", "f16"],
+                       help=f"{help} (default {default}; also bfloat16, float16, float32)")
+
+
+def add_n_positions_argument(group, default: int = 1024,
+                             help: str = "longest sequence; token buckets are powers of two up to it",
+                             ) -> None:
+    group.add_argument("--n-positions", "--max-model-len", dest="n_positions", type=int, default=default,
+                       metavar="N", help=f"{help} (default {default})")
+
+
+def add_tp_degree_argument(group) -> None:
+    group.add_argument("--tp-degree", type=int, default=1, metavar="N",
+                       help="tensor parallelism: the model split over N devices (default 1; on CPU, N host "
+                            "devices are made for it)")
+
+
+def cpu_devices_for(tp_degree: int) -> None:
+    """XLA:CPU shows one device unless told so before it starts: ask for `tp_degree` of them
+    (where XLA_FLAGS does not already say how many). Other platforms are not affected."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if tp_degree > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={tp_degree}".strip()
 
 
 def int_list(value: str) -> list[int]:
@@ -41,12 +105,11 @@ def weight_options(args: argparse.Namespace) -> dict:
 
 
 def add_model_arguments(group: argparse._ArgumentGroup) -> None:
-    """--batch-size, --n-positions, --amp, --quant and --context-length-estimate."""
+    """--batch-size, --n-positions (--max-model-len), --amp (--dtype), --quant and
+    --context-length-estimate."""
     group.add_argument("--batch-size", type=int, default=1, metavar="N", help="batch size (default 1)")
-    group.add_argument("--n-positions", type=int, default=1024, metavar="N",
-                       help="longest sequence; token buckets are powers of two up to it (default 1024)")
-    group.add_argument("--amp", default="f32", choices=["f32", "bf16", "f16"],
-                       help="weights and activations type (default f32)")
+    add_n_positions_argument(group)
+    add_amp_argument(group)
     add_quant_argument(group)
     group.add_argument("--context-length-estimate", type=int_list, metavar="N[,N]",
                        help="prefill buckets, e.g. 64,256 (default: half of each token bucket)")

@@ -392,6 +392,10 @@ class GGUFCheckpoint(Checkpoint):
         tokenizer = load_cached_tokenizer(self.path)
         if tokenizer is not None:
             return tokenizer
+        import logging
+
+        logging.getLogger("pyhlo.progress").info("building the tokenizer from %s (once, up to a minute) ...",
+                                                 self.path.name)
         tokenizer = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         if cached is not None:
             self._save_tokenizer(tokenizer, cached)

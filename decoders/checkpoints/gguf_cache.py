@@ -121,6 +121,11 @@ def open_gguf(path: pathlib.Path) -> Checkpoint:
     target = converted_dir(path)
     if target is not None and (target / "model.safetensors").is_file():
         return ConvertedGGUF(target, path)
+    if target is not None:
+        import logging
+
+        logging.getLogger("pyhlo.progress").info("converting %s to safetensors for fast loading (once) ...",
+                                                 path.name)
     checkpoint = GGUFCheckpoint(path)
     if target is not None:
         convert(checkpoint, target)

@@ -135,11 +135,22 @@ class ProgramSet:
             self._record(key, self._compile(program))
         return self.compiled[key]
 
+    def _cached(self, program: Program) -> bool:
+        """Whether `program` comes from a save() or the compile cache rather than the compiler."""
+        saved = self.saved.get(program.name)
+        if saved is not None and saved[0] == _module_hash(program):
+            return True
+        return self.cache.holds(self.backend, program.module.SerializeToString(), num_replicas=self.replicas)
+
     def compile_all(self, keys: Iterable[ProgramKey]) -> None:
         from tqdm.auto import tqdm
 
         todo = [k for k in dict.fromkeys(keys) if k not in self.compiled]
         programs = {key: self.build(key) for key in todo}
+        new = sum(not self._cached(program) for program in programs.values())
+        if new:
+            logging.getLogger("pyhlo.progress").info(
+                "compiling %d program%s (once: the compile cache keeps them) ...", new, "s" * (new > 1))
         with ThreadPoolExecutor(max_workers=self.workers) as pool, tqdm(
             total=len(todo), desc="compiling", unit="program", disable=None
         ) as bar:
