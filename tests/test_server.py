@@ -220,6 +220,7 @@ def test_serve_takes_the_spellings_vllm_and_llama_cpp_users_type():
         model_path(serve_args("a.gguf", "-m", "b.gguf"))
     args = serve_args("--max-num-seqs", "8", "--max-model-len", "512", "--dtype", "bf16", "--tp-degree", "2")
     assert (args.batch_size, args.n_positions, args.amp, args.tp_degree) == (8, 512, "bf16", 2)
+    assert serve_args("--dtype", "bfloat16").amp == "bf16"       # torch's names, as vLLM takes them
     args = serve_args("--batch-size", "8", "--n-positions", "512", "--amp", "bf16")
     assert (args.batch_size, args.n_positions, args.amp, args.tp_degree) == (8, 512, "bf16", 1)
     assert not serve_args().no_request_log and serve_args("--no-request-log").no_request_log

@@ -27,38 +27,36 @@ import sys
 import time
 from typing import Any
 
-from tools.model_options import add_quant_argument, int_list, weight_options
+from tools.model_options import (
+    add_amp_argument,
+    add_model_argument,
+    add_n_positions_argument,
+    add_quant_argument,
+    add_tp_degree_argument,
+    cpu_devices_for,
+    int_list,
+    model_path,
+    weight_options,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("-m", "--model", dest="model_option", metavar="MODEL",
-                        help="the model, as an option instead of the positional argument")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    add_model_argument(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=4, metavar="N",
                         help="batch lines: requests generated at the same time (default 4); more wait in a queue")
-    parser.add_argument("--n-positions", "--max-model-len", dest="n_positions", type=int, default=1024,
-                        metavar="N",
-                        help="context length: prompt + answer tokens of one request (default 1024)")
+    add_n_positions_argument(parser, help="context length: prompt + answer tokens of one request")
     parser.add_argument("--context-length-estimate", type=int_list, metavar="N[,N]",
                         help="prompt chunk sizes, e.g. 64,256 (default: half of each token bucket)")
-    parser.add_argument("--amp", "--dtype", dest="amp", default="f32", choices=["f32", "bf16", "f16"],
-                        help="weights type (default f32)")
-    parser.add_argument("--tp-degree", type=int, default=1, metavar="N",
-                        help="tensor parallelism: the model split over N devices (default 1; on CPU, N "
-                             "devices come from XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    parser.add_argument("--served-model-name", help="the model's name in the API (default: the file or folder name)")
+    add_amp_argument(parser, help="weights type")
+    add_tp_degree_argument(parser)
+    parser.add_argument("--served-model-name",
+                        help="the model's name in the API (default: the file or folder name)")
     parser.add_argument("--no-request-log", action="store_true",
                         help="no line on stderr per finished request (id, tokens, time, finish reason)")
     add_quant_argument(parser)
-
-
-def model_path(args: argparse.Namespace) -> str | None:
-    """The model given positionally or by -m / --model (None: the default model)."""
-    if args.model and args.model_option and args.model != args.model_option:
-        raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
-    return args.model_option or args.model
 
 
 def _phase(what: str) -> None:
@@ -73,6 +71,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     from decoders.checkpoints.default_model import default_model_path
     from serving.engine import Engine
 
+    cpu_devices_for(args.tp_degree)              # before the backend starts
     path = model_path(args) or default_model_path()
     config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=args.batch_size),
                           **weight_options(args))
