@@ -22,14 +22,16 @@ def lowering_platform() -> str | None:
 
 def pytest_configure(config):
     if lowering_platform() not in (None, "cuda"):
-        raise pytest.UsageError(f"{LOWERING_AS}={lowering_platform()!r}: expected cuda, or the variable unset")
+        raise pytest.UsageError(f"{LOWERING_AS}={lowering_platform()!r}: expected cuda, "
+                                "or the variable unset")
 
 
 def _not_cpu_reason() -> str | None:
     """Why `cpu_only` tests are skipped in this run (None: they run)."""
     platform = lowering_platform()
     if platform is not None:
-        return f"a fact of XLA:CPU or of pyhlo's CPU kernels; models here take the {platform} lowering ({LOWERING_AS})"
+        return (f"a fact of XLA:CPU or of pyhlo's CPU kernels; models here take the {platform} lowering "
+                f"({LOWERING_AS})")
     from runtime import get_backend
 
     platform = get_backend().platform

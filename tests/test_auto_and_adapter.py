@@ -76,7 +76,8 @@ def test_auto_refuses_an_unknown_model_type_naming_the_supported_ones(tiny_llama
     shutil.copytree(tiny_llama("mha", "safetensors")[1], copy)
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "model_type": "not_a_decoder"}))
-    with pytest.raises(ValueError, match="'not_a_decoder' is not supported; supported: .*llama.*gpt_neox.*bloom"):
+    with pytest.raises(ValueError,
+                       match="'not_a_decoder' is not supported; supported: .*llama.*gpt_neox.*bloom"):
         NeuronAutoModelForCausalLM.from_pretrained(copy)
 
 
@@ -116,9 +117,11 @@ def both(hf, adapter, *args, seed=None, **kwargs):
 def test_greedy_generate_gives_hf_output_on_a_left_padded_batch(hf_and_path, adapter):
     hf, _ = hf_and_path
     ids, mask = left_padded()
-    expected, got = both(hf, adapter, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    expected, got = both(hf, adapter, ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                         pad_token_id=0)
     assert got.shape == (3, ids.shape[1] + 30) and torch.equal(got, expected)
-    expected, got = both(hf, adapter, ids, attention_mask=mask, max_length=40, do_sample=False, pad_token_id=0)
+    expected, got = both(hf, adapter, ids, attention_mask=mask, max_length=40, do_sample=False,
+                         pad_token_id=0)
     assert got.shape == (3, 40) and torch.equal(got, expected)
     # an EOS id that line 0 draws: it stops there and is padded, as in HF
     new0 = expected[0, ids.shape[1]:].tolist()
@@ -159,7 +162,8 @@ def test_num_return_sequences_gives_different_continuations_of_one_prompt(adapte
     continuations = {tuple(line) for line in out[:, 6:].tolist()}
     assert len(continuations) == 3
     ids, mask = left_padded()
-    with pytest.raises(ValueError, match=r"9 batch lines \(3 prompts x num_return_sequences=3\).*batch_size=3"):
+    with pytest.raises(ValueError,
+                       match=r"9 batch lines \(3 prompts x num_return_sequences=3\).*batch_size=3"):
         adapter.generate(ids, attention_mask=mask, do_sample=True, num_return_sequences=3, max_new_tokens=5)
 
 
@@ -187,8 +191,8 @@ def test_hf_stopping_criteria_through_generate(hf_and_path, adapter):
     plain = hf.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
     stop = int(plain[1, ids.shape[1] + 4])
     criteria = StoppingCriteriaList([StopAtToken(stop)])
-    expected, got = both(hf, adapter, ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
-                         stopping_criteria=criteria)
+    expected, got = both(hf, adapter, ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                         pad_token_id=0, stopping_criteria=criteria)
     assert torch.equal(got, expected)
 
 
@@ -220,5 +224,6 @@ def test_what_the_adapter_cannot_run_is_a_clear_error(adapter):
         adapter.generate(ids, attention_mask=mask, num_beams=2, max_new_tokens=5, pad_token_id=0)
     with pytest.raises(ValueError, match="n_positions=128"):
         adapter.generate(ids, attention_mask=mask, max_new_tokens=200, pad_token_id=0)
-    with pytest.raises(ValueError, match="only supports"):            # HF's own check, for what num_beams misses
+    with pytest.raises(ValueError, match="only supports"):            # HF's own check, for what num_beams
+                                                                      # misses
         adapter.generate(ids, attention_mask=mask, assistant_model=adapter, max_new_tokens=5, pad_token_id=0)

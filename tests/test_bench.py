@@ -294,7 +294,8 @@ def test_quick_run_writes_table_json_and_chart(tiny_llama, tmp_path, capsys):
     assert report["schema"] == bench_report.SCHEMA
     assert {"machine", "workload", "bandwidth", "roofline", "results", "buckets", "notes"} <= set(report)
     assert report["bandwidth"]["gb_per_s"] > 0
-    assert [(r["engine"], r["amp"], r["batch"]) for r in report["results"]] == [("pyhlo", "f32", 1), ("hf", "f32", 1)]
+    assert [(r["engine"], r["amp"], r["batch"]) for r in report["results"]] == [("pyhlo", "f32", 1),
+                                                                                 ("hf", "f32", 1)]
     for row in report["results"]:
         assert row["status"] == "ok", row["error"]
         for key in ("ttft_ms", "decode_tokens_per_s", "ms_per_step"):
@@ -326,10 +327,12 @@ def test_the_serving_table_puts_pyhlo_beside_llama_cpp():
 def test_the_speculative_table_gives_each_prompt_and_the_median():
     from tools.bench.speculative import table
 
-    prompts = [{"prompt_tokens": 30, "new_tokens": 128, "target_tokens_per_s": 20.0, "speculative_tokens_per_s": 30.0,
-                "same_tokens": True, "target_calls": 40, "acceptance_rate": 0.75},
-               {"prompt_tokens": 25, "new_tokens": 128, "target_tokens_per_s": 22.0, "speculative_tokens_per_s": 22.0,
-                "same_tokens": False, "target_calls": 60, "acceptance_rate": 0.4}]
+    prompts = [{"prompt_tokens": 30, "new_tokens": 128, "target_tokens_per_s": 20.0,
+                "speculative_tokens_per_s": 30.0, "same_tokens": True, "target_calls": 40,
+                "acceptance_rate": 0.75},
+               {"prompt_tokens": 25, "new_tokens": 128, "target_tokens_per_s": 22.0,
+                "speculative_tokens_per_s": 22.0, "same_tokens": False, "target_calls": 60,
+                "acceptance_rate": 0.4}]
     result = {"prompts": prompts, "target_tokens_per_s": 21.0, "speculative_tokens_per_s": 26.0,
               "speed_up": 26.0 / 21.0, "acceptance_rate": 0.57, "all_same_tokens": False}
     text = table(result).splitlines()
@@ -352,9 +355,9 @@ def device_run(tmp_path_factory):
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         patch.setenv("PYHLO_MODEL_DIR", str(tmp_path_factory.mktemp("random-models")))
-        code = main(["bench", "--device", "cpu", "--random-model", "tiny", "--engines", ",".join(DEVICE_ENGINES),
-                     "--batch", "1,2", "--prompt-tokens", "8", "--new-tokens", "6", "--repeats", "1",
-                     "--quiet-wait", "0", "--out", str(out)])
+        code = main(["bench", "--device", "cpu", "--random-model", "tiny", "--engines",
+                     ",".join(DEVICE_ENGINES), "--batch", "1,2", "--prompt-tokens", "8", "--new-tokens", "6",
+                     "--repeats", "1", "--quiet-wait", "0", "--out", str(out)])
     return code, printed.getvalue(), json.loads((out / "bench_device.json").read_text()), out
 
 
@@ -371,7 +374,8 @@ def test_device_run_has_a_row_of_positive_numbers_per_engine_and_batch(device_ru
         for key in ("ttft_ms", "decode_tokens_per_s", "ms_per_step"):
             assert row[key]["median"] > 0, key
         assert row["roofline_fraction"] > 0
-        assert (row["compile_s"] is None) == (row["engine"] == "hf")   # pyhlo's to_neuron, torch.compile's warm-up
+        assert (row["compile_s"] is None) == (row["engine"] == "hf")   # pyhlo's to_neuron, torch.compile's
+                                                                       # warm-up
         assert row["compile_s"] is None or row["compile_s"] > 0
     assert report["bandwidth"]["gb_per_s"] > 0 and report["machine"]["device_name"]
     assert report["floor"]["f32"]["floor_ms"] > 0
@@ -405,7 +409,8 @@ def test_device_cuda_without_a_gpu_fails_at_once_naming_what_to_install(tmp_path
 
 
 def test_device_floor_counts_the_bytes_pyhlo_declares(tiny_llama):
-    for variant in ("mha", "gqa_tied_llama3"):                 # separate LM head; LM head tied to the embedding
+    for variant in ("mha", "gqa_tied_llama3"):                 # separate LM head; LM head tied to the
+                                                               # embedding
         _, path = tiny_llama(variant, "safetensors")
         assert device.weight_bytes(path, "f32") == cpu.weight_bytes(path, "f32", 256), variant
         assert device.weight_bytes(path, "bf16") * 2 == device.weight_bytes(path, "f32")

@@ -86,19 +86,22 @@ def ref_norm(x, weight, bias, kind, eps):
     if kind == "rms":
         x = x.astype(np.float64)
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
-    t = F.layer_norm(torch.from_numpy(x.astype(np.float64)), (x.shape[-1],), torch.from_numpy(weight.astype(np.float64)),
+    t = F.layer_norm(torch.from_numpy(x.astype(np.float64)), (x.shape[-1],),
+                     torch.from_numpy(weight.astype(np.float64)),
                      None if bias is None else torch.from_numpy(bias.astype(np.float64)), eps)
     return t.numpy()
 
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+               "relu": F.relu}
 
 
 def ref_mlp(x, t: dict[str, np.ndarray], activation, gated, bias):
     act = ACTIVATIONS[activation]
     b = (lambda name: t[name + ".bias"]) if bias else (lambda name: None)
     if gated:
-        inner = act(torch.from_numpy(_linear(x, t["gate.weight"], b("gate")))).numpy() * _linear(x, t["up.weight"], b("up"))
+        inner = (act(torch.from_numpy(_linear(x, t["gate.weight"], b("gate")))).numpy()
+                 * _linear(x, t["up.weight"], b("up")))
     else:
         inner = act(torch.from_numpy(_linear(x, t["up.weight"], b("up")))).numpy()
     return _linear(inner, t["down.weight"], b("down"))
@@ -121,7 +124,8 @@ def ref_rotary(x, positions, inv_freq, style):
     return np.concatenate([rot * cos + rotated * sin, rest], -1)
 
 
-def ref_attention(att: Attention, t: dict[str, np.ndarray], x, positions, slot, pad, cache_k, cache_v, n_attend):
+def ref_attention(att: Attention, t: dict[str, np.ndarray], x, positions, slot, pad, cache_k, cache_v,
+                  n_attend):
     """(output, cache_k, cache_v) in float64 from the q/k/v/out tensors in HF's layout.
 
     Line i's query j sits at slot + j and sees key slots pad[i] <= s <= slot + j (and
@@ -171,12 +175,13 @@ def test_norm(lead, width, kind_bias, seed):
     params = norm.params("ln")
     assert [p.name for p in params] == ["ln.weight", "ln.bias"][:1 + bias]
     assert all(p.kind is Kind.VECTOR and p.shard is Shard.REPLICATED for p in params)
-    tensors = {"model.layers.3.ln.weight": _randn(rng, width) + 1, "model.layers.3.ln.bias": _randn(rng, width)}
+    tensors = {"model.layers.3.ln.weight": _randn(rng, width) + 1,
+               "model.layers.3.ln.bias": _randn(rng, width)}
     x = _randn(rng, *lead, width, scale=3.0) + 2.0   # an offset a layer norm must remove
     weights = _weights(params, FakeCheckpoint(tensors), IN_OUT, layer=3)
     (out,) = _run({"x": x, **weights}, lambda v: [norm(PieceValues(v, IN_OUT, "ln", params), v["x"])])
-    expected = ref_norm(x, tensors["model.layers.3.ln.weight"], tensors["model.layers.3.ln.bias"] if bias else None,
-                        kind, 1e-5)
+    expected = ref_norm(x, tensors["model.layers.3.ln.weight"],
+                        tensors["model.layers.3.ln.bias"] if bias else None, kind, 1e-5)
     # The variance of an f32 sum of squares over `width` features: a few ulps.
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=2e-5)
 
@@ -267,7 +272,8 @@ def test_read_concatenates_picks_alternatives_and_strips_the_base_prefix():
     param = Param("lm_head.weight", Kind.LINEAR, (5, 2), Shard.VOCAB,
                   Source((("lm_head.weight", "embed_out.weight"),)), is_head=True)
     np.testing.assert_array_equal(read(param, FakeCheckpoint({"embed_out.weight": out}), None), out)
-    np.testing.assert_array_equal(read(param, FakeCheckpoint({"embed_out.weight": out, "lm_head.weight": head}),
+    np.testing.assert_array_equal(read(param, FakeCheckpoint({"embed_out.weight": out,
+                                                              "lm_head.weight": head}),
                                        None), head)
 
     # A base model's checkpoint lacks the "transformer." prefix.
@@ -311,10 +317,11 @@ def test_read_keeps_f32_f16_and_bf16_as_stored_and_widens_the_rest():
 
 
 def test_read_reports_a_wrong_shape():
-    param = Param("attn.out.weight", Kind.LINEAR, (4, 6), Shard.ROW, Source(("model.layers.{i}.o_proj.weight",)))
+    param = Param("attn.out.weight", Kind.LINEAR, (4, 6), Shard.ROW,
+                  Source(("model.layers.{i}.o_proj.weight",)))
     checkpoint = FakeCheckpoint({"model.layers.2.o_proj.weight": np.zeros((6, 4), np.float32)})
-    with pytest.raises(ValueError, match=r"attn\.out\.weight: model\.layers\.2\.o_proj\.weight gives shape \(6, 4\), "
-                                         r"expected \(4, 6\)"):
+    with pytest.raises(ValueError, match=r"attn\.out\.weight: model\.layers\.2\.o_proj\.weight gives shape "
+                                         r"\(6, 4\), expected \(4, 6\)"):
         read(param, checkpoint, 2)
 
 
@@ -344,10 +351,12 @@ def _attention_checkpoint(att: Attention, rng) -> tuple[dict[str, np.ndarray], F
     """Random q/k/v/out tensors in HF's layout, and a checkpoint holding them as `att` names them
     (a fused per-head or contiguous qkv built from q, k and v for a `qkv` attention)."""
     hidden, q_size, kv_size = att.hidden, att.q_size, att.kv_size
-    t = {"q.weight": _randn(rng, q_size, hidden, scale=0.5), "k.weight": _randn(rng, kv_size, hidden, scale=0.5),
+    t = {"q.weight": _randn(rng, q_size, hidden, scale=0.5),
+         "k.weight": _randn(rng, kv_size, hidden, scale=0.5),
          "v.weight": _randn(rng, kv_size, hidden), "out.weight": _randn(rng, hidden, q_size, scale=0.5)}
     if att.qkv_bias:
-        t.update({"q.bias": _randn(rng, q_size), "k.bias": _randn(rng, kv_size), "v.bias": _randn(rng, kv_size)})
+        t.update({"q.bias": _randn(rng, q_size), "k.bias": _randn(rng, kv_size),
+                  "v.bias": _randn(rng, kv_size)})
     if att.out_bias:
         t["out.bias"] = _randn(rng, hidden)
     stored = {}
@@ -359,11 +368,13 @@ def _attention_checkpoint(att: Attention, rng) -> tuple[dict[str, np.ndarray], F
     elif att.qkv_layout == "contiguous":
         for suffix in suffixes:
             # GPT-2's c_attn: [q | k | v] along `out`.
-            stored[f"{att.qkv.format(i=0)}.{suffix}"] = np.concatenate([t[f"{part}.{suffix}"] for part in "qkv"])
+            stored[f"{att.qkv.format(i=0)}.{suffix}"] = np.concatenate([t[f"{part}.{suffix}"]
+                                                                       for part in "qkv"])
     else:
         for suffix in suffixes:
             # GPT-NeoX's query_key_value: [heads, (q, k, v), head_dim] along `out`.
-            parts = [t[f"{part}.{suffix}"].reshape(att.n_heads, 1, att.head_dim, -1) for part in ("q", "k", "v")]
+            parts = [t[f"{part}.{suffix}"].reshape(att.n_heads, 1, att.head_dim, -1)
+                     for part in ("q", "k", "v")]
             stored[f"{att.qkv.format(i=0)}.{suffix}"] = np.concatenate(parts, 1).reshape(
                 3 * q_size, *t[f"q.{suffix}"].shape[1:])
     stored[f"{att.out.format(i=0)}.weight"] = t["out.weight"]
@@ -405,7 +416,8 @@ def _check_attention(att: Attention, lowering, seed, prefill=5, pad=(0, 2), cach
         x = _randn(rng, b, n, att.hidden)
         step = _step_inputs(n, slot, pad)
         out, new_k, new_v = _run_attention(att, lowering, weights, x, step, cache_k, cache_v, attend)
-        expected, ref_k, ref_v = ref_attention(att, t, x, step["positions"], slot, pad, cache_k, cache_v, attend)
+        expected, ref_k, ref_v = ref_attention(att, t, x, step["positions"], slot, pad, cache_k, cache_v,
+                                               attend)
         assert out.shape == (b, n, att.hidden) and new_k.shape == dims and new_v.shape == dims
         assert np.isfinite(out).all()
         # Only real tokens: a padding query sees no key, and its output is of no use.
@@ -444,8 +456,8 @@ def test_attention_fused_per_head_qkv_partial_rotary(fused, lowering):
 
 
 def test_attention_fused_and_split_qkv_programs_agree():
-    kwargs = dict(hidden=12, n_heads=2, n_kv_heads=2, head_dim=6, positions=Rotary(_inv_freq(4)), qkv_bias=True,
-                  out_bias=True)
+    kwargs = dict(hidden=12, n_heads=2, n_kv_heads=2, head_dim=6, positions=Rotary(_inv_freq(4)),
+                  qkv_bias=True, out_bias=True)
     rng = np.random.default_rng(4)
     att = _fused_attention(**kwargs)
     _, checkpoint = _attention_checkpoint(att, rng)
@@ -501,7 +513,8 @@ def test_attention_alibi_bias_depends_on_the_key_slot():
     slopes = nn.alibi_slopes(2).astype(np.float64)
     w = np.exp(slopes[:, None] * np.arange(3))
     w /= w.sum(-1, keepdims=True)
-    np.testing.assert_allclose(out[0, 3].reshape(2, 2), np.einsum("hs,shd->hd", w, x[0, 1:].reshape(3, 2, 2)), **TOL)
+    np.testing.assert_allclose(out[0, 3].reshape(2, 2), np.einsum("hs,shd->hd", w, x[0, 1:].reshape(3, 2, 2)),
+                               **TOL)
 
 
 @pytest.mark.parametrize("window", [1, 3])
@@ -573,7 +586,8 @@ def test_embedding_learned_positions_with_offset_and_norm():
     emb = Embedding("tok", vocab, hidden, positions="pos", n_positions=n_positions, position_offset=2,
                     norm=Norm("ln", hidden, kind="layer", bias=True, eps=1e-5))
     params = emb.params()
-    assert [p.name for p in params] == ["embed.tokens", "embed.positions", "embed.norm.weight", "embed.norm.bias"]
+    assert [p.name for p in params] == ["embed.tokens", "embed.positions", "embed.norm.weight",
+                                        "embed.norm.bias"]
     assert all(p.shard is Shard.REPLICATED for p in params)
     assert [p.kind for p in params[:2]] == [Kind.TABLE, Kind.TABLE]
     weights = _weights(params, FakeCheckpoint(t), IN_OUT, None)
@@ -643,7 +657,8 @@ def test_head_params():
     assert not any(p.is_head for name, p in params.items() if name != "lm_head.weight")
     # The head keeps its own element type.
     lowering = XlaLowering("bf16", "in_out", head_dtype="f32")
-    assert lowering.param_dtype(lm_head) == "f32" and lowering.param_dtype(params["final_norm.weight"]) == "bf16"
+    assert (lowering.param_dtype(lm_head) == "f32"
+            and lowering.param_dtype(params["final_norm.weight"]) == "bf16")
 
 
 # -- DecoderLayer -------------------------------------------------------------------------------
@@ -655,8 +670,8 @@ def _layer(residual: str, shared_norm: bool) -> DecoderLayer:
                                          bias=True, eps=1e-5)
     att = _fused_attention(hidden=hidden, n_heads=2, n_kv_heads=2, head_dim=4, positions=Rotary(_inv_freq(2)),
                            qkv_bias=True, out_bias=True)
-    mlp = MLP(up="gpt_neox.layers.{i}.mlp.dense_h_to_4h", down="gpt_neox.layers.{i}.mlp.dense_4h_to_h", hidden=hidden,
-              intermediate=12, activation="gelu", bias=True)
+    mlp = MLP(up="gpt_neox.layers.{i}.mlp.dense_h_to_4h", down="gpt_neox.layers.{i}.mlp.dense_4h_to_h",
+              hidden=hidden, intermediate=12, activation="gelu", bias=True)
     return DecoderLayer(norm, att, mlp, post, residual)
 
 
@@ -676,7 +691,8 @@ def _run_layer(layer, weights, rng, x_dims, slot, pad, n_attend, cache_len=6):
     return x, step, cache_k, cache_v, outputs
 
 
-@pytest.mark.parametrize("residual, shared_norm", [("sequential", False), ("parallel", False), ("parallel", True)])
+@pytest.mark.parametrize("residual, shared_norm", [("sequential", False), ("parallel", False),
+                                                   ("parallel", True)])
 def test_decoder_layer(residual, shared_norm):
     layer = _layer(residual, shared_norm)
     rng = np.random.default_rng(20 + shared_norm)
@@ -689,8 +705,10 @@ def test_decoder_layer(residual, shared_norm):
              "down.weight": _randn(rng, hidden, inter, scale=0.5), "down.bias": _randn(rng, hidden)}
     checkpoint.tensors.update({f"{prefix}.{name}.{s}": a for name, (w, b) in norms.items()
                                for s, a in (("weight", w), ("bias", b))})
-    checkpoint.tensors.update({f"{prefix}.mlp.dense_h_to_4h.{s}": t_mlp[f"up.{s}"] for s in ("weight", "bias")})
-    checkpoint.tensors.update({f"{prefix}.mlp.dense_4h_to_h.{s}": t_mlp[f"down.{s}"] for s in ("weight", "bias")})
+    checkpoint.tensors.update({f"{prefix}.mlp.dense_h_to_4h.{s}": t_mlp[f"up.{s}"]
+                               for s in ("weight", "bias")})
+    checkpoint.tensors.update({f"{prefix}.mlp.dense_4h_to_h.{s}": t_mlp[f"down.{s}"]
+                               for s in ("weight", "bias")})
     params = layer.params()
     names = [p.name for p in params]
     assert names[:2] == ["input_norm.weight", "input_norm.bias"]
@@ -786,7 +804,8 @@ def test_mlp_weights_stored_in_out(lowering):
               activation="gelu_tanh", bias=True, stored_in_out=True)
     t = {"up.weight": _randn(rng, inter, hidden), "up.bias": _randn(rng, inter),
          "down.weight": _randn(rng, hidden, inter), "down.bias": _randn(rng, hidden)}
-    checkpoint = FakeCheckpoint({"h.0.mlp.c_fc.weight": t["up.weight"].T.copy(), "h.0.mlp.c_fc.bias": t["up.bias"],
+    checkpoint = FakeCheckpoint({"h.0.mlp.c_fc.weight": t["up.weight"].T.copy(),
+                                 "h.0.mlp.c_fc.bias": t["up.bias"],
                                  "h.0.mlp.c_proj.weight": t["down.weight"].T.copy(),
                                  "h.0.mlp.c_proj.bias": t["down.bias"]})
     params = mlp.params("mlp")
@@ -831,7 +850,8 @@ def test_embedding_projects_a_narrower_token_table():
 
 HEAD_CASES = {
     # GPT-J: final layer norm, a bias on the logits
-    "norm_and_bias": dict(norm=Norm("transformer.ln_f", 6, kind="layer", bias=True, eps=1e-5), bias="lm_head.bias"),
+    "norm_and_bias": dict(norm=Norm("transformer.ln_f", 6, kind="layer", bias=True, eps=1e-5),
+                          bias="lm_head.bias"),
     # OPT-350m: no final norm, project_out to a narrower head
     "projection_no_norm": dict(norm=None, projection="model.decoder.project_out", width=4),
 }
@@ -847,14 +867,16 @@ def test_head_options(case, n_tokens, lowering):
     width = options.get("width", hidden)
     head = Head(vocab_size=vocab, hidden=hidden, weight="lm_head.weight", **options)
     t = {"transformer.ln_f.weight": _randn(rng, hidden) + 1, "transformer.ln_f.bias": _randn(rng, hidden),
-         "model.decoder.project_out.weight": _randn(rng, width, hidden), "lm_head.weight": _randn(rng, vocab, width),
+         "model.decoder.project_out.weight": _randn(rng, width, hidden),
+         "lm_head.weight": _randn(rng, vocab, width),
          "lm_head.bias": _randn(rng, vocab)}
     params = head.params()
     names = [p.name for p in params]
     if case == "norm_and_bias":
         assert names == ["final_norm.weight", "final_norm.bias", "lm_head.weight", "lm_head.bias"]
         bias = params[-1]
-        assert bias.shape == (vocab,) and bias.kind is Kind.VECTOR and bias.shard is Shard.VOCAB and bias.is_head
+        assert (bias.shape == (vocab,) and bias.kind is Kind.VECTOR and bias.shard is Shard.VOCAB
+                and bias.is_head)
     else:
         assert names == ["project_out.weight", "lm_head.weight"] and params[1].shape == (vocab, width)
     logits, rows = _run_head(head, params, t, lowering, rng, b, n_tokens, hidden)
@@ -893,7 +915,8 @@ def test_decoder_layer_post_norm():
     attended, ref_k, ref_v = ref_attention(layer.attention, t_attn, x, step["positions"], slot, pad,
                                            cache_k, cache_v, n_attend)
     h = ref_norm(x + attended, *norms["input_layernorm"], "layer", 1e-5)
-    expected = ref_norm(h + ref_mlp(h, t_mlp, "gelu", False, True), *norms["post_attention_layernorm"], "layer", 1e-5)
+    expected = ref_norm(h + ref_mlp(h, t_mlp, "gelu", False, True), *norms["post_attention_layernorm"],
+                        "layer", 1e-5)
     real = slot + np.arange(n)[None, :] >= pad[:, None]
     np.testing.assert_allclose(out[real], expected[real], rtol=1e-5, atol=3e-5)
     np.testing.assert_allclose(new_k, ref_k, **TOL)

@@ -18,8 +18,9 @@ PREFIX = "model.layers.{i}.block_sparse_moe."
 
 
 def _moe(n_experts: int, top_k: int) -> MoE:
-    experts = tuple(MLP(up=f"{PREFIX}experts.{e}.w3", down=f"{PREFIX}experts.{e}.w2", gate=f"{PREFIX}experts.{e}.w1",
-                        hidden=HIDDEN, intermediate=INTER) for e in range(n_experts))
+    experts = tuple(MLP(up=f"{PREFIX}experts.{e}.w3", down=f"{PREFIX}experts.{e}.w2",
+                        gate=f"{PREFIX}experts.{e}.w1", hidden=HIDDEN, intermediate=INTER)
+                    for e in range(n_experts))
     return MoE(PREFIX + "gate", experts, top_k)
 
 
@@ -40,7 +41,8 @@ def hf_block(tensors: dict[str, np.ndarray], n_experts: int, top_k: int) -> Mixt
     prefix = PREFIX.format(i=0)
 
     def stack(name):
-        return torch.stack([torch.from_numpy(tensors[f"{prefix}experts.{e}.{name}.weight"]) for e in range(n_experts)])
+        return torch.stack([torch.from_numpy(tensors[f"{prefix}experts.{e}.{name}.weight"])
+                            for e in range(n_experts)])
 
     with torch.no_grad():
         block.gate.weight.copy_(torch.from_numpy(tensors[f"{prefix}gate.weight"]))
@@ -61,7 +63,8 @@ def test_moe_matches_hf_mixtral_block(n_experts, top_k, lowering):
     (out,) = _run({"x": x, **weights}, lambda v: [moe(PieceValues(v, lowering, "mlp", params), v["x"])])
     with torch.no_grad():
         expected = hf_block(tensors, n_experts, top_k)(torch.from_numpy(x)).numpy()
-        logits = torch.from_numpy(x.reshape(-1, HIDDEN)) @ torch.from_numpy(tensors[PREFIX.format(i=0) + "gate.weight"]).T
+        logits = (torch.from_numpy(x.reshape(-1, HIDDEN))
+                  @ torch.from_numpy(tensors[PREFIX.format(i=0) + "gate.weight"]).T)
     chosen = {tuple(sorted(row)) for row in torch.topk(logits, top_k, dim=-1).indices.tolist()}
     assert len(chosen) > 1 or top_k == n_experts      # the tokens go to different experts
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
@@ -114,7 +117,8 @@ def test_routing_exact_ties_go_to_the_lower_expert_index():
 def test_moe_params():
     moe = _moe(4, 2)
     params = {p.name: p for p in moe.params("mlp")}
-    assert list(params)[:3] == ["mlp.router.weight", "mlp.experts.0.gate_up.weight", "mlp.experts.0.down.weight"]
+    assert list(params)[:3] == ["mlp.router.weight", "mlp.experts.0.gate_up.weight",
+                                "mlp.experts.0.down.weight"]
     assert len(params) == 1 + 4 * 2
     router = params["mlp.router.weight"]
     assert (router.kind, router.shape, router.shard) == (Kind.LINEAR, (4, HIDDEN), Shard.REPLICATED)

@@ -20,7 +20,8 @@ def checkpoint(request, tmp_path_factory):
 def test_generate_runs_any_family_and_prints_its_greedy_text(checkpoint, capsys):
     family, path = checkpoint
     prompt = "t5 t17 t42 t8"
-    assert main(["generate", "--model", str(path), "--n-positions", "128", "--max-new-tokens", "6", prompt]) == 0
+    assert main(["generate", "--model", str(path), "--n-positions", "128", "--max-new-tokens", "6",
+                 prompt]) == 0
     printed = capsys.readouterr().out.split()
     model = NeuronAutoModelForCausalLM.from_pretrained(path, n_positions=128).to_neuron()
     ids = make_tokenizer()(prompt)["input_ids"]

@@ -125,7 +125,8 @@ def test_two_processes_compiling_the_same_module_both_succeed(tmp_path):
     ready = [tmp_path / f"ready{i}" for i in range(2)]
     processes = [
         subprocess.Popen([sys.executable, "-c", CONCURRENT_COMPILE, str(tmp_path / "cache"), str(gate),
-                          str(hlo_file), str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          str(hlo_file), str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
         for r in ready
     ]
     deadline = time.monotonic() + 60
@@ -141,4 +142,5 @@ def test_two_processes_compiling_the_same_module_both_succeed(tmp_path):
         hits.append(hit)
         assert total == str(float((2 * X + Y).sum()))
     assert "False" in hits  # usually both compile and write at once; a late starter may load instead
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [cache_key(get_backend("xla", "cpu"), HLO) + ".exe"]
+    assert ([p.name for p in (tmp_path / "cache").iterdir()]
+            == [cache_key(get_backend("xla", "cpu"), HLO) + ".exe"])

@@ -58,7 +58,8 @@ def checkpoint(tiny_llama):
 def dumped(checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NEURON_CC_FLAGS", FLAGS)
     out = tmp_path / "neuron"
-    code, stdout, _ = pyhlo_compile(capsys, checkpoint, "--target", "inf2", "--dump", out, "--n-positions", 256)
+    code, stdout, _ = pyhlo_compile(capsys, checkpoint, "--target", "inf2", "--dump", out, "--n-positions",
+                                    256)
     assert code == 0
     assert f"bash {out / 'compile.sh'}" in stdout
     return out
@@ -70,7 +71,8 @@ def test_every_program_is_written_as_built_with_its_exact_command(checkpoint, du
     manifest = read_manifest(dumped)
 
     assert [p["name"] for p in manifest["programs"]] == [p.name for p in programs]
-    assert {"block_n1_s256", "block_n64_s64", "embed_n1", "lm_head_n1", "greedy"} <= {p.name for p in programs}
+    assert ({"block_n1_s256", "block_n64_s64", "embed_n1", "lm_head_n1", "greedy"}
+            <= {p.name for p in programs})
     assert manifest["target"] == "inf2" and manifest["tp_degree"] == 1
     assert manifest["token_buckets"] == [128, 256] and manifest["context_buckets"] == [64, 128]
     assert manifest["neuron_cc_flags"] == ["--model-type", "transformer", "-O1"]
@@ -92,7 +94,8 @@ def test_every_program_is_written_as_built_with_its_exact_command(checkpoint, du
 
 def test_the_backend_builds_the_same_command():
     backend = NeuronCCBackend(target="trn2", flags=FLAGS)
-    assert backend.build_command("m.pb", "m.neff") == neuronx_cc_command("m.pb", "m.neff", "trn2", FLAGS.split())
+    assert backend.build_command("m.pb", "m.neff") == neuronx_cc_command("m.pb", "m.neff", "trn2",
+                                                                         FLAGS.split())
     with pytest.raises(ValueError, match="valid targets"):
         neuronx_cc_command("m.pb", "m.neff", "trn3")
 
@@ -104,8 +107,8 @@ def test_xla_accepts_every_dumped_program(dumped):
         assert list(executable.parameter_names) == entry["parameters"]
 
 
-def test_compile_without_neuronx_cc_says_to_dump_and_compile_on_a_neuron_host(checkpoint, tmp_path, monkeypatch,
-                                                                               capsys):
+def test_compile_without_neuronx_cc_says_to_dump_and_compile_on_a_neuron_host(checkpoint, tmp_path,
+                                                                               monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     out = tmp_path / "neuron"
     code, _, err = pyhlo_compile(capsys, checkpoint, "--target", "trn1", "--dump", out, "--compile")
@@ -143,12 +146,13 @@ def put_recorder_on_path(monkeypatch, tmp_path, fail: str = "") -> Path:
     return records
 
 
-def test_compile_runs_exactly_the_dumped_commands_in_the_dump_directory(checkpoint, tmp_path, monkeypatch, capsys):
+def test_compile_runs_exactly_the_dumped_commands_in_the_dump_directory(checkpoint, tmp_path, monkeypatch,
+                                                                         capsys):
     records = put_recorder_on_path(monkeypatch, tmp_path)
     monkeypatch.setenv("NEURON_CC_FLAGS", FLAGS)
     out = tmp_path / "neuron"
-    code, stdout, err = pyhlo_compile(capsys, checkpoint, "--target", "inf2", "--dump", out, "--n-positions", 256,
-                                      "--compile", "--jobs", 2)
+    code, stdout, err = pyhlo_compile(capsys, checkpoint, "--target", "inf2", "--dump", out, "--n-positions",
+                                      256, "--compile", "--jobs", 2)
     assert code == 0, err
 
     calls = [json.loads(p.read_text()) for p in records.iterdir()]

@@ -14,7 +14,8 @@ SHAPE = dict(n_positions=64, context_length_estimate=[8, 16])
 
 
 def batched_model(path, lines: int = 4, **options):
-    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=lines), **options)
+    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=lines),
+                          **options)
     return LlamaForSampling.from_pretrained(path, batch_size=lines, neuron_config=config, **SHAPE).to_neuron()
 
 
@@ -36,12 +37,14 @@ def test_forward_with_seq_ids_runs_sequences_at_their_own_lengths(tiny_llama, ke
     assert logits.shape == (1, 320)
     got_first = [int(logits[0].argmax())]
     for step in range(5):
-        logits = model.forward(torch.tensor([[got_first[-1]]]), torch.tensor([[len(first) + step]]), torch.tensor([0]))
+        logits = model.forward(torch.tensor([[got_first[-1]]]), torch.tensor([[len(first) + step]]),
+                               torch.tensor([0]))
         got_first.append(int(logits[0].argmax()))
     got_second = [int(model.forward(torch.tensor([second]), None, torch.tensor([2]))[0].argmax())]
     for step in range(12):
         logits = model.forward(torch.tensor([[got_second[-1]], [got_first[-1]]]),
-                               torch.tensor([[len(second) + step], [len(first) + 5 + step]]), torch.tensor([2, 0]))
+                               torch.tensor([[len(second) + step], [len(first) + 5 + step]]),
+                               torch.tensor([2, 0]))
         got_second.append(int(logits[0].argmax()))
         got_first.append(int(logits[1].argmax()))
     assert got_first == hf_greedy(hf, first, 18)
@@ -180,8 +183,8 @@ def test_sampling_with_a_seed_reproduces(tiny_llama):
     runs = []
     for seeds in ((7, 8), (7, 8), (9, 8)):
         batcher = ContinuousBatcher(model)
-        made = [batcher.submit([5, 6, 7], max_new_tokens=25, do_sample=True, top_k=50, top_p=0.9, temperature=1.3,
-                               seed=seed) for seed in seeds]
+        made = [batcher.submit([5, 6, 7], max_new_tokens=25, do_sample=True, top_k=50, top_p=0.9,
+                               temperature=1.3, seed=seed) for seed in seeds]
         while batcher.busy:
             batcher.step()
         runs.append([r.tokens for r in made])
@@ -194,7 +197,8 @@ def test_sample_still_runs_a_whole_batch(tiny_llama):
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13], [14, 15, 16]]
     plain = LlamaForSampling.from_pretrained(path, batch_size=4, **SHAPE).to_neuron()
     expected = plain.sample(prompts, sequence_length=30, top_k=1, eos_token_id=[])
-    assert torch.equal(batched_model(path).sample(prompts, sequence_length=30, top_k=1, eos_token_id=[]), expected)
+    assert torch.equal(batched_model(path).sample(prompts, sequence_length=30, top_k=1, eos_token_id=[]),
+                       expected)
 
 
 def test_bad_continuous_batching_input_is_a_clear_error(tiny_llama):
@@ -228,7 +232,8 @@ def test_a_prompt_sharing_a_cached_prefix_computes_only_the_rest(tiny_llama):
     exchange; an unrelated request takes the least recently used line."""
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
     config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=2))
-    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=256, context_length_estimate=[16, 64],
+    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=256,
+                                             context_length_estimate=[16, 64],
                                              neuron_config=config).to_neuron()
     batcher = ContinuousBatcher(model)
     prefix = np.random.default_rng(1).integers(1, 320, 100).tolist()

@@ -87,7 +87,8 @@ def reference_decode_attention(q, k, v, slot, pad, scale):
     for i in range(b):
         visible = slice(max(pad[i], 0), slot[i] + 1)
         for j in range(h):
-            keys, values = k[i, j // group, visible].astype(np.float64), v[i, j // group, visible].astype(np.float64)
+            keys, values = (k[i, j // group, visible].astype(np.float64),
+                            v[i, j // group, visible].astype(np.float64))
             if len(keys) == 0:
                 continue
             scores = keys @ q[i, j, 0].astype(np.float64) * scale
@@ -112,12 +113,14 @@ def test_decode_attention_kernel_matches_numpy(b, kvh, group, s, d, dtype, data)
 
     def program(scribe):
         return decode_attention_kernel(
-            scribe.f32[q.shape].Parameter(parameter_number=0), getattr(scribe, dtype)[k.shape].Parameter(parameter_number=1),
-            getattr(scribe, dtype)[v.shape].Parameter(parameter_number=2), scribe.s32[b].Parameter(parameter_number=3),
-            scribe.s32[b].Parameter(parameter_number=4), scale)
+            scribe.f32[q.shape].Parameter(parameter_number=0),
+            getattr(scribe, dtype)[k.shape].Parameter(parameter_number=1),
+            getattr(scribe, dtype)[v.shape].Parameter(parameter_number=2),
+            scribe.s32[b].Parameter(parameter_number=3), scribe.s32[b].Parameter(parameter_number=4), scale)
 
     (out,) = run_fn(program, q, k, v, slot, pad)
-    np.testing.assert_allclose(out, reference_decode_attention(q, k, v, slot, pad, scale), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out, reference_decode_attention(q, k, v, slot, pad, scale), rtol=1e-4,
+                               atol=1e-5)
 
 
 @settings(max_examples=30, deadline=None)
@@ -142,13 +145,14 @@ def test_decode_attention_kernel_reads_packed_int8_rows(b, kvh, group, s, d, dat
 
     def program(scribe):
         return decode_attention_kernel(
-            scribe.f32[q.shape].Parameter(parameter_number=0), scribe.s8[k.shape].Parameter(parameter_number=1),
+            scribe.f32[q.shape].Parameter(parameter_number=0),
+            scribe.s8[k.shape].Parameter(parameter_number=1),
             scribe.s8[v.shape].Parameter(parameter_number=2), scribe.s32[b].Parameter(parameter_number=3),
             scribe.s32[b].Parameter(parameter_number=4), scale)
 
     (out,) = run_fn(program, q, k, v, slot, pad)
-    np.testing.assert_allclose(out, reference_decode_attention(q, k_wide, v_wide, slot, pad, scale), rtol=1e-4,
-                               atol=1e-5)
+    np.testing.assert_allclose(out, reference_decode_attention(q, k_wide, v_wide, slot, pad, scale),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_matvec_kernel_rejects_shapes_it_cannot_run():
@@ -170,10 +174,12 @@ def test_decode_block_calls_the_kernels_and_prefill_does_not(tiny_llama):
     assert isinstance(model.lowering, CpuKernelLowering) and model.lowering.weight_layout == "out_in"
     decode = model.programs.build(Block(1, 128)).module.SerializeToString()
     prefill = model.programs.build(Block(16, 16)).module.SerializeToString()
-    assert all(target.encode() in decode for target in (cpu_kernels.MATVEC_TARGET, cpu_kernels.DECODE_ATTENTION_TARGET))
+    assert all(target.encode() in decode
+               for target in (cpu_kernels.MATVEC_TARGET, cpu_kernels.DECODE_ATTENTION_TARGET))
     assert not cpu_kernels.referenced_by(prefill)
 
-    off = LlamaForSampling.from_pretrained(path, n_positions=128, neuron_config=NeuronConfig(cpu_kernels=False))
+    off = LlamaForSampling.from_pretrained(path, n_positions=128,
+                                           neuron_config=NeuronConfig(cpu_kernels=False))
     assert not isinstance(off.lowering, CpuKernelLowering)
     assert not cpu_kernels.referenced_by(off.programs.build(Block(1, 128)).module.SerializeToString())
 

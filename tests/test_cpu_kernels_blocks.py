@@ -91,10 +91,11 @@ def test_a_large_head_splits_across_threads_and_stays_exact():
 def test_block_kernel_rejects_shapes_it_cannot_run():
     def build(x_shape, values, scales, mins=None):
         def program(scribe):
-            return linalg.matvec_blocks_kernel(scribe.f32[x_shape].Parameter(parameter_number=0),
-                                               getattr(scribe, values[0])[values[1]].Parameter(parameter_number=1),
-                                               scribe.f16[scales].Parameter(parameter_number=2),
-                                               None if mins is None else scribe.f16[mins].Parameter(parameter_number=3))
+            return linalg.matvec_blocks_kernel(
+                scribe.f32[x_shape].Parameter(parameter_number=0),
+                getattr(scribe, values[0])[values[1]].Parameter(parameter_number=1),
+                scribe.f16[scales].Parameter(parameter_number=2),
+                None if mins is None else scribe.f16[mins].Parameter(parameter_number=3))
         return program
 
     from pyhlo import compile_py_func

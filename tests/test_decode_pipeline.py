@@ -57,7 +57,8 @@ def test_no_step_runs_ahead_where_the_host_must_see_the_tokens_first(tiny_llama,
     prompt = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(5))
     launched = []
     real_decode = Session.decode
-    monkeypatch.setattr(Session, "decode", lambda self, t, s, p: launched.append(s) or real_decode(self, t, s, p))
+    monkeypatch.setattr(Session, "decode",
+                        lambda self, t, s, p: launched.append(s) or real_decode(self, t, s, p))
     stop = StopAfter(9 + 4)
     model.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[], no_repeat_ngram_size=3,
                  stopping_criteria_list=[stop])
@@ -71,7 +72,8 @@ def test_a_greedy_decode_step_is_one_program(tiny_llama, monkeypatch):
     from decoders.programs.keys import Greedy
 
     hf, path = tiny_llama("mha", "safetensors")
-    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=128, context_length_estimate=[16],
+    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=128,
+                                             context_length_estimate=[16],
                                              neuron_config=NeuronConfig(whole_model_program=True)).to_neuron()
     greedy = model.programs.get(Greedy())
     runs = []

@@ -75,7 +75,8 @@ def test_context_broadcasting_continues_each_prompt_several_times(family_checkpo
         expected, _ = hf_greedy(hf, prompts[i:i + 1], length)
         for j in range(3):                         # lines 3i .. 3i + 2 continue prompt i
             assert torch.equal(greedy[3 * i + j], expected[0]), (i, j)
-    sampled = model.sample(prompts, sequence_length=length, top_k=320, temperature=3.0, eos_token_id=[], seed=7)
+    sampled = model.sample(prompts, sequence_length=length, top_k=320, temperature=3.0, eos_token_id=[],
+                           seed=7)
     assert torch.equal(sampled[:, :20], prompts.repeat_interleave(3, 0))
     for i in range(2):
         continuations = {tuple(sampled[3 * i + j, 20:].tolist()) for j in range(3)}
@@ -98,7 +99,8 @@ def test_checkpoint_names_without_the_base_prefix(family_checkpoint, tmp_path):
 
     hf, path = family_checkpoint("gpt2")
     tensors = load_file(path / "model.safetensors")
-    save_file({name.removeprefix("transformer."): t for name, t in tensors.items()}, tmp_path / "model.safetensors")
+    save_file({name.removeprefix("transformer."): t for name, t in tensors.items()},
+              tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     model = build(GPT2ForSampling, tmp_path, None)
     prompt = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(6))
@@ -114,8 +116,8 @@ def test_families_are_registered_by_model_type():
 
 CONFIGS = {
     "gpt2": (gpt2, dict(model_type="gpt2", vocab_size=320, n_embd=64, n_head=4, n_layer=2, n_positions=256)),
-    "opt": (opt, dict(model_type="opt", vocab_size=320, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                      ffn_dim=160, max_position_embeddings=256)),
+    "opt": (opt, dict(model_type="opt", vocab_size=320, hidden_size=64, num_attention_heads=4,
+                      num_hidden_layers=2, ffn_dim=160, max_position_embeddings=256)),
 }
 
 

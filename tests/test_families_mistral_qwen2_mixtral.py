@@ -50,7 +50,8 @@ def expert_pairs(hf, tokens: torch.Tensor) -> list[set[tuple[int, ...]]]:
     with torch.no_grad():
         router_logits = hf(tokens, output_router_logits=True).router_logits
     k = hf.config.num_experts_per_tok
-    return [{tuple(sorted(row)) for row in torch.topk(logits, k, dim=-1).indices.tolist()} for logits in router_logits]
+    return [{tuple(sorted(row)) for row in torch.topk(logits, k, dim=-1).indices.tolist()}
+            for logits in router_logits]
 
 
 def window_matters(hf, tokens: torch.Tensor) -> bool:
@@ -62,7 +63,8 @@ def window_matters(hf, tokens: torch.Tensor) -> bool:
             full = hf(tokens).logits
         finally:
             hf.config.sliding_window = WINDOW
-    return relative_error(windowed[0, :WINDOW], full[0, :WINDOW]) < 1e-5 and relative_error(windowed, full) > 1e-2
+    return (relative_error(windowed[0, :WINDOW], full[0, :WINDOW]) < 1e-5
+            and relative_error(windowed, full) > 1e-2)
 
 
 # -- what the golden tests (tests/test_family_golden.py) rely on -------------------------------
@@ -93,7 +95,8 @@ def test_causal_mask_window_is_hfs(window):
     (ours,) = run_fn(lambda scribe: nn.causal_mask(scribe.s32[1, n].Parameter(parameter_number=0), n, window),
                      positions)
     visible = sliding_window_causal_mask_function(window)
-    hfs = np.array([[visible(0, 0, torch.tensor(q), torch.tensor(k)).item() for k in range(n)] for q in range(n)])
+    hfs = np.array([[visible(0, 0, torch.tensor(q), torch.tensor(k)).item() for k in range(n)]
+                    for q in range(n)])
     np.testing.assert_array_equal(ours[0], hfs)
 
 
@@ -101,8 +104,8 @@ def _window(family, config) -> int | None:
     return family.describe(ConfigReader(config.to_dict(), "test")).layer.attention.window
 
 
-SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160, vocab_size=320,
-             num_hidden_layers=2)
+SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
+             vocab_size=320, num_hidden_layers=2)
 
 
 def test_mistral_window_follows_the_config():
@@ -256,9 +259,10 @@ def test_gguf_experts_without_their_counts_are_refused(family_checkpoint, tmp_pa
 
 def test_gguf_quantized_stacked_experts_read_one_expert_each(tmp_path):
     writer = gguf.GGUFWriter(tmp_path / "experts.gguf", "llama")
-    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 64), (writer.add_head_count, 4),
-                       (writer.add_feed_forward_length, 96), (writer.add_expert_count, 3),
-                       (writer.add_expert_used_count, 2), (writer.add_vocab_size, 8)):
+    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 64),
+                       (writer.add_head_count, 4), (writer.add_feed_forward_length, 96),
+                       (writer.add_expert_count, 3), (writer.add_expert_used_count, 2),
+                       (writer.add_vocab_size, 8)):
         add(value)
     writer.add_layer_norm_rms_eps(1e-5)
     stacked = np.random.default_rng(0).standard_normal((3, 96, 64)).astype(np.float32)
@@ -285,8 +289,10 @@ def test_a_window_wider_than_the_cache_keeps_the_decode_attention_kernel(family_
     hf, path = family_checkpoint("mistral")                  # window 48
     model = build(MistralForSampling, path, kernels=True, n_positions=48, context=(16,))
     assert isinstance(model.lowering, CpuKernelLowering) and model.decode_buckets() == [48]
-    narrow = MistralForSampling.from_pretrained(path, n_positions=256, neuron_config=NeuronConfig(cpu_kernels=True))
-    assert narrow.decode_buckets() == [128, 256]      # a window narrower than the cache: one program per bucket
+    narrow = MistralForSampling.from_pretrained(path, n_positions=256,
+                                                neuron_config=NeuronConfig(cpu_kernels=True))
+    assert narrow.decode_buckets() == [128, 256]      # a window narrower than the cache: one program per
+                                                      # bucket
     prompt = torch.randint(0, 320, (1, 10), generator=torch.Generator().manual_seed(5))
     expected, _ = hf_greedy(hf, prompt, 48)
     assert torch.equal(model.sample(prompt, sequence_length=48, top_k=1, eos_token_id=[]), expected)

@@ -33,7 +33,8 @@ def test_logits_and_greedy_tokens_match_hf(family_checkpoint, variant, kernels):
     prompt = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
     length = 150                                   # 110 new tokens: decode crosses 128 -> 256
     expected, expected_logits = hf_greedy(hf, prompt, length)
-    tokens, logits = model.sample(prompt, sequence_length=length, top_k=1, eos_token_id=[], output_scores=True)
+    tokens, logits = model.sample(prompt, sequence_length=length, top_k=1, eos_token_id=[],
+                                  output_scores=True)
     assert torch.equal(tokens, expected)
     for step in range(21):                         # prefill + 20 decode steps
         assert relative_error(logits[step], expected_logits[step]) < 1e-4, step
@@ -47,7 +48,8 @@ def test_batch_of_different_prompt_lengths(family_checkpoint, variant, kernels):
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 320, (n,), generator=gen) for n in (9, 30)]
     length = 150
-    tokens, logits = model.sample(prompts, sequence_length=length, top_k=1, eos_token_id=[], output_scores=True)
+    tokens, logits = model.sample(prompts, sequence_length=length, top_k=1, eos_token_id=[],
+                                  output_scores=True)
     new_tokens = length - 30                       # the longest prompt sets the step count
     for i, prompt in enumerate(prompts):
         expected, expected_logits = hf_greedy(hf, prompt[None], len(prompt) + new_tokens)

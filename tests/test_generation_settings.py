@@ -18,7 +18,8 @@ LENGTH = 40
 
 def build(path, batch_size=2, generation=None):
     neuron_config = NeuronConfig(on_device_generation=generation) if generation else None
-    return LlamaForSampling.from_pretrained(path, batch_size=batch_size, n_positions=128, context_length_estimate=[16],
+    return LlamaForSampling.from_pretrained(path, batch_size=batch_size, n_positions=128,
+                                            context_length_estimate=[16],
                                             neuron_config=neuron_config).to_neuron()
 
 
@@ -44,7 +45,8 @@ def test_update_generation_config_changes_sampling_without_compiling(path, greed
     assert torch.equal(model.sample(PROMPTS, sequence_length=LENGTH, seed=0, eos_token_id=[]), first)
 
     model.update_generation_config(GenerationConfig(do_sample=True, top_k=3, temperature=2.0))
-    tokens, scores = model.sample(PROMPTS, sequence_length=LENGTH, seed=1, eos_token_id=[], output_scores=True)
+    tokens, scores = model.sample(PROMPTS, sequence_length=LENGTH, seed=1, eos_token_id=[],
+                                  output_scores=True)
     for step, logits in enumerate(scores):
         allowed = logits.topk(3, dim=-1).indices.tolist()
         assert all(int(tokens[i, len(p) + step]) in allowed[i] for i, p in enumerate(PROMPTS)), step
@@ -96,7 +98,8 @@ def test_per_batch_line_top_k_makes_line_0_greedy_while_line_1_samples(path, gre
         model.update_generation_config(GenerationConfig(do_sample=True, per_batch_line=True, top_k=[1, 40]))
     with pytest.raises(ValueError, match="top_k 40 exceeds global_top_k 32"):
         model.sample(PROMPTS, sequence_length=LENGTH, top_k=40)
-    with pytest.raises(ValueError, match="per_batch_line=False, the model was built with per_batch_line=True"):
+    with pytest.raises(ValueError,
+                       match="per_batch_line=False, the model was built with per_batch_line=True"):
         model.update_generation_config(GenerationConfig(do_sample=True, top_k=5))
     with pytest.raises(ValueError, match="global_top_k is fixed"):
         model.update_generation_config(GenerationConfig(do_sample=True, per_batch_line=True, top_k=8,
@@ -117,7 +120,8 @@ def test_settings_that_are_not_built_or_do_not_fit_are_clear_errors(path):
             NeuronConfig(on_device_generation=GenerationConfig(**refused))
     with pytest.raises(ValueError, match="GenerationConfig.top_k has 3 values for 2 batch lines"):
         build(path, generation=GenerationConfig(do_sample=True, per_batch_line=True, top_k=[1, 2, 3]))
-    plain = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=128, context_length_estimate=[16])
+    plain = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=128,
+                                             context_length_estimate=[16])
     with pytest.raises(ValueError, match="on_device_generation"):
         plain.update_generation_config(GenerationConfig(top_k=5))
 
@@ -139,7 +143,8 @@ def test_no_repeat_ngram_size_3_gives_hf_generate_output(tiny_llama):
         # few distinct ids, so that n-grams repeat in the prompts as well
         ids[i, width - n:] = torch.randint(1, 6, (n,), generator=gen)
         mask[i, width - n:] = 1
-    plain = model.sample(ids, sequence_length=width + new_tokens, top_k=1, eos_token_id=[], attention_mask=mask)
+    plain = model.sample(ids, sequence_length=width + new_tokens, top_k=1, eos_token_id=[],
+                         attention_mask=mask)
     # HF bans over each whole row, its padding included: padding that holds line 1's own greedy
     # continuation bans a token there (the padding is masked, so the logits do not change).
     ids[1, : width - lengths[1]] = plain[1, width: 2 * width - lengths[1]]
@@ -150,7 +155,8 @@ def test_no_repeat_ngram_size_3_gives_hf_generate_output(tiny_llama):
     assert not torch.equal(out[:, width:], plain[:, width:])      # the bans changed something
     # prompts of different lengths, no padding: each line as HF generates it alone
     prompts = [ids[i, width - n:].tolist() for i, n in enumerate(lengths)]
-    out = model.sample(prompts, sequence_length=width + new_tokens, top_k=1, eos_token_id=[], no_repeat_ngram_size=3)
+    out = model.sample(prompts, sequence_length=width + new_tokens, top_k=1, eos_token_id=[],
+                       no_repeat_ngram_size=3)
     for i, prompt in enumerate(prompts):
         alone = hf_no_repeat(hf, torch.tensor([prompt]), None, new_tokens, 3)
         assert out[i, : len(prompt) + new_tokens].tolist() == alone[0].tolist(), i
@@ -189,7 +195,8 @@ def test_hf_stopping_criteria_end_sample(path, greedy):
     ids = torch.tensor([PROMPTS[0], [0] * (width - len(PROMPTS[1])) + PROMPTS[1]])
     start_ids = torch.tensor([0, width - len(PROMPTS[1])])
     new = [greedy[i, len(p):].tolist() for i, p in enumerate(PROMPTS)]
-    k, stop = next((k, t) for k, t in enumerate(new[1]) if k >= 3 and t not in new[1][:k] and t not in new[0][:22])
+    k, stop = next((k, t) for k, t in enumerate(new[1])
+                   if k >= 3 and t not in new[1][:k] and t not in new[0][:22])
     criteria = StoppingCriteriaList([StopAtToken(stop), MaxLengthCriteria(width + 22)])
     out = model.sample(ids, sequence_length=LENGTH, start_ids=start_ids, top_k=1, eos_token_id=[],
                        stopping_criteria_list=criteria)

@@ -49,7 +49,8 @@ def test_blocks_compute_what_the_weights_widened_at_load_compute(block_file, for
     # The layers' weights on the device are the file's blocks, byte for byte: 34 (Q8_0), 18
     # (Q4_0) or 20 (Q4_1) bytes per 32 values where f32 takes 128.
     block_bytes = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[form]
-    kept_bytes, f32_bytes = (sum(v.nbytes for layer in m.session.layers for k, v in layer.items() if "norm" not in k)
+    kept_bytes, f32_bytes = (sum(v.nbytes for layer in m.session.layers for k, v in layer.items()
+                                 if "norm" not in k)
                              for m in (kept, widened))
     assert kept_bytes * 128 == f32_bytes * block_bytes
 
@@ -77,7 +78,8 @@ def test_presharded_save_and_load_keep_the_blocks(block_file, tmp_path):
     prompt = np.arange(3, 20)[None]
     tokens = model.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[])
     model.save(tmp_path / "saved", sharded_weights=True)
-    again = LlamaForSampling.from_pretrained(path, batch_size=1, n_positions=128, context_length_estimate=[16, 64])
+    again = LlamaForSampling.from_pretrained(path, batch_size=1, n_positions=128,
+                                             context_length_estimate=[16, 64])
     again.load(tmp_path / "saved").to_neuron()
     assert again.lowering.gguf_blocks == model.lowering.gguf_blocks
     np.testing.assert_array_equal(again.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[]), tokens)
@@ -86,12 +88,14 @@ def test_presharded_save_and_load_keep_the_blocks(block_file, tmp_path):
 def test_blocks_that_cannot_be_kept_are_clear_errors(block_file, tiny_llama):
     path = block_file("q4_0")
     with pytest.raises(ValueError, match="tp_degree 1 only"):
-        LlamaForSampling.from_pretrained(path, tp_degree=2, n_positions=128, neuron_config=NeuronConfig(gguf_blocks=True))
+        LlamaForSampling.from_pretrained(path, tp_degree=2, n_positions=128,
+                                         neuron_config=NeuronConfig(gguf_blocks=True))
     with pytest.raises(ValueError, match="cannot be combined with quant"):
         NeuronConfig(gguf_blocks=True, quant=QuantizationConfig())
     _, hf_directory = tiny_llama("gqa_tied_llama3", "safetensors")
     with pytest.raises(ValueError, match="stores no linear weight in Q8_0, Q4_0 or Q4_1 blocks"):
-        LlamaForSampling.from_pretrained(hf_directory, n_positions=128, neuron_config=NeuronConfig(gguf_blocks=True))
+        LlamaForSampling.from_pretrained(hf_directory, n_positions=128,
+                                         neuron_config=NeuronConfig(gguf_blocks=True))
     # The automatic choice widens them where blocks cannot run: under tensor parallelism, or with int8.
     assert LlamaForSampling.from_pretrained(path, n_positions=128,
                                             neuron_config=NeuronConfig(quant=QuantizationConfig())
@@ -128,7 +132,8 @@ def test_int8_activations_need_block_weights_and_the_kernels(block_file, tiny_ll
         NeuronConfig(int8_activations="yes")
     _, hf_directory = tiny_llama("gqa_tied_llama3", "safetensors")
     with pytest.raises(ValueError, match="this model has none"):
-        LlamaForSampling.from_pretrained(hf_directory, n_positions=128, neuron_config=NeuronConfig(int8_activations=True))
+        LlamaForSampling.from_pretrained(hf_directory, n_positions=128,
+                                         neuron_config=NeuronConfig(int8_activations=True))
     with pytest.raises(ValueError, match="does not use"):
         LlamaForSampling.from_pretrained(block_file("q8_0"), n_positions=128,
                                          neuron_config=NeuronConfig(int8_activations=True, cpu_kernels=False))
@@ -144,7 +149,8 @@ def test_smollm2_q4_1_as_stored_gives_the_tokens_of_the_file_widened_at_load(smo
     Where a line's tokens differ, the first difference must be a near-tie of the widened
     model's logits (the two sums differ only in f32 rounding order)."""
     models = [LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=3, n_positions=256,
-                                               context_length_estimate=[64], neuron_config=NeuronConfig(gguf_blocks=kept))
+                                               context_length_estimate=[64],
+                                               neuron_config=NeuronConfig(gguf_blocks=kept))
               for kept in (True, False)]
     kept, widened = (m.to_neuron() for m in models)
     assert dict(kept.lowering.gguf_blocks)["lm_head.weight"] == "q8_0"
@@ -187,6 +193,7 @@ def test_a_converted_file_serves_its_blocks_without_parsing_the_gguf(block_file,
     assert isinstance(converted, gguf_cache.ConvertedGGUF)
     name = "model.layers.1.self_attn.k_proj.weight"       # rope rows restored to HF's order
     assert converted.block_form(name) == "q4_1" and converted.quant_type(name) == "Q4_1"
-    assert converted.block_form("model.norm.weight") is None and converted.quant_type("model.norm.weight") == "F32"
+    assert (converted.block_form("model.norm.weight") is None
+            and converted.quant_type("model.norm.weight") == "F32")
     for ours, theirs in zip(converted.blocks(name), direct.blocks(name)):
         assert ours == theirs if isinstance(ours, str) else np.array_equal(ours, theirs)

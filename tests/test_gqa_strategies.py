@@ -54,14 +54,17 @@ RUN = textwrap.dedent("""
     prompts = [torch.randint(1, 320, (n,), generator=gen).tolist() for n in (9, 20, 3, 14)]
     runs = json.loads(sys.argv[1])
     paths, results = {}, {}
-    for variant, tp, gqa, over_sequence, kernels in [(v, 1, None, False, None) for v in dict.fromkeys(r[0] for r in runs)] + runs:
+    for variant, tp, gqa, over_sequence, kernels in [(v, 1, None, False, None) for v in \
+dict.fromkeys(r[0] for r in runs)] + runs:
         if variant not in paths:
             paths[variant] = checkpoint(variant)
-        config = NeuronConfig(group_query_attention=gqa, shard_over_sequence=over_sequence, cpu_kernels=kernels)
+        config = NeuronConfig(group_query_attention=gqa, shard_over_sequence=over_sequence, \
+cpu_kernels=kernels)
         model = NeuronAutoModelForCausalLM.from_pretrained(
             paths[variant], batch_size=4, n_positions=64, context_length_estimate=[16, 32], tp_degree=tp,
             neuron_config=config).to_neuron()
-        tokens, scores = model.sample(prompts, sequence_length=60, top_k=1, eos_token_id=[], output_scores=True)
+        tokens, scores = model.sample(prompts, sequence_length=60, top_k=1, eos_token_id=[], \
+output_scores=True)
         attention = model.session.builder.device_decoder.layer.attention
         results[json.dumps([variant, tp, gqa, over_sequence, kernels])] = {
             "tokens": tokens.tolist(), "scores": np.stack(scores).tolist(),
@@ -75,8 +78,8 @@ RUN = textwrap.dedent("""
 def results():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
                XLA_FLAGS="--xla_force_host_platform_device_count=4", PYHLO_PLATFORM="cpu")
-    done = subprocess.run([sys.executable, "-c", RUN, json.dumps(RUNS)], env=env, capture_output=True, text=True,
-                          timeout=1500)
+    done = subprocess.run([sys.executable, "-c", RUN, json.dumps(RUNS)], env=env, capture_output=True,
+                          text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -97,11 +100,13 @@ def test_each_strategy_gives_the_tokens_and_logits_of_one_device(results, run):
     assert ours["layout"] == layout
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if r[2] == "shard-over-batch" or r[3]], ids=lambda r: "-".join(map(str, r)))
+@pytest.mark.parametrize("run", [r for r in RUNS if r[2] == "shard-over-batch" or r[3]],
+                         ids=lambda r: "-".join(map(str, r)))
 def test_the_caches_are_split_by_line_or_by_slot(results, run):
     variant, tp, gqa, over_sequence, _ = run
     lines, kv_heads, slots, head_dim = results[_key(variant, 1)]["cache_dims"]
-    split = [lines, kv_heads, slots // tp, head_dim] if over_sequence else [lines // tp, kv_heads, slots, head_dim]
+    split = ([lines, kv_heads, slots // tp, head_dim] if over_sequence
+             else [lines // tp, kv_heads, slots, head_dim])
     assert results[_key(*run)]["cache_dims"] == split
     assert len(set(results[_key(*run)]["device_bytes"])) == 1      # every device holds the same share
 
@@ -115,15 +120,16 @@ def test_strategies_that_do_not_fit_say_why_and_name_those_that_do():
         return Attention(out="o", q="q", k="k", v="v", hidden=heads * 4, n_heads=heads, n_kv_heads=kv_heads,
                          head_dim=4)
 
-    with pytest.raises(ValueError, match=r"GQA.SHARD_OVER_BATCH splits the 6 query heads evenly, and tp_degree 4 "
-                                         r"does not divide them; REPLICATED_HEADS \(or None\) works"):
+    with pytest.raises(ValueError, match=r"GQA.SHARD_OVER_BATCH splits the 6 query heads evenly, and "
+                                         r"tp_degree 4 does not divide them; REPLICATED_HEADS \(or None\) "
+                                         r"works"):
         decide(attention(6, 6), 4, GQA.SHARD_OVER_BATCH)
-    with pytest.raises(ValueError, match=r"GQA.ALL_GATHER_HEADS gives each device 3 query heads, which neither hold "
-                                         r"whole groups of the 2 query heads .*SHARD_OVER_BATCH works with a batch "
-                                         r"size that 4 divides"):
+    with pytest.raises(ValueError, match=r"GQA.ALL_GATHER_HEADS gives each device 3 query heads, which "
+                                         r"neither hold whole groups of the 2 query heads .*SHARD_OVER_BATCH "
+                                         r"works with a batch size that 4 divides"):
         decide(attention(12, 6), 4, GQA.ALL_GATHER_HEADS)
-    with pytest.raises(ValueError, match=r"shard_over_sequence splits the caches by slot and cannot be combined "
-                                         r"with GQA.SHARD_OVER_BATCH"):
+    with pytest.raises(ValueError, match=r"shard_over_sequence splits the caches by slot and cannot be "
+                                         r"combined with GQA.SHARD_OVER_BATCH"):
         decide(attention(4, 2), 2, GQA.SHARD_OVER_BATCH, over_sequence=True)
     device = attention(4, 2).sharded(2, KVSharding.BATCH)
     with pytest.raises(ValueError, match="tp_degree 2 does not divide batch_size 3"):
@@ -135,9 +141,10 @@ def test_strategies_that_do_not_fit_say_why_and_name_those_that_do():
 
 
 @pytest.mark.parametrize("kv_sharding, k_and_v_rows", [
-    ("heads", lambda r: [8 + 2 * (r // 2), 9 + 2 * (r // 2), 12 + 2 * (r // 2), 13 + 2 * (r // 2)]),  # its KV head
-    ("batch", lambda r: list(range(8, 16))),                                                        # all of K and V
-    ("gather", lambda r: [8 + r, 12 + r]),                                                           # a quarter of each
+    ("heads", lambda r: [8 + 2 * (r // 2), 9 + 2 * (r // 2), 12 + 2 * (r // 2),
+                         13 + 2 * (r // 2)]),                               # its KV head
+    ("batch", lambda r: list(range(8, 16))),                                # all of K and V
+    ("gather", lambda r: [8 + r, 12 + r]),                                  # a quarter of each
 ])
 def test_fused_qkv_rows_each_device_holds(kv_sharding, k_and_v_rows):
     """A fused [q | k | v] weight of 4 query heads and 2 KV heads, 2 features each, over 4

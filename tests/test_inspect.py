@@ -129,14 +129,16 @@ def test_model_lists_every_program_and_memory_totals(tiny_llama, capsys):
         assert len(cells) == 9 and int(cells[1]) > 0, cells
     assert row(out, "block_n1_s256")[2] == "12"  # hidden, positions, slot, pad, 2 caches, 6 weights
 
-    # weights: every tensor of the checkpoint; KV cache: 2 x layers x batch x kv heads x positions x head_dim x 4 B
+    # weights: every tensor of the checkpoint;
+    # KV cache: 2 x layers x batch x kv heads x positions x head_dim x 4 B
     weights = sum(p.numel() for p in hf_model.parameters()) * 4
     config = hf_model.config
     head_dim = config.hidden_size // config.num_attention_heads
     kv_cache = 2 * config.num_hidden_layers * 1 * config.num_key_value_heads * 256 * head_dim * 4
     assert row(out, "weights")[1] == human_bytes(weights)
     assert row(out, "KV cache")[1:] == [human_bytes(kv_cache),
-                                        "2 x 2 layers x batch 1 x 4 kv heads x 256 positions x head_dim 16 x 4 B"]
+                                        "2 x 2 layers x batch 1 x 4 kv heads x 256 positions "
+                                        "x head_dim 16 x 4 B"]
     assert row(out, "total")[1] == human_bytes(weights + kv_cache)
 
 
@@ -171,7 +173,8 @@ def test_dump_writes_every_program_of_a_model(tiny_llama, tmp_path, capsys):
     model = LlamaForSampling.from_pretrained(path, n_positions=256)
     for key in model.eager_programs():
         program = model.programs.build(key)
-        assert hlo_pb2.HloModuleProto.FromString((out_dir / f"{program.name}.pb").read_bytes()) == program.module
+        assert (hlo_pb2.HloModuleProto.FromString((out_dir / f"{program.name}.pb").read_bytes())
+                == program.module)
         assert (out_dir / f"{program.name}.txt").read_text().startswith(f"HloModule {program.name}")
         assert (out_dir / f"{program.name}.dot").is_file()
 
@@ -299,8 +302,8 @@ def test_decode_program_reports_the_kernels_work(tiny_llama, capsys):
     hf_model, path = tiny_llama("mha", "safetensors")
     config = hf_model.config
     n_positions, layers, hidden = 256, config.num_hidden_layers, config.hidden_size
-    code, out, _ = inspect(capsys, path, "--n-positions", n_positions, "--program", f"model_n1_s{n_positions}",
-                           "--section", "cost")
+    code, out, _ = inspect(capsys, path, "--n-positions", n_positions, "--program",
+                           f"model_n1_s{n_positions}", "--section", "cost")
     assert code == 0
     # One token: every weight of the kernels' products is one multiply-add (2 flops), and so,
     # with as many kv heads as heads, is every element of the K and V caches (q.k, then p.v).

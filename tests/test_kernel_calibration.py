@@ -11,8 +11,8 @@ from runtime.select import get_backend
 
 
 def test_kernel_rows_parse_and_refuse_bad_settings():
-    assert kernel_calibration.parse("f32=4, bf16=0,s8=2-8,blocks=2") == {"f32": (1, 4), "bf16": (0, 0), "s8": (2, 8),
-                                                                     "blocks": (1, 2)}
+    assert kernel_calibration.parse("f32=4, bf16=0,s8=2-8,blocks=2") == {"f32": (1, 4), "bf16": (0, 0),
+                                                                     "s8": (2, 8), "blocks": (1, 2)}
     with pytest.raises(ValueError, match="TYPE=ROWS"):
         kernel_calibration.parse("f32=4-2,bf16=4,s8=8,blocks=8")
     with pytest.raises(ValueError, match="TYPE=ROWS"):
@@ -42,7 +42,8 @@ def test_the_kernel_rows_are_an_unbroken_run_of_kernel_wins():
 @pytest.mark.cpu_only
 def test_measurement_times_both_paths_for_every_weight_type():
     assert cpu_kernels.register()
-    timings = kernel_calibration.measure(get_backend(), shape=(64, 64), chain_bytes=1 << 15, rows=(1, 3), repeats=1)
+    timings = kernel_calibration.measure(get_backend(), shape=(64, 64), chain_bytes=1 << 15, rows=(1, 3),
+                                         repeats=1)
     assert set(timings) == set(kernel_calibration.TYPES)
     for by_rows in timings.values():
         assert set(by_rows) == {1, 3}
@@ -73,7 +74,8 @@ def test_a_table_kept_under_an_older_rule_is_measured_again(monkeypatch, tmp_pat
 def test_the_table_is_measured_once_and_then_read(monkeypatch, tmp_path):
     monkeypatch.delenv(kernel_calibration.ENV, raising=False)
     monkeypatch.setattr(cpu_kernels, "build", lambda: tmp_path / "libpyhlo_kernels-x.so")
-    fake = {kind: {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 2.0)} for kind in kernel_calibration.TYPES}
+    fake = {kind: {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (3.0, 2.0), 8: (1.0, 2.0)}
+            for kind in kernel_calibration.TYPES}
     fake["f32"] = {r: (2.0, 1.0) for r in kernel_calibration.ROWS}
     monkeypatch.setattr(kernel_calibration, "measure", lambda backend: fake)
     table = kernel_calibration.kernel_rows(None)
@@ -111,5 +113,6 @@ def test_a_type_limited_to_zero_rows_takes_xla_dot(tiny_llama, monkeypatch):
     monkeypatch.setenv(kernel_calibration.ENV, "f32=2-8,bf16=4,s8=8,blocks=8")
     model = LlamaForSampling.from_pretrained(path, n_positions=128, context_length_estimate=[16])
     assert targets(model) == {cpu_kernels.DECODE_ATTENTION_TARGET}
-    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=128, context_length_estimate=[16])
+    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=128,
+                                             context_length_estimate=[16])
     assert targets(model) == {cpu_kernels.DECODE_ATTENTION_TARGET, cpu_kernels.MATVEC_TARGET}

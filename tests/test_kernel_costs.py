@@ -103,7 +103,8 @@ def test_decode_attention_kernel_counts_the_whole_cache(b, kv_heads, group, slot
     assert costs.upper_bound_targets == (cpu_kernels.DECODE_ATTENTION_TARGET,)
     # q.k and p.v over every slot, one exponential per score
     assert costs.total == KernelCost(flops=2 * 2 * b * h * slots * d, transcendentals=b * h * slots,
-                                     bytes_accessed=query_and_out + caches + slot_pad_and_scale, upper_bound=True)
+                                     bytes_accessed=query_and_out + caches + slot_pad_and_scale,
+                                     upper_bound=True)
 
 
 def test_calls_add_up_and_other_custom_calls_are_left_uncounted():

@@ -39,7 +39,8 @@ def test_the_cache_holds_hf_keys_and_values_quantized(tiny_llama):
     head_dim = config.hidden_size // config.num_attention_heads
     cache = model.kv_cache
     assert cache.dtype == "s8" and cache.dims == (2, config.num_key_value_heads, 64, head_dim + 4)
-    assert cache.byte_size == 2 * config.num_hidden_layers * 2 * config.num_key_value_heads * 64 * (head_dim + 4)
+    assert cache.byte_size == (2 * config.num_hidden_layers * 2 * config.num_key_value_heads * 64
+                               * (head_dim + 4))
     with torch.no_grad():
         past = hf(torch.tensor(PROMPTS), use_cache=True).past_key_values
     n = len(PROMPTS[0])
@@ -118,7 +119,8 @@ from decoders import LlamaForSampling, NeuronConfig
 runs = {}
 for name, tp, over_sequence in (("1", 1, False), ("2", 2, False), ("2-sequence", 2, True)):
     config = NeuronConfig(kv_cache_quant=True, shard_over_sequence=over_sequence)
-    model = LlamaForSampling.from_pretrained(sys.argv[1], batch_size=2, n_positions=64, context_length_estimate=[16],
+    model = LlamaForSampling.from_pretrained(sys.argv[1], batch_size=2, n_positions=64, \
+context_length_estimate=[16],
                                              tp_degree=tp, neuron_config=config)
     tokens, scores = model.to_neuron().sample([[5, 6, 7, 8, 9, 10], [11, 12]], sequence_length=40, top_k=1,
                                               eos_token_id=[], output_scores=True)
@@ -165,7 +167,8 @@ def test_smollm2_with_a_quantized_cache_keeps_its_greedy_tokens(smollm2_gguf):
         while len(ids) < 64:
             ids = ids + tokenizer(" and so on, as the story goes,")["input_ids"]
         prompts.append(ids[:64])
-    runs = {quant: model.sample(np.array(prompts), sequence_length=128, top_k=1, eos_token_id=[], output_scores=True)
+    runs = {quant: model.sample(np.array(prompts), sequence_length=128, top_k=1, eos_token_id=[],
+                                output_scores=True)
             for quant, model in models.items()}
     (tokens, scores), (expected, expected_scores) = runs[True], runs[False]
     assert models[True].kv_cache.byte_size * 3 < models[False].kv_cache.byte_size

@@ -23,8 +23,10 @@ def model(checkpoint):
     (dict(input_ids=torch.tensor([[1, 2], [3, 4]]), sequence_length=10), "batch_size=1"),
     (dict(input_ids=torch.tensor([[1.0, 2.0]]), sequence_length=10), "integer token ids"),
     (dict(input_ids=torch.tensor([[1, 2]]), sequence_length=10, top_k=0), "top_k must be an int >= 1"),
-    (dict(input_ids=torch.tensor([[1, 2]]), sequence_length=10, top_k=5, top_p=0.0), "top_p must be in (0, 1]"),
-    (dict(input_ids=torch.tensor([[1, 2]]), sequence_length=10, top_k=5, top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(input_ids=torch.tensor([[1, 2]]), sequence_length=10, top_k=5, top_p=0.0),
+     "top_p must be in (0, 1]"),
+    (dict(input_ids=torch.tensor([[1, 2]]), sequence_length=10, top_k=5, top_p=1.5),
+     "top_p must be in (0, 1]"),
     (dict(input_ids=torch.zeros((1, 0), dtype=torch.long), sequence_length=10), "empty"),
     (dict(input_ids=[[]], sequence_length=10), "empty"),
     (dict(input_ids=torch.tensor([[1, 2000]]), sequence_length=10), "outside the vocabulary"),
@@ -110,7 +112,8 @@ def test_every_neuron_config_option_is_built_or_refused():
     # built: flash decoding, transformers-neuronx's GQA names or string values (refused per model
     # and tp_degree where they do not fit; tests/test_gqa_strategies.py)
     assert NeuronConfig(shard_over_sequence=True).shard_over_sequence
-    assert NeuronConfig(group_query_attention="shard-over-heads").group_query_attention is GQA.SHARD_OVER_HEADS
+    assert (NeuronConfig(group_query_attention="shard-over-heads").group_query_attention
+            is GQA.SHARD_OVER_HEADS)
     assert NeuronConfig(group_query_attention=GQA.REPLICATED_HEADS).to_dict()["group_query_attention"] == \
         "replicated-heads"
     with pytest.raises(ValueError, match="group_query_attention must be None or one of"):
@@ -133,7 +136,8 @@ def test_fuse_qkv_false_gives_the_same_tokens_with_three_weights(model, checkpoi
     split = LlamaForSampling.from_pretrained(checkpoint, n_positions=128, context_length_estimate=[16],
                                              neuron_config=NeuronConfig(fuse_qkv=False)).to_neuron()
     names = split.programs.build(split.eager_programs()[-2]).param_names
-    assert {"attn.q.weight", "attn.k.weight", "attn.v.weight"} <= set(names) and "attn.qkv.weight" not in names
+    assert ({"attn.q.weight", "attn.k.weight", "attn.v.weight"} <= set(names)
+            and "attn.qkv.weight" not in names)
     prompt = torch.tensor([[5, 6, 7, 8, 9]])
     assert torch.equal(split.sample(prompt, sequence_length=30, top_k=1, eos_token_id=[]),
                        model.sample(prompt, sequence_length=30, top_k=1, eos_token_id=[]))

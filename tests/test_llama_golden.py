@@ -48,7 +48,8 @@ def test_logits_and_greedy_tokens_match_hf(tiny_llama, variant, kernels, whole):
     hf, path = tiny_llama(variant, "safetensors")
     model = build(path, neuron_config=NeuronConfig(cpu_kernels=kernels, whole_model_program=whole))
     assert isinstance(model.lowering, CpuKernelLowering) is kernels
-    assert model.lowering.whole_model_decode is (True if whole is None else whole)   # the kernels' default: one program
+    assert model.lowering.whole_model_decode is (True if whole is None else whole)   # the kernels' default:
+                                                                                     # one program
     prompt = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(1))
     length = 150                                   # 110 new tokens: decode crosses 128 -> 256
     expected, expected_logits = hf_greedy(hf, prompt, length)
@@ -189,9 +190,12 @@ def test_whole_model_program_gives_the_same_tokens(tiny_llama, kernels):
     from decoders import NeuronConfig
 
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
-    model = build(path, batch_size=2, neuron_config=NeuronConfig(whole_model_program=True, cpu_kernels=kernels))
-    decode = {key for key in model.programs.compiled if isinstance(key, (ModelStep, Block)) and key.n_tokens == 1}
-    # One decode program with the attention kernel (it reads only the filled slots), else one per token bucket.
+    model = build(path, batch_size=2,
+                  neuron_config=NeuronConfig(whole_model_program=True, cpu_kernels=kernels))
+    decode = {key for key in model.programs.compiled
+              if isinstance(key, (ModelStep, Block)) and key.n_tokens == 1}
+    # One decode program with the attention kernel (it reads only the filled slots), else one per
+    # token bucket.
     assert decode == ({ModelStep(1, 256)} if kernels else {ModelStep(1, 128), ModelStep(1, 256)})
     prompts = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(7)) for n in (9, 30)]
     tokens = model.sample(prompts, sequence_length=150, top_k=1, eos_token_id=[])

@@ -28,7 +28,8 @@ def cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
     copies = []
     for line in hlo_text.splitlines():
         found = re.search(r"= [a-z0-9]+\[([0-9,]*)\](\{[^}]*\})? copy\(", line)
-        if found and found.group(1) and math.prod(int(n) for n in found.group(1).split(",")) == cache_elements:
+        if (found and found.group(1)
+                and math.prod(int(n) for n in found.group(1).split(",")) == cache_elements):
             copies.append(line.strip())
     return copies
 
@@ -40,7 +41,8 @@ def test_no_compiled_step_copies_a_kv_cache(model):
     for compiled in steps:
         text = compiled.executable.hlo_text()
         assert "dynamic-update-slice" in text
-        assert cache_copies(text, math.prod(model.session.builder.cache_spec("k").dims)) == [], compiled.program.name
+        assert cache_copies(text, math.prod(model.session.builder.cache_spec("k").dims)) == [], \
+            compiled.program.name
 
 
 def test_caches_are_donated_and_updated_in_place(model):

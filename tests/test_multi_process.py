@@ -44,7 +44,8 @@ RUN = textwrap.dedent("""
         model = NeuronAutoModelForCausalLM.from_pretrained(
             path, batch_size=2, n_positions=128, context_length_estimate=[16, 32], tp_degree=tp).to_neuron()
         session = model.session
-        model.sample(prompts, sequence_length=24, top_k=1, eos_token_id=[])        # warm: compiles on first use
+        model.sample(prompts, sequence_length=24, top_k=1, eos_token_id=[])\
+        # warm: compiles on first use
         started = time.perf_counter()
         model.sample(prompts, sequence_length=24, top_k=1, eos_token_id=[])
         middle = time.perf_counter()
@@ -88,7 +89,8 @@ def _free_port() -> int:
 
 def _env(devices: int, cache_dir: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PYHLO_COORDINATOR", "PYHLO_NUM_PROCESSES", "PYHLO_PROCESS_ID", "PYHLO_LOCAL_DEVICES")}
+           if k not in ("PYHLO_COORDINATOR", "PYHLO_NUM_PROCESSES", "PYHLO_PROCESS_ID",
+                        "PYHLO_LOCAL_DEVICES")}
     env.update(PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), PYHLO_CACHE_DIR=str(cache_dir),
                PYTHONFAULTHANDLER="1", PYHLO_PLATFORM="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
@@ -184,8 +186,10 @@ def test_each_process_holds_only_its_replicas(single, two_processes):
 
 def test_another_process_s_replica_is_refused_with_a_clear_error(two_processes):
     (first, second), _ = two_processes
-    assert "replica 2 is held by another process: process 0 holds replicas [0, 1]" in first["remote_host_error"]
-    assert "replica 0 is held by another process: process 1 holds replicas [2, 3]" in second["remote_host_error"]
+    assert ("replica 2 is held by another process: process 0 holds replicas [0, 1]"
+            in first["remote_host_error"])
+    assert ("replica 0 is held by another process: process 1 holds replicas [2, 3]"
+            in second["remote_host_error"])
     assert "process 0" in second["remote_put_error"] and "holds replicas [2, 3]" in second["remote_put_error"]
 
 

@@ -101,8 +101,8 @@ def test_layer_norm_matches_torch(lead, hidden, seed, dtype, with_bias):
     (out,) = run_fn(program, x, weight, *([bias] if with_bias else []))
     expected = F.layer_norm(_torch(x), (hidden,), _torch(weight), _torch(bias) if with_bias else None, 1e-5)
     assert out.dtype == x.dtype
-    np.testing.assert_allclose(out.astype(np.float32), _numpy(expected), rtol=1e-4 if dtype == "f32" else 2e-2,
-                               atol=1e-4 if dtype == "f32" else 2e-2)
+    np.testing.assert_allclose(out.astype(np.float32), _numpy(expected),
+                               rtol=1e-4 if dtype == "f32" else 2e-2, atol=1e-4 if dtype == "f32" else 2e-2)
 
 
 @SETTINGS
@@ -139,7 +139,8 @@ def test_unknown_activation_names_the_valid_ones():
        inter=st.integers(1, 12), activation=st.sampled_from(["silu", "gelu", "gelu_tanh"]), seed=seeds)
 def test_gated_mlp_f32(lead, hidden, inter, activation, seed):
     x = _randn(seed, (*lead, hidden))
-    gate, up, down = _randn(seed + 1, (hidden, inter)), _randn(seed + 2, (hidden, inter)), _randn(seed + 3, (inter, hidden))
+    gate, up, down = (_randn(seed + 1, (hidden, inter)), _randn(seed + 2, (hidden, inter)),
+                      _randn(seed + 3, (inter, hidden)))
 
     def program(scribe):
         ws = [_param(scribe, "f32", w.shape, i + 1) for i, w in enumerate((gate, up, down))]
@@ -220,7 +221,8 @@ def test_rotary_interleaved_partial_matches_hf_gptj(batch, heads, seq, half_rota
         cos, sin = nn.rotary_cos_sin(_param(scribe, "s32", positions.shape, 0), inv_freq, style="interleaved")
         dims = (batch, seq, heads, rotary_dim)
         c, s = (broadcast(t, dims, [0, 1, 3]) for t in (cos, sin))
-        return nn.apply_rotary_partial(_param(scribe, "f32", x.shape, 1), c, s, rotary_dim, style="interleaved")
+        return nn.apply_rotary_partial(_param(scribe, "f32", x.shape, 1), c, s, rotary_dim,
+                                       style="interleaved")
 
     (out,) = run_fn(program, positions, x)
     table = modeling_gptj.create_sinusoidal_positions(64, rotary_dim)[torch.from_numpy(positions).long()]
@@ -244,7 +246,8 @@ def test_rotary_half_partial_leaves_the_tail_alone():
     (out,) = run_fn(program, positions, x)
     angles = positions[0, :, None] * np.concatenate([inv_freq, inv_freq])
     head = torch.from_numpy(x[..., :4])
-    ref, _ = apply_rotary_pos_emb(head, head, torch.from_numpy(np.cos(angles))[None], torch.from_numpy(np.sin(angles))[None])
+    ref, _ = apply_rotary_pos_emb(head, head, torch.from_numpy(np.cos(angles))[None],
+                                  torch.from_numpy(np.sin(angles))[None])
     np.testing.assert_allclose(out[..., :4], ref.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out[..., 4:], x[..., 4:])
 
@@ -256,7 +259,8 @@ def test_rotary_half_partial_leaves_the_tail_alone():
        window=st.one_of(st.none(), st.integers(1, 4)), seed=seeds)
 def test_causal_mask(batch, n_q, n_keys, window, seed):
     positions = np.random.default_rng(seed).integers(0, n_keys + 2, (batch, n_q)).astype(np.int32)
-    (mask,) = run_fn(lambda scribe: nn.causal_mask(_param(scribe, "s32", (batch, n_q)), n_keys, window), positions)
+    (mask,) = run_fn(lambda scribe: nn.causal_mask(_param(scribe, "s32", (batch, n_q)), n_keys, window),
+                     positions)
     keys = np.arange(n_keys)
     pos = positions[..., None]
     expected = (keys <= pos) & ((pos - keys < window) if window else True)

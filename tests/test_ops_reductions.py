@@ -72,7 +72,8 @@ def test_integer_reductions(dims, seed, dtype):
 
 
 def test_max_and_min_keep_the_type_extremes():
-    values = {"s8": [-128, 127], "u8": [0, 255], "s16": [-(2**15), 2**15 - 1], "u16": [0, 2**16 - 1], "s32": [-(2**31), 2**31 - 1], "u32": [0, 2**32 - 1],
+    values = {"s8": [-128, 127], "u8": [0, 255], "s16": [-(2**15), 2**15 - 1], "u16": [0, 2**16 - 1],
+              "s32": [-(2**31), 2**31 - 1], "u32": [0, 2**32 - 1],
               "f16": [-np.inf, np.inf], "f32": [-np.inf, np.inf], "bf16": [-np.inf, np.inf]}
     arrays = [np.array(v, dtype=numpy_dtype(t)) for t, v in values.items()]
 

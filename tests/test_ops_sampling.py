@@ -51,8 +51,8 @@ def _settings(batch, top_k, top_p, temperature):
 def test_uniform_from_bits_is_in_the_unit_interval():
     bits = np.array([0, 1, 511, 512, 2**31, 2**32 - 512, 2**32 - 1], np.uint32)
     bits = np.concatenate([bits, np.random.default_rng(0).integers(0, 2**32, 1000, dtype=np.uint32)])
-    (u,) = run_fn(lambda scribe: sampling.uniform_from_bits(scribe.u32[bits.size].Parameter(parameter_number=0)),
-                  bits)
+    (u,) = run_fn(lambda scribe: sampling.uniform_from_bits(
+        scribe.u32[bits.size].Parameter(parameter_number=0)), bits)
     assert u.dtype == np.float32
     assert u.min() >= 0.0 and u.max() < 1.0
     np.testing.assert_array_equal(u, (bits >> 9).astype(np.float64) / 2**23)
@@ -83,7 +83,8 @@ def test_rng_uniform_is_reproducible_and_advances_its_state():
 
 def test_rng_state_must_be_u32_2x2():
     with pytest.raises(ValueError, match=r"state must be u32\[2,2\], got u64\[2\]"):
-        compile_py_func(lambda scribe: sampling.rng_uniform(scribe.u64[2].Parameter(parameter_number=0), (3,))[0])
+        compile_py_func(lambda scribe: sampling.rng_uniform(scribe.u64[2].Parameter(parameter_number=0),
+                                                            (3,))[0])
 
 
 @SETTINGS
@@ -136,7 +137,8 @@ def test_filtered_distribution_matches_hf_warpers(batch, vocab, seed, data):
     for line in range(batch):
         ours = np.zeros(vocab)
         ours[ids[line]] = probs[line]
-        expected = hf_filtered_probs(logits[line], int(top_k[line]), float(top_p[line]), float(temperature[line]))
+        expected = hf_filtered_probs(logits[line], int(top_k[line]), float(top_p[line]),
+                                     float(temperature[line]))
         np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-7)
 
 
@@ -180,7 +182,8 @@ def test_tokens_come_only_from_the_allowed_set(seed, k_max):
     tokens, _ = run_fn(sampler(batch, vocab, k_max), logits, top_k, top_p, temperature,
                        sampling.seed_state(seed))
     for line, token in enumerate(tokens):
-        allowed = hf_filtered_probs(logits[line], int(top_k[line]), float(top_p[line]), float(temperature[line]))
+        allowed = hf_filtered_probs(logits[line], int(top_k[line]), float(top_p[line]),
+                                    float(temperature[line]))
         assert allowed[token] > 0, (line, token)
 
 
@@ -239,7 +242,8 @@ def test_best_candidate_is_the_largest_ties_to_the_smallest_id(batch, n, seed):
 
 
 @SETTINGS
-@given(batch=st.integers(1, 4), width=st.integers(1, 30), first=st.integers(0, 1000), seed=st.integers(0, 2**32 - 1))
+@given(batch=st.integers(1, 4), width=st.integers(1, 30), first=st.integers(0, 1000),
+       seed=st.integers(0, 2**32 - 1))
 def test_greedy_sharded_on_one_replica_is_greedy_from_its_first_id(batch, width, first, seed):
     logits = np.random.default_rng(seed).integers(-3, 3, (batch, width)).astype(np.float32)
 
@@ -261,7 +265,8 @@ def test_gather_candidates_on_one_replica_keeps_values_and_ids(batch, width, see
 
     def program(scribe):
         return list(sampling.gather_candidates(scribe.f32[batch, width].Parameter(parameter_number=0),
-                                               scribe.s32[batch, width].Parameter(parameter_number=1), ONE_REPLICA))
+                                               scribe.s32[batch, width].Parameter(parameter_number=1),
+                                               ONE_REPLICA))
 
     got_values, got_ids = run_fn(program, values, ids)
     np.testing.assert_array_equal(got_values, values)
@@ -269,8 +274,8 @@ def test_gather_candidates_on_one_replica_keeps_values_and_ids(batch, width, see
 
 
 @SETTINGS
-@given(batch=st.integers(1, 4), width=st.integers(2, 30), first=st.integers(0, 1000), seed=st.integers(0, 2**32 - 1),
-       data=st.data())
+@given(batch=st.integers(1, 4), width=st.integers(2, 30), first=st.integers(0, 1000),
+       seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_sample_sharded_on_one_replica_draws_sample_tokens_from_its_first_id(batch, width, first, seed, data):
     rng = np.random.default_rng(seed)
     logits = (rng.standard_normal((batch, width)) * 2).astype(np.float32)

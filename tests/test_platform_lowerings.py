@@ -46,7 +46,8 @@ def test_the_gpu_lowering():
     assert lowering.f32_dot_precision == "highest"
     chosen = choose_lowering(NeuronConfig(whole_model_program=False, weight_layout="in_out",
                                           f32_matmul_precision="tf32"), CUDA, "f32", 8)
-    assert (chosen.whole_model_decode, chosen.weight_layout, chosen.f32_dot_precision) == (False, "in_out", "default")
+    assert ((chosen.whole_model_decode, chosen.weight_layout, chosen.f32_dot_precision)
+            == (False, "in_out", "default"))
     with pytest.raises(ValueError, match="cpu_kernels=True"):
         choose_lowering(NeuronConfig(cpu_kernels=True), CUDA, "f32", 1)
 
@@ -112,8 +113,8 @@ def test_bf16_dots_name_no_precision():
     from pyhlo.ops.linalg import matmul
 
     def program(scribe):
-        return matmul(scribe.bf16[2, 3].Parameter(parameter_number=0), scribe.bf16[3, 4].Parameter(parameter_number=1),
-                      out_dtype="f32")
+        return matmul(scribe.bf16[2, 3].Parameter(parameter_number=0),
+                      scribe.bf16[3, 4].Parameter(parameter_number=1), out_dtype="f32")
 
     assert "operand_precision" not in pjrt.hlo_text(compile_py_func(program).SerializeToString())
 

@@ -48,11 +48,13 @@ def forbid_sharding_work(monkeypatch, model):
 def test_presharded_weights_load_as_saved_and_give_identical_tokens(saved, checkpoint, monkeypatch):
     model, directory, expected = saved
     manifest = json.loads((directory / "pyhlo_model.json").read_text())["sharded_weights"]
-    assert manifest["tp_degree"] == 1 and manifest["amp"] == "f32" and manifest["lowering"] == model.lowering.name
+    assert (manifest["tp_degree"] == 1 and manifest["amp"] == "f32"
+            and manifest["lowering"] == model.lowering.name)
     assert "batch_size" not in manifest
     stored = _SafetensorsShard(directory / "weights" / "rank0.safetensors")
     builder = model.session.builder
-    expected_shapes = {presharded.tensor_name(p.name, None): builder.spec(p).dims for p in builder.shared_params()}
+    expected_shapes = {presharded.tensor_name(p.name, None): builder.spec(p).dims
+                       for p in builder.shared_params()}
     expected_shapes.update({presharded.tensor_name(p.name, i): builder.spec(p).dims
                             for i in range(builder.decoder.n_layers) for p in builder.layer_params()})
     assert stored.shapes() == expected_shapes
@@ -99,7 +101,8 @@ RUN = textwrap.dedent("""
     from decoders.parallel.sharding import local_shape
     import tiny_llama
 
-    path = tiny_llama.save(tiny_llama.make_model("gqa_tied_llama3"), pathlib.Path(tempfile.mkdtemp()), "safetensors")
+    path = tiny_llama.save(tiny_llama.make_model("gqa_tied_llama3"), pathlib.Path(tempfile.mkdtemp()), \
+"safetensors")
     shape = dict(batch_size=2, n_positions=128, context_length_estimate=[16], tp_degree=2)
     prompts = [[3, 4, 5, 6, 7, 8, 9], [11, 12, 13]]
     model = LlamaForSampling.from_pretrained(path, **shape).to_neuron()
@@ -108,7 +111,8 @@ RUN = textwrap.dedent("""
     model.save(directory, sharded_weights=True)
     builder = model.session.builder
     names = {f"shared/{p.name}": p for p in builder.shared_params()}
-    names.update({f"layer{i}/{p.name}": p for i in range(builder.decoder.n_layers) for p in builder.layer_params()})
+    names.update({f"layer{i}/{p.name}": p for i in range(builder.decoder.n_layers) \
+for p in builder.layer_params()})
     files = [_SafetensorsShard(directory / "weights" / f"rank{r}.safetensors") for r in range(2)]
     shapes_ok = all(f.shapes() == {n: tuple(builder.spec(p).dims) for n, p in names.items()} for f in files)
     split = [n for n, p in names.items() if local_shape(p, 2) != tuple(p.shape)]

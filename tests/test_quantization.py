@@ -23,7 +23,8 @@ def test_quantized_rows_round_to_the_nearest_step(out, inner, seed, spread, zero
     if zero_row:
         weight[0] = 0
     q, scale = quantize_per_channel(weight)
-    assert q.dtype == np.int8 and scale.dtype == np.float32 and q.shape == weight.shape and scale.shape == (out,)
+    assert (q.dtype == np.int8 and scale.dtype == np.float32 and q.shape == weight.shape
+            and scale.shape == (out,))
     # Reference in float64: the step is max |row| / 127, each value rounded to the nearest step.
     step = np.abs(weight.astype(np.float64)).max(axis=1) / 127
     expected = np.rint(weight / np.where(step > 0, step, 1)[:, None].astype(np.float32))
@@ -112,7 +113,8 @@ def test_a_quantized_model_computes_what_its_dequantized_weights_do(tmp_path, va
         model = NeuronAutoModelForCausalLM.from_pretrained(path, batch_size=2, n_positions=64,
                                                            context_length_estimate=[16], neuron_config=config)
         model.to_neuron()
-        runs[quantized] = model.sample(prompts, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
+        runs[quantized] = model.sample(prompts, sequence_length=40, top_k=1, eos_token_id=[],
+                                       output_scores=True)
         if quantized:
             builder = model.session.builder
             stored = {p.name: builder.spec(p).dtype for p in builder.layer_params()}
@@ -156,8 +158,10 @@ import numpy as np
 from decoders import LlamaForSampling, NeuronConfig, QuantizationConfig
 runs = {}
 for tp in (1, 2, 3):
-    model = LlamaForSampling.from_pretrained(sys.argv[1], batch_size=2, n_positions=64, context_length_estimate=[16],
-                                             tp_degree=tp, neuron_config=NeuronConfig(quant=QuantizationConfig()))
+    model = LlamaForSampling.from_pretrained(sys.argv[1], batch_size=2, n_positions=64, \
+context_length_estimate=[16],
+                                             tp_degree=tp, \
+neuron_config=NeuronConfig(quant=QuantizationConfig()))
     tokens, scores = model.to_neuron().sample([[5, 6, 7, 8, 9, 10], [11, 12]], sequence_length=40, top_k=1,
                                               eos_token_id=[], output_scores=True)
     runs[tp] = {"tokens": tokens.tolist(), "scores": np.stack(scores).tolist()}

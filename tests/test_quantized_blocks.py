@@ -19,7 +19,8 @@ FORMS = ("q8_0", "q4_0", "q4_1")
 def random_blocks(form: str, rows: int, width: int, seed: int) -> BlockWeight:
     rng = np.random.default_rng(seed)
     blocks = width // 32
-    scales = (rng.uniform(1e-3, 10, (rows, blocks)) * rng.choice([-1, 1, 0], (rows, blocks))).astype(np.float16)
+    scales = (rng.uniform(1e-3, 10, (rows, blocks))
+              * rng.choice([-1, 1, 0], (rows, blocks))).astype(np.float16)
     mins = rng.uniform(-10, 10, (rows, blocks)).astype(np.float16) if form == "q4_1" else None
     if form == "q8_0":
         values = rng.integers(-128, 128, (rows, width), dtype=np.int8)
@@ -39,7 +40,8 @@ def gguf_bytes(weight: BlockWeight) -> np.ndarray:
 
 
 @settings(max_examples=20, deadline=None)
-@given(form=st.sampled_from(FORMS), rows=st.integers(1, 20), blocks=st.integers(1, 6), seed=st.integers(0, 2**32 - 1))
+@given(form=st.sampled_from(FORMS), rows=st.integers(1, 20), blocks=st.integers(1, 6),
+       seed=st.integers(0, 2**32 - 1))
 def test_numpy_reads_the_blocks_as_the_gguf_package_does(form, rows, blocks, seed):
     import gguf
 
@@ -49,7 +51,8 @@ def test_numpy_reads_the_blocks_as_the_gguf_package_does(form, rows, blocks, see
 
 
 @settings(max_examples=15, deadline=None)
-@given(form=st.sampled_from(FORMS), rows=st.integers(1, 20), blocks=st.integers(1, 6), seed=st.integers(0, 2**32 - 1))
+@given(form=st.sampled_from(FORMS), rows=st.integers(1, 20), blocks=st.integers(1, 6),
+       seed=st.integers(0, 2**32 - 1))
 def test_the_program_dequantizes_exactly_as_numpy(form, rows, blocks, seed):
     weight = random_blocks(form, rows, 32 * blocks, seed)
     arrays = [a for a in weight[1:] if a is not None]

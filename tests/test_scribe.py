@@ -227,7 +227,8 @@ def test_source_metadata_of_library_ops_points_at_their_caller():
         return softmax(scribe.f32[2, 3].Parameter(parameter_number=0))
 
     for instruction in compile_py_func(program).computations[-1].instructions:
-        assert (instruction.metadata.source_file, instruction.metadata.op_name) == ("test_scribe.py", "program")
+        assert ((instruction.metadata.source_file, instruction.metadata.op_name)
+                == ("test_scribe.py", "program"))
 
 
 def test_source_metadata_can_be_left_out():
@@ -265,7 +266,8 @@ def test_alias_into_a_tuple_output():
         return [scribe.f32[4].Negate(cache), new_counter]
 
     (entry,) = compile_py_func(step).input_output_alias.entries
-    assert (entry.parameter_number, list(entry.output_shape_index), entry.kind) == (1, [1], hlo_pb2.MUST_ALIAS)
+    assert ((entry.parameter_number, list(entry.output_shape_index), entry.kind)
+            == (1, [1], hlo_pb2.MUST_ALIAS))
 
 
 # -- bad builds -----------------------------------------------------------------
@@ -300,7 +302,8 @@ def test_mismatched_add_shapes():
         b = scribe.f32[5].Parameter(parameter_number=1)
         return scribe.f32[4].Add(a, b)
 
-    with pytest.raises(HloShapeError, match=r"add: operands must have the same shape and type .*f32\[4\], f32\[5\]"):
+    with pytest.raises(HloShapeError,
+                       match=r"add: operands must have the same shape and type .*f32\[4\], f32\[5\]"):
         _build(program)
 
 
@@ -309,7 +312,8 @@ def test_wrong_declared_result_shape():
         a = scribe.f32[4].Parameter(parameter_number=0)
         return scribe.f32[5].Negate(a)
 
-    with pytest.raises(HloShapeError, match=r"negate: result declared as f32\[5\] but operands \(f32\[4\]\) give f32\[4\]"):
+    with pytest.raises(HloShapeError,
+                       match=r"negate: result declared as f32\[5\] but operands \(f32\[4\]\) give f32\[4\]"):
         _build(program)
 
 
@@ -346,7 +350,8 @@ def test_alias_with_a_shape_mismatch():
         a = scribe.f32[4].Parameter(parameter_number=0)
         return scribe.s32[4].Convert(a).set_alias_to(a)
 
-    with pytest.raises(HloShapeError, match=r"bad alias: .* s32\[4\] and parameter .* f32\[4\] differ in shape"):
+    with pytest.raises(HloShapeError,
+                       match=r"bad alias: .* s32\[4\] and parameter .* f32\[4\] differ in shape"):
         _build(program)
 
 

@@ -28,12 +28,14 @@ def server(smollm2_gguf):
 
     config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=LINES))
     model = LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=LINES, n_positions=256,
-                                             context_length_estimate=[32, 64], neuron_config=config).to_neuron()
+                                             context_length_estimate=[32, 64],
+                                             neuron_config=config).to_neuron()
     engine = Engine(model, "smollm2").start()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    running = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    running = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port,
+                                            log_level="warning"))
     thread = threading.Thread(target=running.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -80,7 +82,8 @@ def test_the_openai_client_gets_a_completion_and_a_streamed_chat_completion(serv
     base, _ = server
     model, text = alone
     api = client(base)
-    done = api.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12, temperature=0)
+    done = api.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12,
+                                  temperature=0)
     prompt_ids = list(model.tokenizer("The capital of France is")["input_ids"])
     assert done.choices[0].text == text(prompt_ids, 12)
     assert done.usage.prompt_tokens == len(prompt_ids) and done.usage.completion_tokens == 12
@@ -106,13 +109,14 @@ def test_sixteen_concurrent_streams_each_get_what_sample_gives_their_prompt_alon
 
     base, engine = server
     model, text = alone
-    topics = ["the sea", "a cat", "winter", "coffee", "the moon", "trains", "music", "bread", "rain", "a garden",
-              "mountains", "a library", "fire", "the desert", "bees", "a clock"]
+    topics = ["the sea", "a cat", "winter", "coffee", "the moon", "trains", "music", "bread", "rain",
+              "a garden", "mountains", "a library", "fire", "the desert", "bees", "a clock"]
     questions = [f"Write one sentence about {topic}." for topic in topics]
     api = AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
 
     async def one(question: str) -> str:
-        stream = await api.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+        stream = await api.chat.completions.create(model="smollm2",
+                                                   messages=[{"role": "user", "content": question}],
                                                    max_tokens=24, temperature=0, stream=True)
         return "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
 
@@ -144,7 +148,8 @@ def test_bad_requests_get_4xx_in_openais_shape_and_the_server_keeps_answering(se
             assert response.status_code == status, (body, response.text)
             error = response.json()["error"]
             assert error["message"] and error["type"] == "invalid_request_error" and error["code"] == code
-        broken = http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+        broken = http.post("/v1/completions", content=b"{not json",
+                           headers={"Content-Type": "application/json"})
         assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
         no_messages = http.post("/v1/chat/completions", json={"messages": []})
         assert no_messages.status_code == 400
@@ -158,12 +163,15 @@ def test_bad_requests_get_4xx_in_openais_shape_and_the_server_keeps_answering(se
 def test_stop_strings_and_seeds(server):
     base, _ = server
     api = client(base)
-    whole = api.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0).choices[0].text
+    whole = api.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=20,
+                                   temperature=0).choices[0].text
     stop = whole.strip().split(",")[1].strip()             # a number the answer goes on to write
-    cut = api.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[stop])
+    cut = api.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
+                                 stop=[stop])
     assert cut.choices[0].text == whole[:whole.index(stop)] and cut.choices[0].finish_reason == "stop"
-    sampled = [api.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95,
-                                      seed=seed, extra_body={"top_k": 40}).choices[0].text for seed in (5, 5, 6)]
+    sampled = [api.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=16,
+                                      temperature=1.0, top_p=0.95, seed=seed,
+                                      extra_body={"top_k": 40}).choices[0].text for seed in (5, 5, 6)]
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
 
 

@@ -36,7 +36,8 @@ def test_greedy_speculation_gives_the_targets_tokens(models, draft_name):
     generator = SpeculativeGenerator(draft if draft_name == "other_seed" else same, target, 4)
     for prompt in PROMPTS:
         expected = target.sample([prompt], sequence_length=len(prompt) + 40, top_k=1, eos_token_id=[])
-        got = generator.sample(torch.tensor([prompt]), sequence_length=len(prompt) + 40, top_k=1, eos_token_id=[])
+        got = generator.sample(torch.tensor([prompt]), sequence_length=len(prompt) + 40, top_k=1,
+                               eos_token_id=[])
         assert torch.equal(got, expected), prompt
     if draft_name == "target_itself":
         # Every proposal is the target's own choice: k + 1 tokens per target call.
@@ -49,8 +50,8 @@ def test_greedy_speculation_gives_the_targets_tokens(models, draft_name):
 def test_seeded_speculative_sampling_reproduces(models):
     target, draft, _ = models
     generator = SpeculativeGenerator(draft, target, 4)
-    runs = [generator.sample([PROMPTS[1]], sequence_length=70, top_k=20, top_p=0.9, temperature=1.2, seed=seed,
-                             eos_token_id=[]) for seed in (3, 3, 4)]
+    runs = [generator.sample([PROMPTS[1]], sequence_length=70, top_k=20, top_p=0.9, temperature=1.2,
+                             seed=seed, eos_token_id=[]) for seed in (3, 3, 4)]
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     assert runs[0].shape == (1, 70) and 0.0 <= generator.acceptance_rate <= 1.0
 

@@ -50,11 +50,14 @@ RUN = textwrap.dedent("""
         runs = {}
         for tp in DEGREES.get(variant, (1, 2, 4)):
             model = NeuronAutoModelForCausalLM.from_pretrained(
-                path, batch_size=2, n_positions=128, context_length_estimate=[16, 32], tp_degree=tp).to_neuron()
-            tokens, scores = model.sample(prompts, sequence_length=60, top_k=1, eos_token_id=[], output_scores=True)
+                path, batch_size=2, n_positions=128, context_length_estimate=[16, 32], \
+tp_degree=tp).to_neuron()
+            tokens, scores = model.sample(prompts, sequence_length=60, top_k=1, eos_token_id=[], \
+output_scores=True)
             builder = model.session.builder
             layer = builder.layer_params()
-            declared = [(p, builder.decoder.n_layers) for p in layer] + [(p, 1) for p in builder.shared_params()]
+            declared = [(p, builder.decoder.n_layers) for p in layer] + \
+[(p, 1) for p in builder.shared_params()]
 
             def size(spec):
                 return int(np.prod(spec.dims)) * byte_size(spec.dtype)
@@ -74,8 +77,8 @@ RUN = textwrap.dedent("""
 def results():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
                XLA_FLAGS="--xla_force_host_platform_device_count=4", PYHLO_PLATFORM="cpu")
-    done = subprocess.run([sys.executable, "-c", RUN, ",".join(VARIANTS), json.dumps(DEGREES)], env=env, capture_output=True, text=True,
-                          timeout=1500)
+    done = subprocess.run([sys.executable, "-c", RUN, ",".join(VARIANTS), json.dumps(DEGREES)], env=env,
+                          capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -114,10 +117,12 @@ def test_rows_that_do_not_split_are_padded_with_zero_rows():
 
     # gate | up, 5 rows each, over 2 devices: 3 rows of each part a device, the last one padding.
     gate_up = Param("mlp.gate_up.weight", Kind.LINEAR, (10, 4), Shard.COLUMN, Source(("w",)), segments=(5, 5))
-    assert [sharding.indices(gate_up, 2, r).tolist() for r in range(2)] == [[0, 1, 2, 5, 6, 7], [3, 4, -1, 8, 9, -1]]
+    assert ([sharding.indices(gate_up, 2, r).tolist() for r in range(2)]
+            == [[0, 1, 2, 5, 6, 7], [3, 4, -1, 8, 9, -1]])
     weight = np.arange(40, dtype=np.float32).reshape(10, 4)
     part = sharding.shard(gate_up, weight, 2, 1)
-    assert part.shape == (6, 4) and (part[[2, 5]] == 0).all() and (part[[0, 1, 3, 4]] == weight[[3, 4, 8, 9]]).all()
+    assert (part.shape == (6, 4) and (part[[2, 5]] == 0).all()
+            and (part[[0, 1, 3, 4]] == weight[[3, 4, 8, 9]]).all())
 
 
 @pytest.mark.parametrize("heads, kv_heads, tp, device_heads, device_kv_heads", [
@@ -193,12 +198,12 @@ def test_gqa_strategies_that_do_not_fit_name_the_ones_that_work():
         return Attention(out="o", q="q", k="k", v="v", hidden=heads * 4, n_heads=heads, n_kv_heads=kv_heads,
                          head_dim=4)
 
-    with pytest.raises(ValueError, match=r"SHARD_OVER_HEADS .* 2 KV heads .* tp_degree 4 does not divide them.*"
-                                         r"REPLICATED_HEADS \(or None\) works: 1 query and 1 KV heads a device, "
-                                         r"the 2 KV heads replicated"):
+    with pytest.raises(ValueError, match=r"SHARD_OVER_HEADS .* 2 KV heads .* tp_degree 4 does not divide "
+                                         r"them.*REPLICATED_HEADS \(or None\) works: 1 query and 1 KV heads "
+                                         r"a device, the 2 KV heads replicated"):
         decide(attention(4, 2), 4, GQA.SHARD_OVER_HEADS)
-    with pytest.raises(ValueError, match=r"REPLICATED_HEADS \(or None\) works: 6 query and 2 KV heads a device, "
-                                         r"the 3 KV heads padded to 4"):
+    with pytest.raises(ValueError, match=r"REPLICATED_HEADS \(or None\) works: 6 query and 2 KV heads a "
+                                         r"device, the 3 KV heads padded to 4"):
         decide(attention(9, 3), 2, GQA.SHARD_OVER_HEADS)
 
 
@@ -206,7 +211,8 @@ GQA_RUN = textwrap.dedent("""
     import json, sys
     from decoders import GQA, LlamaForSampling, NeuronConfig
     results = {}
-    for tp, strategy in ((1, None), (2, "shard-over-heads"), (4, GQA.REPLICATED_HEADS), (4, GQA.SHARD_OVER_HEADS)):
+    for tp, strategy in ((1, None), (2, "shard-over-heads"), (4, GQA.REPLICATED_HEADS), \
+(4, GQA.SHARD_OVER_HEADS)):
         config = NeuronConfig(group_query_attention=strategy)
         name = f"{tp} {config.group_query_attention}"
         try:

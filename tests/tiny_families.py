@@ -29,16 +29,19 @@ from transformers import (
 NEOX_SHAPE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=160, max_position_embeddings=512)
 # GPT-2's and GPT-J's default BOS/EOS id, 50256, lies outside the tiny vocabulary.
-GPT_SHAPE = dict(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2)
+GPT_SHAPE = dict(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1,
+                 eos_token_id=2)
 OPT_SHAPE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=160,
                  max_position_embeddings=512)
-LLAMA_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+LLAMA_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   rms_norm_eps=1e-5)
 WINDOW = 48                  # a 150-token sequence crosses it
 
 VARIANTS = {
     # parallel residual, rotary on a quarter of each head, untied head
-    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**NEOX_SHAPE, rotary_pct=0.25, use_parallel_residual=True)),
+    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**NEOX_SHAPE, rotary_pct=0.25,
+                                                         use_parallel_residual=True)),
     # sequential residual, rotary on half of each head, tanh GELU
     "gpt_neox_sequential": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(
         **NEOX_SHAPE, rotary_pct=0.5, use_parallel_residual=False, hidden_act="gelu_new")),
@@ -67,7 +70,8 @@ VARIANTS = {
                                                          use_sliding_window=True, sliding_window=WINDOW,
                                                          max_window_layers=0)),
     # 4 experts, top 2
-    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**LLAMA_SHAPE, num_local_experts=4,
+                                                        num_experts_per_tok=2)),
 }
 
 
