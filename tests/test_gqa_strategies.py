@@ -54,17 +54,17 @@ RUN = textwrap.dedent("""
     prompts = [torch.randint(1, 320, (n,), generator=gen).tolist() for n in (9, 20, 3, 14)]
     runs = json.loads(sys.argv[1])
     paths, results = {}, {}
-    for variant, tp, gqa, over_sequence, kernels in [(v, 1, None, False, None) for v in \
-dict.fromkeys(r[0] for r in runs)] + runs:
+    variants = [(v, 1, None, False, None) for v in dict.fromkeys(r[0] for r in runs)]
+    for variant, tp, gqa, over_sequence, kernels in variants + runs:
         if variant not in paths:
             paths[variant] = checkpoint(variant)
-        config = NeuronConfig(group_query_attention=gqa, shard_over_sequence=over_sequence, \
-cpu_kernels=kernels)
+        config = NeuronConfig(group_query_attention=gqa, shard_over_sequence=over_sequence,
+                              cpu_kernels=kernels)
         model = NeuronAutoModelForCausalLM.from_pretrained(
             paths[variant], batch_size=4, n_positions=64, context_length_estimate=[16, 32], tp_degree=tp,
             neuron_config=config).to_neuron()
-        tokens, scores = model.sample(prompts, sequence_length=60, top_k=1, eos_token_id=[], \
-output_scores=True)
+        tokens, scores = model.sample(prompts, sequence_length=60, top_k=1, eos_token_id=[],
+                                      output_scores=True)
         attention = model.session.builder.device_decoder.layer.attention
         results[json.dumps([variant, tp, gqa, over_sequence, kernels])] = {
             "tokens": tokens.tolist(), "scores": np.stack(scores).tolist(),

@@ -119,8 +119,8 @@ from decoders import LlamaForSampling, NeuronConfig
 runs = {}
 for name, tp, over_sequence in (("1", 1, False), ("2", 2, False), ("2-sequence", 2, True)):
     config = NeuronConfig(kv_cache_quant=True, shard_over_sequence=over_sequence)
-    model = LlamaForSampling.from_pretrained(sys.argv[1], batch_size=2, n_positions=64, \
-context_length_estimate=[16],
+    model = LlamaForSampling.from_pretrained(sys.argv[1], batch_size=2, n_positions=64,
+                                             context_length_estimate=[16],
                                              tp_degree=tp, neuron_config=config)
     tokens, scores = model.to_neuron().sample([[5, 6, 7, 8, 9, 10], [11, 12]], sequence_length=40, top_k=1,
                                               eos_token_id=[], output_scores=True)

@@ -101,8 +101,8 @@ RUN = textwrap.dedent("""
     from decoders.parallel.sharding import local_shape
     import tiny_llama
 
-    path = tiny_llama.save(tiny_llama.make_model("gqa_tied_llama3"), pathlib.Path(tempfile.mkdtemp()), \
-"safetensors")
+    path = tiny_llama.save(tiny_llama.make_model("gqa_tied_llama3"), pathlib.Path(tempfile.mkdtemp()),
+                           "safetensors")
     shape = dict(batch_size=2, n_positions=128, context_length_estimate=[16], tp_degree=2)
     prompts = [[3, 4, 5, 6, 7, 8, 9], [11, 12, 13]]
     model = LlamaForSampling.from_pretrained(path, **shape).to_neuron()
@@ -111,8 +111,8 @@ RUN = textwrap.dedent("""
     model.save(directory, sharded_weights=True)
     builder = model.session.builder
     names = {f"shared/{p.name}": p for p in builder.shared_params()}
-    names.update({f"layer{i}/{p.name}": p for i in range(builder.decoder.n_layers) \
-for p in builder.layer_params()})
+    names.update({f"layer{i}/{p.name}": p for i in range(builder.decoder.n_layers)
+                  for p in builder.layer_params()})
     files = [_SafetensorsShard(directory / "weights" / f"rank{r}.safetensors") for r in range(2)]
     shapes_ok = all(f.shapes() == {n: tuple(builder.spec(p).dims) for n, p in names.items()} for f in files)
     split = [n for n, p in names.items() if local_shape(p, 2) != tuple(p.shape)]

@@ -158,10 +158,9 @@ import numpy as np
 from decoders import LlamaForSampling, NeuronConfig, QuantizationConfig
 runs = {}
 for tp in (1, 2, 3):
-    model = LlamaForSampling.from_pretrained(sys.argv[1], batch_size=2, n_positions=64, \
-context_length_estimate=[16],
-                                             tp_degree=tp, \
-neuron_config=NeuronConfig(quant=QuantizationConfig()))
+    model = LlamaForSampling.from_pretrained(sys.argv[1], batch_size=2, n_positions=64,
+                                             context_length_estimate=[16], tp_degree=tp,
+                                             neuron_config=NeuronConfig(quant=QuantizationConfig()))
     tokens, scores = model.to_neuron().sample([[5, 6, 7, 8, 9, 10], [11, 12]], sequence_length=40, top_k=1,
                                               eos_token_id=[], output_scores=True)
     runs[tp] = {"tokens": tokens.tolist(), "scores": np.stack(scores).tolist()}

@@ -50,14 +50,14 @@ RUN = textwrap.dedent("""
         runs = {}
         for tp in DEGREES.get(variant, (1, 2, 4)):
             model = NeuronAutoModelForCausalLM.from_pretrained(
-                path, batch_size=2, n_positions=128, context_length_estimate=[16, 32], \
-tp_degree=tp).to_neuron()
-            tokens, scores = model.sample(prompts, sequence_length=60, top_k=1, eos_token_id=[], \
-output_scores=True)
+                path, batch_size=2, n_positions=128, context_length_estimate=[16, 32],
+                tp_degree=tp).to_neuron()
+            tokens, scores = model.sample(prompts, sequence_length=60, top_k=1, eos_token_id=[],
+                                          output_scores=True)
             builder = model.session.builder
             layer = builder.layer_params()
-            declared = [(p, builder.decoder.n_layers) for p in layer] + \
-[(p, 1) for p in builder.shared_params()]
+            declared = ([(p, builder.decoder.n_layers) for p in layer]
+                        + [(p, 1) for p in builder.shared_params()])
 
             def size(spec):
                 return int(np.prod(spec.dims)) * byte_size(spec.dtype)
@@ -211,8 +211,8 @@ GQA_RUN = textwrap.dedent("""
     import json, sys
     from decoders import GQA, LlamaForSampling, NeuronConfig
     results = {}
-    for tp, strategy in ((1, None), (2, "shard-over-heads"), (4, GQA.REPLICATED_HEADS), \
-(4, GQA.SHARD_OVER_HEADS)):
+    for tp, strategy in ((1, None), (2, "shard-over-heads"), (4, GQA.REPLICATED_HEADS),
+                         (4, GQA.SHARD_OVER_HEADS)):
         config = NeuronConfig(group_query_attention=strategy)
         name = f"{tp} {config.group_query_attention}"
         try:

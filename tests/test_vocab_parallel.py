@@ -150,8 +150,8 @@ MODEL = textwrap.dedent("""
         logits = session.run_batch(np.array([prompts[1][:16], prompts[0] + prompts[1][:7]], np.int32), 0,
                                    np.zeros(2, np.int32))
         sampler = session.sampler(session.sampler_k_max or 64)
-        runs[tp] = {"greedy": greedy.tolist(), "scores": [s.tolist() for s in scores], \
-"banned": banned.tolist(),
+        runs[tp] = {"greedy": greedy.tolist(), "scores": [s.tolist() for s in scores],
+                    "banned": banned.tolist(),
                     "sampled": sampled.tolist(), "forward": forward.tolist(),
                     "replica_logits": [list(session.placement.host(logits, r).shape) for r in range(tp)],
                     "last_block": session.placement.host(logits, tp - 1).tolist(),
