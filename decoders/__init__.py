@@ -43,10 +43,10 @@ from decoders.families.qwen2 import Qwen2ForSampling
 from decoders.session.speculative import SpeculativeGenerator
 
 __all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",
-           "GPTNeoXForSampling", "GQA", "GenerationConfig", "HuggingFaceGenerationModelAdapter", "LlamaForSampling",
-           "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM", "NeuronConfig", "ContinuousBatchingConfig",
-           "NotSupportedYet", "OPTForSampling", "QuantizationConfig", "Qwen2ForSampling",
-           "SpeculativeGenerator"]
+           "GPTNeoXForSampling", "GQA", "GenerationConfig", "HuggingFaceGenerationModelAdapter",
+           "LlamaForSampling", "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM",
+           "NeuronConfig", "ContinuousBatchingConfig", "NotSupportedYet", "OPTForSampling",
+           "QuantizationConfig", "Qwen2ForSampling", "SpeculativeGenerator"]
 
 
 def __getattr__(name: str):

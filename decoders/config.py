@@ -90,7 +90,8 @@ class GenerationConfig:
                     raise ValueError(f"GenerationConfig.{name} is a list: one value per batch line needs "
                                      "per_batch_line=True")
                 if not value:
-                    raise ValueError(f"GenerationConfig.{name} is an empty list: give one value per batch line")
+                    raise ValueError(f"GenerationConfig.{name} is an empty list: give one value per batch "
+                                     "line")
                 setattr(self, name, list(value))
         for k in self.values("top_k"):
             if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
@@ -107,12 +108,15 @@ class GenerationConfig:
         if any(m != 1 for m in self.values("top_p_min_tokens")):
             raise NotSupportedYet("GenerationConfig.top_p_min_tokens other than 1 is not supported yet")
         if self.global_top_k is not None:
-            if isinstance(self.global_top_k, bool) or not isinstance(self.global_top_k, int) or self.global_top_k < 1:
-                raise ValueError(f"GenerationConfig.global_top_k must be an int >= 1, got {self.global_top_k!r}")
+            if (isinstance(self.global_top_k, bool) or not isinstance(self.global_top_k, int)
+                    or self.global_top_k < 1):
+                raise ValueError("GenerationConfig.global_top_k must be an int >= 1, got "
+                                 f"{self.global_top_k!r}")
             over = [k for k in self.values("top_k") if k > self.global_top_k]
             if over:
-                raise ValueError(f"GenerationConfig.top_k {max(over)} exceeds global_top_k {self.global_top_k}: "
-                                 "global_top_k bounds the candidates every line draws from")
+                raise ValueError(f"GenerationConfig.top_k {max(over)} exceeds global_top_k "
+                                 f"{self.global_top_k}: global_top_k bounds the candidates every line draws "
+                                 "from")
 
     def values(self, name: str) -> list:
         """The setting `name` as a list (one value, or one per batch line)."""
@@ -131,7 +135,8 @@ class ContinuousBatchingConfig:
     def __post_init__(self) -> None:
         size = self.batch_size_for_shared_caches
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"ContinuousBatchingConfig.batch_size_for_shared_caches must be an int >= 1, got {size!r}")
+            raise ValueError("ContinuousBatchingConfig.batch_size_for_shared_caches must be an int >= 1, "
+                             f"got {size!r}")
 
 
 # QuantizationConfig: transformers-neuronx calls per-output-channel symmetric scaling "vector_dynamic".
@@ -265,7 +270,8 @@ class NeuronConfig:
             raise _not_yet("on_device_embedding", False, "; the programs take token ids and look up the "
                            "embedding on the device (embedding on the host is not built)")
         if self.padding_side not in ("left", "right"):
-            raise ValueError(f"NeuronConfig.padding_side must be 'left' or 'right', got {self.padding_side!r}")
+            raise ValueError("NeuronConfig.padding_side must be 'left' or 'right', got "
+                             f"{self.padding_side!r}")
         if self.padding_side == "left":
             raise _not_yet("padding_side", "left", "; a prompt shorter than its context bucket is padded "
                            "on the right")
@@ -275,8 +281,8 @@ class NeuronConfig:
             self.continuous_batching = ContinuousBatchingConfig(**self.continuous_batching)
         if self.continuous_batching is not None:
             if not isinstance(self.continuous_batching, ContinuousBatchingConfig):
-                raise ValueError(f"NeuronConfig.continuous_batching must be None or a ContinuousBatchingConfig, "
-                                 f"got {self.continuous_batching!r}")
+                raise ValueError("NeuronConfig.continuous_batching must be None or a "
+                                 f"ContinuousBatchingConfig, got {self.continuous_batching!r}")
             if self.shard_over_sequence:
                 raise _not_yet("shard_over_sequence", True, " with continuous_batching")
         if self.cast_logits_dtype not in ("f32", "float32"):
@@ -284,32 +290,36 @@ class NeuronConfig:
         if self.compilation_worker_count is not None and self.compilation_worker_count < 1:
             raise ValueError("NeuronConfig.compilation_worker_count must be >= 1")
         if self.weight_layout not in (None, "in_out", "out_in"):
-            raise ValueError(f"NeuronConfig.weight_layout must be None, 'in_out' or 'out_in', got {self.weight_layout!r}")
+            raise ValueError("NeuronConfig.weight_layout must be None, 'in_out' or 'out_in', got "
+                             f"{self.weight_layout!r}")
         if self.whole_model_program not in (None, True, False):
             raise ValueError(f"NeuronConfig.whole_model_program must be None, True or False, "
                              f"got {self.whole_model_program!r}")
         if self.gguf_blocks not in (None, True, False):
-            raise ValueError(f"NeuronConfig.gguf_blocks must be None, True or False, got {self.gguf_blocks!r}")
+            raise ValueError("NeuronConfig.gguf_blocks must be None, True or False, got "
+                             f"{self.gguf_blocks!r}")
         if self.gguf_blocks and self.quant is not None:
-            raise ValueError("NeuronConfig.gguf_blocks=True keeps a GGUF file's own quantization; it cannot be "
-                             "combined with quant (drop one of them)")
+            raise ValueError("NeuronConfig.gguf_blocks=True keeps a GGUF file's own quantization; it cannot "
+                             "be combined with quant (drop one of them)")
         if self.int8_activations not in (True, False):
-            raise ValueError(f"NeuronConfig.int8_activations must be True or False, got {self.int8_activations!r}")
+            raise ValueError("NeuronConfig.int8_activations must be True or False, got "
+                             f"{self.int8_activations!r}")
         if self.int8_activations and (self.gguf_blocks is False or self.quant is not None):
-            raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept in "
-                             "their blocks: it cannot go with gguf_blocks=False or quant")
+            raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept "
+                             "in their blocks: it cannot go with gguf_blocks=False or quant")
         if self.kv_cache_quant == "s8":
             self.kv_cache_quant = True
         if self.kv_cache_quant not in (True, False):
-            raise ValueError(f"NeuronConfig.kv_cache_quant must be False, True or 's8' (int8 caches with a scale "
-                             f"per slot and head), got {self.kv_cache_quant!r}")
+            raise ValueError("NeuronConfig.kv_cache_quant must be False, True or 's8' (int8 caches with a "
+                             f"scale per slot and head), got {self.kv_cache_quant!r}")
         precision = self.f32_matmul_precision
         if not isinstance(precision, str) or precision.lower() not in F32_MATMUL_PRECISIONS:
             raise ValueError("NeuronConfig.f32_matmul_precision must be one of "
                              f"{', '.join(map(repr, F32_MATMUL_PRECISIONS))}, got {precision!r}")
         self.f32_matmul_precision = precision.lower()
         if self.cpu_kernels not in (None, True, False):
-            raise ValueError(f"NeuronConfig.cpu_kernels must be None, True or False, got {self.cpu_kernels!r}")
+            raise ValueError("NeuronConfig.cpu_kernels must be None, True or False, got "
+                             f"{self.cpu_kernels!r}")
         if self.extra:
             raise _not_yet("extra", self.extra)
 

@@ -31,7 +31,8 @@ class ConfigReader:
             if self.config.get(key) is not None:
                 return self.config[key]
         if default is _MISSING:
-            raise ValueError(f"config.json has no {' or '.join(map(repr, keys))}; a {self.family} model needs it")
+            raise ValueError(f"config.json has no {' or '.join(map(repr, keys))}; a {self.family} model "
+                             "needs it")
         return default
 
     def refuse(self, key: str, unsupported: Callable[[Any], bool], why: str) -> None:
@@ -60,7 +61,8 @@ def rope_inverse_frequencies(scaling: dict, theta: float, dim: int) -> tuple[flo
     if rope_type == "default":
         return tuple(float(f) for f in inv_freq.astype(np.float32))
     if rope_type != "llama3":
-        raise NotSupportedYet(f"rope_scaling type {rope_type!r} is not supported yet (default and llama3 are)")
+        raise NotSupportedYet(f"rope_scaling type {rope_type!r} is not supported yet (default and llama3 "
+                              "are)")
     factor = float(scaling["factor"])
     low_freq_factor = float(scaling["low_freq_factor"])
     high_freq_factor = float(scaling["high_freq_factor"])

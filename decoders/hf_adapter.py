@@ -70,11 +70,12 @@ class HuggingFaceGenerationModelAdapter(PreTrainedModel, GenerationMixin):
     def generate(self, *args: Any, **kwargs: Any):
         """HF's generate(); each call starts a new sequence (transformers-neuronx keeps it stateless too)."""
         self.reset_generation()
-        config = kwargs.get("generation_config") or (args[1] if len(args) > 1 else None) or self.generation_config
+        config = (kwargs.get("generation_config") or (args[1] if len(args) > 1 else None)
+                  or self.generation_config)
         num_beams = int(kwargs.get("num_beams") or config.num_beams or 1)
         if num_beams > 1:
-            raise NotSupportedYet(f"beam search (num_beams={num_beams}) is not supported yet: it reorders the KV "
-                                  "cache between beams; use greedy search or sampling (num_beams=1)")
+            raise NotSupportedYet(f"beam search (num_beams={num_beams}) is not supported yet: it reorders "
+                                  "the KV cache between beams; use greedy search or sampling (num_beams=1)")
         self._return_sequences = int(kwargs.get("num_return_sequences") or config.num_return_sequences or 1)
         return super().generate(*args, **kwargs)
 
@@ -82,11 +83,12 @@ class HuggingFaceGenerationModelAdapter(PreTrainedModel, GenerationMixin):
         super()._validate_generated_length(generation_config, *args, **kwargs)
         n_positions = self.model.n_positions
         if generation_config.max_length is not None and generation_config.max_length > n_positions:
-            raise ValueError(f"generate() would run to max_length={generation_config.max_length} but the model "
-                             f"holds n_positions={n_positions} tokens; lower max_length / max_new_tokens or "
-                             "build the model with a larger n_positions")
+            raise ValueError(f"generate() would run to max_length={generation_config.max_length} but the "
+                             f"model holds n_positions={n_positions} tokens; lower max_length / "
+                             "max_new_tokens or build the model with a larger n_positions")
 
-    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor,
+                                      attention_mask: torch.Tensor | None = None,
                                       **kwargs: Any) -> dict[str, Any]:
         lines, length = input_ids.shape
         batch_size = self.model.batch_size
@@ -97,7 +99,8 @@ class HuggingFaceGenerationModelAdapter(PreTrainedModel, GenerationMixin):
                 f"batch_size={batch_size}: build it with batch_size={lines}, or give "
                 f"{batch_size // self._return_sequences or 1} prompts"
             )
-        start_ids = None if attention_mask is None else self._start_ids(attention_mask, check=self.cur_len == 0)
+        start_ids = (None if attention_mask is None
+                     else self._start_ids(attention_mask, check=self.cur_len == 0))
         seen = self.cur_len if 0 < self.cur_len < length else 0
         self.cur_len = length
         return {"input_ids": input_ids[:, seen:], "cache_ids": torch.arange(seen, length, dtype=torch.int32),
@@ -111,8 +114,9 @@ class HuggingFaceGenerationModelAdapter(PreTrainedModel, GenerationMixin):
         if check:
             left_padded = torch.arange(mask.shape[1])[None, :] >= start_ids[:, None]
             if not torch.equal(mask.bool(), left_padded) or not bool(mask.any(dim=1).all()):
-                raise ValueError("attention_mask must mark left padding (zeros, then ones, on every line), as HF "
-                                 "generate() wants for decoder-only models: tokenize with padding_side='left'")
+                raise ValueError("attention_mask must mark left padding (zeros, then ones, on every line), "
+                                 "as HF generate() wants for decoder-only models: tokenize with "
+                                 "padding_side='left'")
         return start_ids.to(torch.int32)
 
     def forward(self, input_ids: torch.Tensor, cache_ids: torch.Tensor | None = None,
@@ -121,8 +125,8 @@ class HuggingFaceGenerationModelAdapter(PreTrainedModel, GenerationMixin):
                 return_dict: bool | None = None, **kwargs: Any):
         """Logits [batch, 1, vocab] of the last token (what greedy search and sampling read)."""
         if output_attentions or output_hidden_states:
-            raise NotSupportedYet("output_attentions and output_hidden_states are not supported: the compiled "
-                                  "model returns the logits of the last token only")
+            raise NotSupportedYet("output_attentions and output_hidden_states are not supported: the "
+                                  "compiled model returns the logits of the last token only")
         if start_ids is None and attention_mask is not None:
             start_ids = self._start_ids(attention_mask, check=True)
         logits = self.model.forward(input_ids, cache_ids, start_ids)[:, None, :]

@@ -182,7 +182,8 @@ def measure(backend: Any, shape: tuple[int, int] = SHAPE, chain_bytes: int = CHA
     return timings
 
 
-def _weights(kind: str, shape: tuple[int, int], count: int, rng: np.random.Generator) -> list[list[np.ndarray]]:
+def _weights(kind: str, shape: tuple[int, int], count: int,
+             rng: np.random.Generator) -> list[list[np.ndarray]]:
     n, k = shape
     made = []
     for _ in range(count):
@@ -194,7 +195,8 @@ def _weights(kind: str, shape: tuple[int, int], count: int, rng: np.random.Gener
             made.append([rng.integers(-127, 128, shape, dtype=np.int8), rng.random(n).astype(np.float32)])
         else:
             made.append([rng.integers(0, 256, (n, k // 2), dtype=np.uint8),
-                         rng.random((n, k // 32)).astype(np.float16), rng.random((n, k // 32)).astype(np.float16)])
+                         rng.random((n, k // 32)).astype(np.float16),
+                         rng.random((n, k // 32)).astype(np.float16)])
     return made
 
 
@@ -205,7 +207,8 @@ def _chain(backend: Any, kind: str, rows: int, shape: tuple[int, int], chain_byt
     dtype = "bf16" if kind == "bf16" else "f32"
     blocks = (("w", "q4_1"),) if kind == "blocks" else ()
     everything = {k: (1, max(ROWS)) for k in TYPES}
-    lowering = (CpuKernelLowering(dtype, head_dtype=dtype, gguf_blocks=blocks, kernel_rows=tuple(everything.items()))
+    lowering = (CpuKernelLowering(dtype, head_dtype=dtype, gguf_blocks=blocks,
+                                  kernel_rows=tuple(everything.items()))
                 if kernel else XlaLowering(dtype, "out_in", head_dtype=dtype, gguf_blocks=blocks))
     param = Param("w", Kind.LINEAR, shape, Shard.COLUMN, Source(("w",)), quant="s8" if kind == "s8" else None)
     rng = np.random.default_rng(0)
@@ -230,7 +233,8 @@ def _chain(backend: Any, kind: str, rows: int, shape: tuple[int, int], chain_byt
     # Copies of the weights (the same values: only where they lie matters), run in turn, so
     # that a run's weights have left the caches since they were last read.
     chain = sum(a.nbytes for a in arrays[1:])
-    copies = [[backend.to_device(a) for a in arrays] for _ in range(copies_for(chain, last_level_cache_bytes()))]
+    copies = [[backend.to_device(a) for a in arrays]
+              for _ in range(copies_for(chain, last_level_cache_bytes()))]
     turn = itertools.count()
     backend.to_host(executable.run_buffers(copies[0])[0])          # warm-up
 

@@ -117,7 +117,8 @@ class XlaLowering:
             return QuantizedWeight(*quantize_per_channel(array))
         return array
 
-    def arrange(self, param: Param, array: np.ndarray | QuantizedWeight | BlockWeight, rank: int = 0) -> np.ndarray:
+    def arrange(self, param: Param, array: np.ndarray | QuantizedWeight | BlockWeight,
+                rank: int = 0) -> np.ndarray:
         """Replica `rank`'s part of a checkpoint array (or of what prepare() made of it) in the
         program's layout and element type."""
         if param.quant in BLOCK_FORMS:

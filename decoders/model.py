@@ -64,7 +64,8 @@ class DecoderForSampling:
         self.checkpoint = open_checkpoint(checkpoint_path)
         self.config = self.checkpoint.config
         self._check_family(self.config)
-        self.decoder = self.family.describe(ConfigReader(self.config, self.family.name), self.neuron_config.fuse_qkv)
+        self.decoder = self.family.describe(ConfigReader(self.config, self.family.name),
+                                            self.neuron_config.fuse_qkv)
         self.batch_size = batch_size
         self.token_buckets = bucketing.token_buckets(self._n_positions_or_default(n_positions))
         self.context_buckets = bucketing.context_buckets(self.token_buckets, context_length_estimate)
@@ -134,13 +135,14 @@ class DecoderForSampling:
         if wanted is False or (wanted is None and (tp_degree > 1 or self.neuron_config.quant is not None)):
             return ()
         if tp_degree > 1:
-            raise ValueError("NeuronConfig.gguf_blocks=True runs at tp_degree 1 only (blocks are not split over "
-                             "devices yet); use gguf_blocks=None to widen them at load under tensor parallelism")
+            raise ValueError("NeuronConfig.gguf_blocks=True runs at tp_degree 1 only (blocks are not split "
+                             "over devices yet); use gguf_blocks=None to widen them at load under tensor "
+                             "parallelism")
         forms = gguf_block_forms(self.checkpoint, self.decoder.layer.params(), self.decoder.head.params(),
                                  self.decoder.n_layers)
         if wanted and not forms:
-            raise ValueError(f"NeuronConfig.gguf_blocks=True, but {self.checkpoint_path} stores no linear weight "
-                             "in Q8_0, Q4_0 or Q4_1 blocks")
+            raise ValueError(f"NeuronConfig.gguf_blocks=True, but {self.checkpoint_path} stores no linear "
+                             "weight in Q8_0, Q4_0 or Q4_1 blocks")
         return tuple(sorted(forms.items()))
 
     def _n_positions_or_default(self, n_positions: int | list[int] | None) -> int | list[int]:
@@ -221,7 +223,8 @@ class DecoderForSampling:
         if not isinstance(speculation_length, int) or speculation_length < 1:
             raise ValueError(f"speculation_length must be an int >= 1, got {speculation_length!r}")
         if speculation_length + 1 > self.n_positions:
-            raise ValueError(f"speculation_length {speculation_length} does not fit n_positions {self.n_positions}")
+            raise ValueError(f"speculation_length {speculation_length} does not fit n_positions "
+                             f"{self.n_positions}")
         self.session.speculation_length = speculation_length
 
     # -- forward -----------------------------------------------------------------
@@ -250,7 +253,8 @@ class DecoderForSampling:
         slot = self._first_slot(cache_ids, ids.shape[1])
         pads = np.zeros(self.batch_size, np.int32)
         if start_ids is not None:
-            pads = np.asarray(per_line(np.asarray(start_ids).reshape(-1).tolist(), self.batch_size, "start_ids"),
+            pads = np.asarray(per_line(np.asarray(start_ids).reshape(-1).tolist(), self.batch_size,
+                                       "start_ids"),
                               np.int32)
         logits = self.session.run_batch(ids, slot, pads)
         return torch.from_numpy(self.session.host_logits(logits))
@@ -275,7 +279,8 @@ class DecoderForSampling:
         config = dataclasses.replace(config)
         if config.per_batch_line:
             for name in ("top_k", "top_p", "temperature"):
-                setattr(config, name, per_line(getattr(config, name), self.batch_size, f"GenerationConfig.{name}"))
+                setattr(config, name,
+                        per_line(getattr(config, name), self.batch_size, f"GenerationConfig.{name}"))
         return config
 
     def _top_ks(self, config: GenerationConfig) -> list[int]:
@@ -301,12 +306,13 @@ class DecoderForSampling:
         the compiled sampler, so nothing is compiled. per_batch_line and global_top_k are fixed
         when the model is built (a global_top_k of None keeps the built one)."""
         if self._on_device is None:
-            raise ValueError("update_generation_config() changes NeuronConfig.on_device_generation: build the "
-                             "model with NeuronConfig(on_device_generation=GenerationConfig(...)) first")
+            raise ValueError("update_generation_config() changes NeuronConfig.on_device_generation: build "
+                             "the model with NeuronConfig(on_device_generation=GenerationConfig(...)) first")
         current = self._on_device
         if generation_config.per_batch_line != current.per_batch_line:
-            raise ValueError(f"the new GenerationConfig has per_batch_line={generation_config.per_batch_line}, "
-                             f"the model was built with per_batch_line={current.per_batch_line}")
+            raise ValueError("the new GenerationConfig has "
+                             f"per_batch_line={generation_config.per_batch_line}, the model was built with "
+                             f"per_batch_line={current.per_batch_line}")
         if generation_config.global_top_k is None:
             generation_config = dataclasses.replace(generation_config, global_top_k=current.global_top_k)
         elif generation_config.global_top_k != current.global_top_k:
@@ -315,7 +321,8 @@ class DecoderForSampling:
         self._on_device = self._checked_generation(generation_config)
 
     # -- sampling ----------------------------------------------------------------
-    def sample(self, input_ids: Any, sequence_length: int, start_ids: Any = None, top_k: int | list | None = None,
+    def sample(self, input_ids: Any, sequence_length: int, start_ids: Any = None,
+               top_k: int | list | None = None,
                top_p: float | list | None = None, temperature: float | list | None = None,
                eos_token_id: int | list[int] | None = None, streamer: Any = None,
                stopping_criteria_list: Any = None, no_repeat_ngram_size: int | None = None,
@@ -337,7 +344,8 @@ class DecoderForSampling:
         prompts = parse_prompts(input_ids, attention_mask, self.decoder.head.vocab_size, start_ids)
         if prompts.batch_size != self.batch_size:
             raise ValueError(
-                f"got {prompts.batch_size} prompts but the model was compiled for batch_size={self.batch_size}"
+                f"got {prompts.batch_size} prompts but the model was compiled for "
+                f"batch_size={self.batch_size}"
             )
         if not isinstance(sequence_length, int) or sequence_length < 1:
             raise ValueError(f"sequence_length must be a positive int, got {sequence_length!r}")
@@ -367,9 +375,10 @@ class DecoderForSampling:
         eos_ids = self.eos_ids(eos_token_id if eos_token_id is not None else configured.eos_token_id)
         k_max = sampler_bound(top_ks, self.decoder.head.vocab_size, configured.global_top_k,
                               self.session.sampler_k_max)
-        generation = Generation(self.session, prompts, top_ks, top_ps, temperatures, seed, no_repeat_ngram_size,
-                                k_max=k_max, output_scores=output_scores)
-        new_tokens = generation.run(sequence_length - prompts.width, eos_ids, streamer, stopping_criteria_list)
+        generation = Generation(self.session, prompts, top_ks, top_ps, temperatures, seed,
+                                no_repeat_ngram_size, k_max=k_max, output_scores=output_scores)
+        new_tokens = generation.run(sequence_length - prompts.width, eos_ids, streamer,
+                                    stopping_criteria_list)
         out = torch.from_numpy(prompts.layout(new_tokens, eos_ids[0] if eos_ids else 0))
         if output_scores:
             return out, [torch.from_numpy(s) for s in generation.scores]
@@ -415,7 +424,8 @@ class DecoderForSampling:
         mine = self.saved_settings()
         for key in ("class", "amp", "batch_size", "n_positions", "tp_degree"):
             if saved.get(key) != mine[key]:
-                raise ValueError(f"{directory} was saved with {key}={saved.get(key)!r}, this model has {mine[key]!r}")
+                raise ValueError(f"{directory} was saved with {key}={saved.get(key)!r}, this model has "
+                                 f"{mine[key]!r}")
         weights = saved.get("sharded_weights")
         if weights is not None:             # amp and tp_degree were checked above with the programs
             self.session.check_presharded(directory, weights)

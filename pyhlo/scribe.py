@@ -98,7 +98,8 @@ class _ComputationBuilder:
         numbers = sorted(self.parameters)
         if numbers != list(range(len(numbers))):
             raise HloShapeError(
-                f"computation {self.name!r}: parameter numbers {numbers} must be 0..{len(numbers) - 1} with no gaps"
+                f"computation {self.name!r}: parameter numbers {numbers} must be 0..{len(numbers) - 1} with "
+                "no gaps"
             )
         program_shape = hlo_pb2.ProgramShapeProto(result=root.shape.to_proto())
         for n in numbers:
@@ -285,7 +286,8 @@ class Scribe:
         aliased_parameters: set[int] = set()
         for value, parameter, must in self.aliases:
             if parameter.opcode != "parameter" or parameter.computation is not entry:
-                raise HloShapeError(f"bad alias: {parameter.name} is not a parameter of the entry computation")
+                raise HloShapeError(f"bad alias: {parameter.name} is not a parameter of the entry "
+                                    "computation")
             if parameter.proto.parameter_number in aliased_parameters:
                 raise HloShapeError(f"bad alias: parameter {parameter.name} is aliased twice")
             if root.opcode == "tuple":

@@ -345,7 +345,8 @@ class XlaBackend(Backend):
         if replica is None:
             return self.local_devices[0]
         if not 0 <= replica < len(self.devices):
-            raise ValueError(f"replica {replica} out of range: {self.platform} has {len(self.devices)} devices")
+            raise ValueError(f"replica {replica} out of range: {self.platform} has {len(self.devices)} "
+                             "devices")
         device = self.devices[replica]
         if device not in self._local:
             mine = [r for r, d in enumerate(self.devices) if d in self._local]

@@ -42,7 +42,8 @@ class CacheStats:
 
 
 def default_cache_dir() -> str:
-    return os.environ.get("PYHLO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pyhlo", "compile")
+    return os.environ.get("PYHLO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pyhlo",
+                                                             "compile")
 
 
 def cache_enabled() -> bool:

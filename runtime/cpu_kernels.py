@@ -37,8 +37,10 @@ MATVEC_BLOCK_X8_TARGETS = {form: f"pyhlo_matvec_{form}_x8" for form in ("q8_0", 
 TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            DECODE_ATTENTION_TARGET: "PyhloDecodeAttention",
            **{target: f"PyhloMatvec{form.capitalize()}" for form, target in MATVEC_BLOCK_TARGETS.items()},
-           **{target: f"PyhloMatvec{form.capitalize()}X8" for form, target in MATVEC_BLOCK_X8_TARGETS.items()}}
-_SOURCES = [pathlib.Path(__file__).with_name("kernels") / name for name in ("matvec.cc", "decode_attention.cc")]
+           **{target: f"PyhloMatvec{form.capitalize()}X8"
+              for form, target in MATVEC_BLOCK_X8_TARGETS.items()}}
+_SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
+            for name in ("matvec.cc", "decode_attention.cc")]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 
@@ -85,7 +87,8 @@ def build(compiler: str | None = None) -> pathlib.Path:
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
     sources = b"\0".join(path.read_bytes() for path in _SOURCES)
     digest = hashlib.sha256(b"\0".join([
-        sources, " ".join(_flags()).encode(), compiler.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
+        sources, " ".join(_flags()).encode(), compiler.encode(), jaxlib.__version__.encode(),
+        _cpu_flags().encode(),
     ])).hexdigest()[:16]
     target = kernel_dir() / f"libpyhlo_kernels-{digest}.so"
     if target.exists():

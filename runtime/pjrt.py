@@ -272,7 +272,8 @@ def execute_sharded(exe: LoadedExecutable, per_device_args: Sequence[Sequence[Bu
     n = len(per_device_args)
     arity = {len(a) for a in per_device_args}
     if len(arity) != 1:
-        raise ValueError(f"every replica needs the same number of arguments, got {[len(a) for a in per_device_args]}")
+        raise ValueError("every replica needs the same number of arguments, got "
+                         f"{[len(a) for a in per_device_args]}")
     (num_args,) = arity
     everyone = tuple(replica_devices) if replica_devices is not None else tuple(exe.local_devices())
     sharding = _replica_sharding(everyone)

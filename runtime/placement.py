@@ -27,14 +27,15 @@ class Placement:
         count = getattr(backend, "device_count", 1)
         if replicas > count:
             raise ValueError(
-                f"tp_degree {replicas} needs {replicas} devices; the {getattr(backend, 'platform', '?')} backend has "
-                f"{count} (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before the "
-                "process starts)")
+                f"tp_degree {replicas} needs {replicas} devices; the {getattr(backend, 'platform', '?')} "
+                f"backend has {count} (on CPU, set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before the process starts)")
         self.backend = backend
         self.replicas = replicas
         # The replicas this process holds: all of them, except across several processes.
         local = getattr(backend, "local_replicas", None)
-        self.local: list[int] = list(local(replicas)) if local is not None and replicas > 1 else list(range(replicas))
+        self.local: list[int] = (list(local(replicas)) if local is not None and replicas > 1
+                                 else list(range(replicas)))
         if not self.local:
             raise ValueError(
                 f"tp_degree {replicas} runs on the first {replicas} of the {count} devices of "

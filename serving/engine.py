@@ -79,15 +79,17 @@ class Engine:
         self.requests = Counter("pyhlo_requests", "Requests by how they ended", ["finish_reason"],
                                 registry=self.registry)
         self.prompt_tokens = Counter("pyhlo_prompt_tokens", "Prompt tokens received", registry=self.registry)
-        self.cached_tokens = Counter("pyhlo_prompt_tokens_cached", "Prompt tokens found in a line's cached prefix",
-                                     registry=self.registry)
+        self.cached_tokens = Counter("pyhlo_prompt_tokens_cached",
+                                     "Prompt tokens found in a line's cached prefix", registry=self.registry)
         self.generated_tokens = Counter("pyhlo_generated_tokens", "Tokens generated", registry=self.registry)
-        self.waiting = Gauge("pyhlo_waiting_requests", "Requests waiting for a batch line", registry=self.registry)
+        self.waiting = Gauge("pyhlo_waiting_requests", "Requests waiting for a batch line",
+                             registry=self.registry)
         self.busy_lines = Gauge("pyhlo_busy_lines", "Batch lines holding a request", registry=self.registry)
         self.lines = Gauge("pyhlo_lines", "Batch lines (KV cache lines)", registry=self.registry)
         self.lines.set(model.batch_size)
         self.ttft = Histogram("pyhlo_time_to_first_token_seconds", "From arrival to the first token",
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry)
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                              registry=self.registry)
         self.steps = Counter("pyhlo_steps", "Batch steps run", registry=self.registry)
 
     @property

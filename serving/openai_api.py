@@ -100,22 +100,24 @@ def create_app(engine: Engine) -> FastAPI:
 
     def check_model(name: str | None) -> None:
         if name not in (None, "", engine.name):
-            raise ApiError(404, f"the model {name!r} does not exist; this server has {engine.name!r}", "model",
-                           "model_not_found")
+            raise ApiError(404, f"the model {name!r} does not exist; this server has {engine.name!r}",
+                           "model", "model_not_found")
 
     def sampling(body: _Common, prompt_tokens: int) -> Sampling:
         room = engine.n_positions - prompt_tokens
         if room < 1:
             raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this model's context is "
                                 f"{engine.n_positions} tokens, so at most {engine.n_positions - 1}",
-                           "messages" if isinstance(body, ChatRequest) else "prompt", "context_length_exceeded")
+                           "messages" if isinstance(body, ChatRequest) else "prompt",
+                           "context_length_exceeded")
         wanted = body.max_completion_tokens or body.max_tokens
         if wanted is not None and wanted > room:
-            raise ApiError(400, f"max_tokens {wanted} + the prompt's {prompt_tokens} tokens exceed the context of "
-                                f"{engine.n_positions} tokens", "max_tokens", "context_length_exceeded")
+            raise ApiError(400, f"max_tokens {wanted} + the prompt's {prompt_tokens} tokens exceed the "
+                                f"context of {engine.n_positions} tokens", "max_tokens",
+                           "context_length_exceeded")
         default = 16 if isinstance(body, CompletionRequest) else room
-        return Sampling(max_tokens=wanted or min(default, room), temperature=body.temperature, top_p=body.top_p,
-                        top_k=body.top_k, seed=body.seed)
+        return Sampling(max_tokens=wanted or min(default, room), temperature=body.temperature,
+                        top_p=body.top_p, top_k=body.top_k, seed=body.seed)
 
     def completion_prompt(body: CompletionRequest) -> list[int]:
         prompt = body.prompt
@@ -130,9 +132,10 @@ def create_app(engine: Engine) -> FastAPI:
     def chat_prompt(body: ChatRequest) -> list[int]:
         tokenizer = engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
-        ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], add_generation_prompt=True,
-                                            tokenize=True)
+            raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions",
+                           "messages")
+        ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
+                                            add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def run(http: Request, body: _Common, prompt: list[int], chat: bool):
@@ -184,7 +187,8 @@ def create_app(engine: Engine) -> FastAPI:
                 choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-            chunk = {"id": ident, "object": kind, "created": created, "model": engine.name, "choices": [choice]}
+            chunk = {"id": ident, "object": kind, "created": created, "model": engine.name,
+                     "choices": [choice]}
             return f"data: {json.dumps(chunk)}\n\n"
 
         sent, stopped = "", False

@@ -105,7 +105,8 @@ def open_model(args: argparse.Namespace, backend: NeuronCCBackend) -> Any:
 
     target = hlo_report.parse_target(args.model)
     if target.kind != "model":
-        raise ValueError(f"{args.model}: not a model; MODEL is a checkpoint directory, a .gguf file or 'default'")
+        raise ValueError(f"{args.model}: not a model; MODEL is a checkpoint directory, a .gguf file or "
+                         "'default'")
     path = target.path if target.path is not None else default_model_path()
     return NeuronAutoModelForCausalLM.from_pretrained(
         path, batch_size=args.batch_size, n_positions=args.n_positions, tp_degree=args.tp_degree,
@@ -180,9 +181,11 @@ def _compile_one(directory: pathlib.Path, program: DumpedProgram) -> str | None:
     log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         tail = (done.stdout[-2000:] + done.stderr[-2000:]).strip()
-        return f"{program.name}: neuronx-cc failed (exit {done.returncode}): {shlex.join(program.command)}\n{tail}"
+        return (f"{program.name}: neuronx-cc failed (exit {done.returncode}): {shlex.join(program.command)}"
+                f"\n{tail}")
     if not neff.exists():
-        return f"{program.name}: neuronx-cc exited 0 but wrote no {program.neff}: {shlex.join(program.command)}"
+        return (f"{program.name}: neuronx-cc exited 0 but wrote no {program.neff}: "
+                f"{shlex.join(program.command)}")
     return None
 
 

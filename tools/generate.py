@@ -63,7 +63,8 @@ def model_before_options(args: argparse.Namespace, extras: list[str]) -> None:
 def prompt_ids(tokenizer, text: str, chat: bool, system: str | None) -> list[int]:
     if not chat:
         return list(tokenizer(text)["input_ids"])
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    messages = (([{"role": "system", "content": system}] if system else [])
+                + [{"role": "user", "content": text}])
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; drop --chat")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

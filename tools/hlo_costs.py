@@ -112,11 +112,13 @@ def format_cost(cost: ModuleCost) -> str:
         exact = f"{total:,.0f}" + (" B" if measure == "bytes accessed" else "")
         row = [measure, human(total), exact]
         if split:
-            row += [human(cost.xla_figure(measure)), human(cost.kernel_figure(measure)) + _mark(cost, measure)]
+            row += [human(cost.xla_figure(measure)),
+                    human(cost.kernel_figure(measure)) + _mark(cost, measure)]
         rows.append(row)
     accessed = cost.total("bytes accessed")
     if accessed:
-        rows.append(["flops per byte", f"{cost.total('flops') / accessed:.2f}", ""] + (["", ""] if split else []))
+        rows.append(["flops per byte", f"{cost.total('flops') / accessed:.2f}", ""]
+                    + (["", ""] if split else []))
     headers = ["measure", "value", "exact"] + (["XLA", "kernels"] if split else [])
     table = format_table(headers, rows, right=(1, 2, 3, 4))
     return "\n".join([table] + notes(cost))

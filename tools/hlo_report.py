@@ -58,7 +58,8 @@ def shape_text(shape: hlo_pb2.ShapeProto) -> str:
     name = dtypes.NAME_OF_PRIMITIVE.get(shape.element_type)
     if name is None:  # token, opaque, or a type our schema subset does not name
         known = shape.element_type in hlo_pb2.PrimitiveType.values()
-        name = hlo_pb2.PrimitiveType.Name(shape.element_type).lower() if known else f"type{shape.element_type}"
+        name = (hlo_pb2.PrimitiveType.Name(shape.element_type).lower() if known
+                else f"type{shape.element_type}")
     return f"{name}[{','.join(map(str, shape.dimensions))}]"
 
 
@@ -284,7 +285,8 @@ def _format_params(report: ModuleReport) -> str:
     by_output = {a.output_index: a for a in report.aliases}
     names = {p.number: p.name for p in report.parameters}
     params = [(p.number, p.name, p.shape, human_bytes(p.bytes),
-               f"output {index_text(by_parameter[p.number].output_index)}" if p.number in by_parameter else "")
+               f"output {index_text(by_parameter[p.number].output_index)}" if p.number in by_parameter
+               else "")
               for p in report.parameters]
     params.append(("", "total", "", human_bytes(report.parameter_bytes), ""))
     outputs = []
@@ -389,8 +391,8 @@ def format_weights(model: Any) -> str:
     for where, params in (("layer", builder.layer_params()), ("shared", builder.shared_params())):
         for param in params:
             spec = builder.spec(param)
-            rows.append((where, spec.name, f"{spec.dtype}[{','.join(map(str, spec.dims))}]", param.shard.value,
-                         param.source.label))
+            rows.append((where, spec.name, f"{spec.dtype}[{','.join(map(str, spec.dims))}]",
+                         param.shard.value, param.source.label))
     return format_table(["", "parameter", "program shape", "shard", "checkpoint ({i}: layer)"], rows)
 
 
@@ -420,20 +422,21 @@ def format_model(model: Any, reports: Sequence[ModuleReport]) -> str:
         f"layers {decoder.n_layers}, hidden {attention.hidden}, heads {attention.n_heads} (kv "
         f"{attention.n_kv_heads}) x head_dim {attention.head_dim}, intermediate {mlp.intermediate}, "
         f"vocab {decoder.head.vocab_size}",
-        f"{decoder.layer.input_norm.kind} norm, {'gated ' if mlp.gate else ''}{mlp.activation} MLP, {positions} "
-        f"positions, {decoder.layer.residual} residual{', tied LM head' if decoder.tied else ''}",
+        f"{decoder.layer.input_norm.kind} norm, {'gated ' if mlp.gate else ''}{mlp.activation} MLP, "
+        f"{positions} positions, {decoder.layer.residual} residual{', tied LM head' if decoder.tied else ''}",
         f"amp {model.amp}, batch {model.batch_size}, n_positions {model.n_positions}; token buckets "
         f"{', '.join(map(str, model.token_buckets))}; context buckets "
         f"{', '.join(map(str, model.context_buckets))}; lowering {model.lowering.name}",
         "",
         _header(f"programs ({len(reports)}, as model.eager_programs() lists them)"),
     ]
-    rows = [(r.name, r.instructions, len(r.parameters), human_count(r.flops, "FLOP"), split_text(r.cost, "flops"),
-             human_bytes(r.bytes_accessed), split_text(r.cost, "bytes accessed"), human_bytes(r.parameter_bytes),
-             human_bytes(r.output_bytes))
+    rows = [(r.name, r.instructions, len(r.parameters), human_count(r.flops, "FLOP"),
+             split_text(r.cost, "flops"), human_bytes(r.bytes_accessed), split_text(r.cost, "bytes accessed"),
+             human_bytes(r.parameter_bytes), human_bytes(r.output_bytes))
             for r in reports]
-    parts.append(format_table(["program", "instructions", "params", "flops", "XLA + kernels", "bytes accessed",
-                               "XLA + kernels", "param bytes", "output bytes"], rows, right=range(1, 9)))
+    parts.append(format_table(["program", "instructions", "params", "flops", "XLA + kernels",
+                               "bytes accessed", "XLA + kernels", "param bytes", "output bytes"],
+                              rows, right=range(1, 9)))
     parts.append(_model_cost_notes(reports))
     parts += ["", _header("weights (as the pieces declare them)"), format_weights(model)]
     totals = model_totals(model)

@@ -16,8 +16,8 @@ import pathlib
 import shutil
 import tempfile
 
-LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=8192)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 # LlamaConfig arguments of each shape.
 SHAPES: dict[str, dict] = {

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=4, metavar="N",
-                        help="batch lines: requests generated at the same time (default 4); more wait in a queue")
+                        help="batch lines: requests generated at the same time (default 4); more wait in a "
+                             "queue")
     add_n_positions_argument(parser, help="context length: prompt + answer tokens of one request")
     parser.add_argument("--context-length-estimate", type=int_list, metavar="N[,N]",
                         help="prompt chunk sizes, e.g. 64,256 (default: half of each token bucket)")
@@ -73,10 +74,12 @@ def build_engine(args: argparse.Namespace) -> Any:
 
     cpu_devices_for(args.tp_degree)              # before the backend starts
     path = model_path(args) or default_model_path()
-    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=args.batch_size),
-                          **weight_options(args))
+    config = NeuronConfig(
+        continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=args.batch_size),
+        **weight_options(args))
     _phase(f"reading {path}")
-    model = NeuronAutoModelForCausalLM.from_pretrained(path, batch_size=args.batch_size, n_positions=args.n_positions,
+    model = NeuronAutoModelForCausalLM.from_pretrained(path, batch_size=args.batch_size,
+                                                       n_positions=args.n_positions,
                                                        tp_degree=args.tp_degree, amp=args.amp,
                                                        context_length_estimate=args.context_length_estimate,
                                                        neuron_config=config)

@@ -99,7 +99,8 @@ class Attention:
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
             raise ValueError("Attention needs either q, k and v, or qkv (a fused projection)")
         if self.attending_heads % self.n_kv_heads:
-            raise ValueError(f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} kv heads")
+            raise ValueError(f"{self.n_heads} attention heads are not a multiple of {self.n_kv_heads} kv "
+                             "heads")
         if self.qkv_layout not in ("per_head", "contiguous"):
             raise ValueError(f"qkv_layout must be 'per_head' or 'contiguous', got {self.qkv_layout!r}")
         if (self.qkv is not None and self.qkv_layout == "per_head" and self.n_kv_heads != self.attending_heads
@@ -109,7 +110,8 @@ class Attention:
             # Source concatenates parts along axis 0, which is `in` for [in, out] tensors.
             raise ValueError("split q, k, v weights stored [in, out] cannot be fused; use fused=False")
         if isinstance(self.positions, Rotary) and not 0 < self.positions.rotary_dim <= self.head_dim:
-            raise ValueError(f"rotary dimension {self.positions.rotary_dim} must be in 1..head_dim {self.head_dim}")
+            raise ValueError(f"rotary dimension {self.positions.rotary_dim} must be in 1..head_dim "
+                             f"{self.head_dim}")
 
     @property
     def q_size(self) -> int:
@@ -136,11 +138,11 @@ class Attention:
         """This device's KV cache of one layer: [lines, KV heads, slots, head_dim]."""
         if self.kv_sharding is KVSharding.BATCH and batch_size % self.tp_degree:
             raise ValueError(f"GQA.SHARD_OVER_BATCH splits the caches by batch line, and tp_degree "
-                             f"{self.tp_degree} does not divide batch_size {batch_size}; use a batch size that "
-                             f"it divides, or another strategy")
+                             f"{self.tp_degree} does not divide batch_size {batch_size}; use a batch size "
+                             "that it divides, or another strategy")
         if self.kv_sharding is KVSharding.SEQUENCE and cache_len % self.tp_degree:
-            raise ValueError(f"shard_over_sequence splits the caches by slot, and tp_degree {self.tp_degree} does "
-                             f"not divide n_positions {cache_len}; use an n_positions that it divides")
+            raise ValueError(f"shard_over_sequence splits the caches by slot, and tp_degree {self.tp_degree} "
+                             f"does not divide n_positions {cache_len}; use an n_positions that it divides")
         lines = batch_size // self.tp_degree if self.kv_sharding is KVSharding.BATCH else batch_size
         slots = cache_len // self.tp_degree if self.kv_sharding is KVSharding.SEQUENCE else cache_len
         return lines, self.n_kv_heads, slots, self.head_dim + (SCALE_BYTES if self.kv_quant else 0)
@@ -179,7 +181,8 @@ class Attention:
     def _sources(self, suffix: str) -> dict[str, Source]:
         """Checkpoint sources of q, k and v (weights or biases), in q|k|v order."""
         if self.qkv is None:
-            return {part: Source((f"{getattr(self, part)}.{suffix}",), self._stored(suffix)) for part in "qkv"}
+            return {part: Source((f"{getattr(self, part)}.{suffix}",), self._stored(suffix))
+                    for part in "qkv"}
         fused = self._fused_qkv(suffix)
         bounds = {"q": (0, self.q_size), "k": (self.q_size, self.q_size + self.kv_size),
                   "v": (self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)}
@@ -191,8 +194,10 @@ class Attention:
         sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
         sources = self._sources(suffix)
         if not self.fused:
-            return [Param(f"{scope}.{part}.{suffix}", kind, (sizes[part], *trailing), Shard.COLUMN, sources[part],
-                          unit=self.head_dim, head_groups=self.n_kv_heads, kv_segments=() if part == "q" else (0,))
+            return [Param(f"{scope}.{part}.{suffix}", kind, (sizes[part], *trailing), Shard.COLUMN,
+                          sources[part],
+                          unit=self.head_dim, head_groups=self.n_kv_heads,
+                          kv_segments=() if part == "q" else (0,))
                     for part in ("q", "k", "v")]
         if self.qkv is None:
             source = Source(tuple(sources[part].names[0] for part in ("q", "k", "v")))
@@ -253,7 +258,8 @@ class Attention:
         cache_v = self._write(cache_v, self._to_cache(v), step)
         context = None
         if step.n_tokens == 1 and step.lines is None and self.plain(cache_k.dims[2]):
-            context = values.lowering.decode_attention(q, cache_k, cache_v, step.line_slots(), step.pad, self.scale)
+            context = values.lowering.decode_attention(q, cache_k, cache_v, step.line_slots(), step.pad,
+                                                       self.scale)
         if context is None:
             context = self._attend(q, cache_k, cache_v, step, values.lowering.attention_in_conditional)
         return context, cache_k, cache_v
@@ -327,7 +333,8 @@ class Attention:
         query_slots = ew.add(iota(scribe, "s32", (b, n), 1), starts)
         causal = nn.causal_mask(query_slots, s, self.window)    # in slots counted from `first`
         key_slots = self._key_slots(scribe, (b, n, s), 2, first)
-        return scribe.pred[b, n, s].And(causal, ew.compare(key_slots, broadcast(step.pad, (b, n, s), [0]), "GE"))
+        return scribe.pred[b, n, s].And(causal,
+                                        ew.compare(key_slots, broadcast(step.pad, (b, n, s), [0]), "GE"))
 
     @staticmethod
     def _key_slots(scribe, dims: tuple[int, ...], dim: int, first: HloValue | None) -> HloValue:

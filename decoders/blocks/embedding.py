@@ -67,7 +67,8 @@ class Embedding:
         return declared
 
     def __call__(self, values: PieceValues, table: HloValue, ids: HloValue, positions: HloValue | None,
-                 dtype: str, table_scales: HloValue | None = None, table_mins: HloValue | None = None) -> HloValue:
+                 dtype: str, table_scales: HloValue | None = None,
+                 table_mins: HloValue | None = None) -> HloValue:
         """Hidden states [b, n, hidden] (dtype) of token ids [b, n]; `table` is the token table
         [vocab, hidden], or the LM head [hidden, vocab] when it serves as the table, or the LM
         head's GGUF block values with their `table_scales` (and `table_mins`)."""
@@ -103,7 +104,8 @@ def _rows(table: HloValue, ids: HloValue, width: int) -> HloValue:
                                             gather_slice_sizes=[width, 1])
         return transpose(columns, (1, 2, 0))
     numbers = dict(offset_dims=[2], collapsed_slice_dims=[0], start_index_map=[0], index_vector_dim=2)
-    return shape[b, n, width].Gather(table, ids, gather_dimension_numbers=numbers, gather_slice_sizes=[1, width])
+    return shape[b, n, width].Gather(table, ids, gather_dimension_numbers=numbers,
+                                     gather_slice_sizes=[1, width])
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ class Head:
             declared.append(Param("project_out.weight", Kind.LINEAR, (width, self.hidden), Shard.REPLICATED,
                                   Source((f"{self.projection}.weight",))))
         source = Source((self.weight if self.weight is not None else self.tied_to,))
-        declared.append(Param(HEAD_WEIGHT, Kind.LINEAR, (self.vocab_size, width), Shard.VOCAB, source, is_head=True))
+        declared.append(Param(HEAD_WEIGHT, Kind.LINEAR, (self.vocab_size, width), Shard.VOCAB, source,
+                              is_head=True))
         if self.bias is not None:
             # In the head's element type: added to its f32 logits.
             declared.append(Param("lm_head.bias", Kind.VECTOR, (self.vocab_size,), Shard.VOCAB,

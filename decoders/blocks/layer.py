@@ -51,10 +51,12 @@ class DecoderLayer:
         layer = PieceValues(values, lowering, "", [])
         input_norm = layer.scoped("input_norm", self.input_norm)
         x = hidden if self.residual == "post" else self.input_norm(input_norm, hidden)
-        attended, cache_k, cache_v = self.attention(layer.scoped("attn", self.attention), x, step, cache_k, cache_v)
+        attended, cache_k, cache_v = self.attention(layer.scoped("attn", self.attention), x, step, cache_k,
+                                                    cache_v)
         mlp = layer.scoped("mlp", self.mlp)
         if self.residual == "parallel":
-            second = x if self.post_norm is None else self.post_norm(layer.scoped("post_norm", self.post_norm), hidden)
+            second = (x if self.post_norm is None
+                      else self.post_norm(layer.scoped("post_norm", self.post_norm), hidden))
             return ew.add(ew.add(hidden, attended), self.mlp(mlp, second)), cache_k, cache_v
         hidden = ew.add(hidden, attended)
         post_norm = layer.scoped("post_norm", self.post_norm)
@@ -88,7 +90,8 @@ class Decoder:
 
     def with_kv_quant(self) -> Decoder:
         """The same pieces over KV caches of packed int8 rows (Attention.kv_quant)."""
-        return replace(self, layer=replace(self.layer, attention=replace(self.layer.attention, kv_quant=True)))
+        return replace(self,
+                       layer=replace(self.layer, attention=replace(self.layer.attention, kv_quant=True)))
 
     def token_table(self, one_table: bool) -> str:
         return HEAD_WEIGHT if one_table else TOKENS

@@ -36,7 +36,8 @@ class MLP:
             raise ValueError("a gated MLP with weights stored [in, out] is not supported")
 
     def _source(self, name: str, suffix: str) -> Source:
-        return Source((f"{name}.{suffix}",), (transposed(),) if self.stored_in_out and suffix == "weight" else ())
+        return Source((f"{name}.{suffix}",),
+                      (transposed(),) if self.stored_in_out and suffix == "weight" else ())
 
     def params(self, scope: str) -> list[Param]:
         hidden, intermediate = self.hidden, self.intermediate
@@ -50,7 +51,8 @@ class MLP:
                                       Shard.COLUMN, Source((f"{self.gate}.{suffix}", f"{self.up}.{suffix}")),
                                       segments=(intermediate, intermediate)))
             else:
-                declared.append(Param(f"{scope}.up.{suffix}", kind, shape, Shard.COLUMN, self._source(self.up, suffix)))
+                declared.append(Param(f"{scope}.up.{suffix}", kind, shape, Shard.COLUMN,
+                                      self._source(self.up, suffix)))
         declared.append(Param(f"{scope}.down.weight", Kind.LINEAR, (hidden, intermediate), Shard.ROW,
                               self._source(self.down, "weight")))
         if self.bias:

@@ -35,7 +35,8 @@ class MoE:
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= len(self.experts):
-            raise ValueError(f"top_k must be in 1..{len(self.experts)} (the number of experts), got {self.top_k}")
+            raise ValueError(f"top_k must be in 1..{len(self.experts)} (the number of experts), got "
+                             f"{self.top_k}")
         if len({(e.hidden, e.intermediate) for e in self.experts}) != 1:
             raise ValueError("every expert must have the same hidden and intermediate sizes")
 
@@ -60,7 +61,8 @@ class MoE:
         pairs = (*dims, dims[-1])                       # [..., e, j]: expert e against expert j
         mine = broadcast(probs, pairs, list(range(last + 1)))
         other = broadcast(probs, pairs, [*range(last), last + 1])
-        lower = ew.compare(iota(probs.scribe, "s32", pairs, last + 1), iota(probs.scribe, "s32", pairs, last), "LT")
+        lower = ew.compare(iota(probs.scribe, "s32", pairs, last + 1), iota(probs.scribe, "s32", pairs, last),
+                           "LT")
         tie = probs.scribe.pred[pairs].And(ew.compare(other, mine, "EQ"), lower)
         ahead = probs.scribe.pred[pairs].Or(ew.compare(other, mine, "GT"), tie)
         # Expert e's rank: the experts ahead of it (more probable, or as probable with a lower index).

@@ -199,7 +199,8 @@ def _read_blocks(param: Param, checkpoint, names: list[str]):
     parts = [checkpoint.blocks(name) for name in names]
     forms = {part.form for part in parts}
     if forms != {param.quant} or param.source.transforms:
-        raise ValueError(f"{param.name}: {' + '.join(names)} are stored {sorted(forms)}, declared {param.quant!r}"
+        raise ValueError(f"{param.name}: {' + '.join(names)} are stored {sorted(forms)}, declared "
+                         f"{param.quant!r}"
                          + (" with transforms" if param.source.transforms else ""))
     joined = [np.concatenate(arrays, axis=0) if len(parts) > 1 else arrays[0]
               for arrays in zip(*(part[1:3] for part in parts))]

@@ -44,7 +44,8 @@ class PieceValues:
         param = self._params[self._key(f"{name}.weight")]
         weight = self[f"{name}.weight"]
         return self.lowering.linear(x, weight, param, bias=self.get(f"{name}.bias"), out_dtype=out_dtype,
-                                    scale=self._part(f"{name}.weight.scale"), mins=self._part(f"{name}.weight.min"))
+                                    scale=self._part(f"{name}.weight.scale"),
+                                    mins=self._part(f"{name}.weight.min"))
 
     def _part(self, name: str) -> HloValue | None:
         """An array of a quantized weight (declared by the program, not by the piece), if any."""

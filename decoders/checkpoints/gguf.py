@@ -211,7 +211,8 @@ class GGUFCheckpoint(Checkpoint):
         """The HF names a GGUF tensor is read as: one, or one per expert of a stacked tensor."""
         base, _, suffix = tensor.name.rpartition(".")
         parts = base.split(".")
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in self.arch.expert_tensors:
+        if (len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit()
+                and parts[2] in self.arch.expert_tensors):
             template = f"model.layers.{parts[1]}.{self.arch.expert_tensors[parts[2]]}.{suffix}"
             n_experts = int(tensor.shape[-1])   # GGUF lists dimensions fastest first
             return [(template.format(e=e), None, e) for e in range(n_experts)]
@@ -285,17 +286,19 @@ class GGUFCheckpoint(Checkpoint):
     def _expert_config(self, config: dict) -> None:
         """A file with stacked expert tensors is a mixture of experts: its model type, and the
         expert counts it must state."""
-        stacked = {int(tensor.shape[-1]) for tensor, _, expert in self._tensors.values() if expert is not None}
+        stacked = {int(tensor.shape[-1]) for tensor, _, expert in self._tensors.values()
+                   if expert is not None}
         if not stacked:
             for key in ("num_local_experts", "num_experts_per_tok"):
                 config.pop(key, None)
             return
         config["model_type"], architecture = self.arch.moe_model
         config["architectures"] = [architecture]
-        for key, gguf_key in (("num_local_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count")):
+        for key, gguf_key in (("num_local_experts", "expert_count"),
+                              ("num_experts_per_tok", "expert_used_count")):
             if key not in config:
-                raise CheckpointError(f"{self.path}: metadata {self._arch_name}.{gguf_key} is missing (needed for {key} "
-                                      "of a mixture of experts)")
+                raise CheckpointError(f"{self.path}: metadata {self._arch_name}.{gguf_key} is missing "
+                                      f"(needed for {key} of a mixture of experts)")
         if stacked != {config["num_local_experts"]}:
             raise CheckpointError(f"{self.path}: expert tensors stack {sorted(stacked)} experts, "
                                   f"the metadata says {config['num_local_experts']}")
@@ -345,21 +348,23 @@ class GGUFCheckpoint(Checkpoint):
         for bit, rows in Hugging Face's order."""
         form = self.block_form(name)
         if form is None:
-            raise CheckpointError(f"{self.path}: {name} is stored {self.quant_type(name)}, not in a block form "
-                                  f"pyhlo runs as stored ({', '.join(FORM_OF_TYPE)})")
+            raise CheckpointError(f"{self.path}: {name} is stored {self.quant_type(name)}, not in a block "
+                                  f"form pyhlo runs as stored ({', '.join(FORM_OF_TYPE)})")
         tensor, rope_heads, expert = self._tensors[name]
         data = tensor.data if expert is None else tensor.data[expert]
         rows, block_bytes = self.shape(name)[0], BLOCK_FORMS[form].block_bytes
         blocks = np.asarray(data).reshape(rows, -1, block_bytes)
         # Each block: an f16 scale, an f16 minimum where the form has one, then the values.
         halves = 2 if BLOCK_FORMS[form].has_mins else 1
-        parts = [np.ascontiguousarray(blocks[:, :, 2 * i:2 * i + 2]).view(np.float16)[:, :, 0] for i in range(halves)]
+        parts = [np.ascontiguousarray(blocks[:, :, 2 * i:2 * i + 2]).view(np.float16)[:, :, 0]
+                 for i in range(halves)]
         values = np.ascontiguousarray(blocks[:, :, 2 * halves:]).reshape(rows, -1)
         if form == "q8_0":
             values = values.view(np.int8)
         weight = BlockWeight(form, values, *parts)
         if rope_heads is not None:
-            weight = BlockWeight(form, *(None if a is None else unpermute_rope_rows(a, self.config[rope_heads])
+            weight = BlockWeight(form, *(None if a is None
+                                         else unpermute_rope_rows(a, self.config[rope_heads])
                                          for a in weight[1:]))
         return weight
 
@@ -440,7 +445,8 @@ def tokenizer_cache_dir(path: pathlib.Path) -> pathlib.Path | None:
     """Where the tokenizer built from this GGUF file is kept (PYHLO_TOKENIZER_CACHE=0: nowhere)."""
     import os
 
-    root = os.environ.get("PYHLO_TOKENIZER_CACHE", str(pathlib.Path.home() / ".cache" / "pyhlo" / "tokenizers"))
+    root = os.environ.get("PYHLO_TOKENIZER_CACHE",
+                          str(pathlib.Path.home() / ".cache" / "pyhlo" / "tokenizers"))
     if root in ("", "0"):
         return None
     return pathlib.Path(root) / f"{path.stem}-{_cache_key(path)}"

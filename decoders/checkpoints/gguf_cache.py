@@ -99,7 +99,8 @@ def convert(checkpoint: GGUFCheckpoint, target: pathlib.Path) -> None:
         tensors = {name: checkpoint.get(name, keep_dtype=True) for name in checkpoint.names()}
         save_file(tensors, str(staging / "model.safetensors"))
         del tensors
-        forms = {name: checkpoint.block_form(name) for name in checkpoint.names() if checkpoint.block_form(name)}
+        forms = {name: checkpoint.block_form(name) for name in checkpoint.names()
+                 if checkpoint.block_form(name)}
         blocks = {}
         for name in forms:
             weight = checkpoint.blocks(name)
@@ -107,7 +108,8 @@ def convert(checkpoint: GGUFCheckpoint, target: pathlib.Path) -> None:
             if weight.mins is not None:
                 blocks[f"{name}:mins"] = weight.mins
         types = {name: checkpoint.quant_type(name) for name in checkpoint.names()}
-        save_file(blocks, str(staging / BLOCKS), metadata={"forms": json.dumps(forms), "types": json.dumps(types)})
+        save_file(blocks, str(staging / BLOCKS),
+                  metadata={"forms": json.dumps(forms), "types": json.dumps(types)})
         (staging / "config.json").write_text(json.dumps(checkpoint.config, indent=2))
         template = checkpoint.chat_template()
         if template:

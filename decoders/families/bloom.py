@@ -26,11 +26,13 @@ def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
                           qkv_bias=True, out_bias=True, positions=Alibi(), fused=fuse_qkv)
     mlp = MLP(up=LAYER + "mlp.dense_h_to_4h", down=LAYER + "mlp.dense_4h_to_h", hidden=hidden,
               intermediate=4 * hidden, activation="gelu_tanh", bias=True)
-    layer = DecoderLayer(norm(LAYER + "input_layernorm"), attention, mlp, norm(LAYER + "post_attention_layernorm"))
+    layer = DecoderLayer(norm(LAYER + "input_layernorm"), attention, mlp,
+                         norm(LAYER + "post_attention_layernorm"))
     tied = bool(config.get("tie_word_embeddings", default=True))
     embedding = Embedding("transformer.word_embeddings.weight", vocab, hidden,
                           norm=norm("transformer.word_embeddings_layernorm"))
-    head = Head(norm("transformer.ln_f"), vocab, hidden, None if tied else "lm_head.weight", tied_to=embedding.tokens)
+    head = Head(norm("transformer.ln_f"), vocab, hidden, None if tied else "lm_head.weight",
+                tied_to=embedding.tokens)
     return Decoder(embedding, layer, head, int(config.get("n_layer", "num_hidden_layers")))
 
 

@@ -19,7 +19,8 @@ def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
     n_heads = int(config.get("n_head", "num_attention_heads"))
     vocab = int(config.get("vocab_size"))
     eps = float(config.get("layer_norm_epsilon", default=1e-5))
-    config.refuse("scale_attn_by_inverse_layer_idx", bool, "scores scaled by 1 / (layer + 1): one block per layer")
+    config.refuse("scale_attn_by_inverse_layer_idx", bool,
+                  "scores scaled by 1 / (layer + 1): one block per layer")
     config.refuse("scale_attn_weights", lambda scaled: not scaled, "scores not scaled by 1 / sqrt(head_dim)")
     config.refuse("add_cross_attention", bool, "cross-attention to an encoder's states")
 
@@ -36,7 +37,8 @@ def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
     embedding = Embedding("transformer.wte.weight", vocab, hidden, positions="transformer.wpe.weight",
                           n_positions=int(config.get("n_positions", "max_position_embeddings")))
     tied = bool(config.get("tie_word_embeddings", default=True))
-    head = Head(norm("transformer.ln_f"), vocab, hidden, None if tied else "lm_head.weight", tied_to=embedding.tokens)
+    head = Head(norm("transformer.ln_f"), vocab, hidden, None if tied else "lm_head.weight",
+                tied_to=embedding.tokens)
     return Decoder(embedding, layer, head, int(config.get("n_layer", "num_hidden_layers")))
 
 
@@ -62,7 +64,8 @@ class GPT2ForSamplingWithContextBroadcasting(GPT2ForSampling):
         if not isinstance(prompt_batch_size, int) or prompt_batch_size < 1:
             raise ValueError(f"prompt_batch_size must be an int >= 1, got {prompt_batch_size!r}")
         if isinstance(batch_size, int) and batch_size % prompt_batch_size:
-            raise ValueError(f"batch_size {batch_size} must be a multiple of prompt_batch_size {prompt_batch_size}")
+            raise ValueError(f"batch_size {batch_size} must be a multiple of prompt_batch_size "
+                             f"{prompt_batch_size}")
         super().__init__(checkpoint_path, batch_size=batch_size, **kwargs)
         self.prompt_batch_size = prompt_batch_size
 
@@ -78,9 +81,11 @@ class GPT2ForSamplingWithContextBroadcasting(GPT2ForSampling):
             lines = input_ids.shape[0]
             input_ids = np.repeat(input_ids, repeats, axis=0)
         if lines != self.prompt_batch_size:
-            raise ValueError(f"got {lines} prompts; the model takes prompt_batch_size={self.prompt_batch_size}")
+            raise ValueError(f"got {lines} prompts; the model takes "
+                             f"prompt_batch_size={self.prompt_batch_size}")
         if attention_mask is not None:
             attention_mask = np.repeat(np.atleast_2d(np.asarray(attention_mask)), repeats, axis=0)
         if start_ids is not None:
             start_ids = np.repeat(np.atleast_1d(np.asarray(start_ids)), repeats, axis=0)
-        return super().sample(input_ids, sequence_length, start_ids, *args, attention_mask=attention_mask, **kwargs)
+        return super().sample(input_ids, sequence_length, start_ids, *args, attention_mask=attention_mask,
+                              **kwargs)

@@ -24,14 +24,15 @@ def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
         return Norm(name, hidden, "layer", bias=True, eps=eps)
 
     attention = Attention(
-        out=LAYER + "attention.dense", qkv=LAYER + "attention.query_key_value", hidden=hidden, n_heads=n_heads,
-        n_kv_heads=n_heads, head_dim=head_dim, qkv_bias=bias, out_bias=bias,
+        out=LAYER + "attention.dense", qkv=LAYER + "attention.query_key_value", hidden=hidden,
+        n_heads=n_heads, n_kv_heads=n_heads, head_dim=head_dim, qkv_bias=bias, out_bias=bias,
         positions=Rotary(rope_inverse_frequencies(rope, theta, int(head_dim * partial))), fused=fuse_qkv)
     mlp = MLP(up=LAYER + "mlp.dense_h_to_4h", down=LAYER + "mlp.dense_4h_to_h", hidden=hidden,
-              intermediate=int(config.get("intermediate_size")), activation=config.get("hidden_act", default="gelu"),
-              bias=True)
+              intermediate=int(config.get("intermediate_size")),
+              activation=config.get("hidden_act", default="gelu"), bias=True)
     parallel = bool(config.get("use_parallel_residual", default=True))
-    layer = DecoderLayer(norm(LAYER + "input_layernorm"), attention, mlp, norm(LAYER + "post_attention_layernorm"),
+    layer = DecoderLayer(norm(LAYER + "input_layernorm"), attention, mlp,
+                         norm(LAYER + "post_attention_layernorm"),
                          residual="parallel" if parallel else "sequential")
     tied = bool(config.get("tie_word_embeddings", default=False))
     embedding = Embedding("gpt_neox.embed_in.weight", vocab, hidden)

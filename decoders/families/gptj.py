@@ -22,17 +22,18 @@ def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
         return Norm(name, hidden, "layer", bias=True, eps=eps)
 
     attention = Attention(
-        out=LAYER + "attn.out_proj", q=LAYER + "attn.q_proj", k=LAYER + "attn.k_proj", v=LAYER + "attn.v_proj",
-        hidden=hidden, n_heads=n_heads, n_kv_heads=n_heads, head_dim=head_dim,
-        positions=Rotary(rope_inverse_frequencies({}, 10000.0, rotary_dim), style="interleaved"), fused=fuse_qkv)
+        out=LAYER + "attn.out_proj", q=LAYER + "attn.q_proj", k=LAYER + "attn.k_proj",
+        v=LAYER + "attn.v_proj", hidden=hidden, n_heads=n_heads, n_kv_heads=n_heads, head_dim=head_dim,
+        positions=Rotary(rope_inverse_frequencies({}, 10000.0, rotary_dim), style="interleaved"),
+        fused=fuse_qkv)
     mlp = MLP(up=LAYER + "mlp.fc_in", down=LAYER + "mlp.fc_out", hidden=hidden,
               intermediate=int(config.get("n_inner", default=4 * hidden)),
               activation=config.get("activation_function", default="gelu_new"), bias=True)
     layer = DecoderLayer(norm(LAYER + "ln_1"), attention, mlp, None, residual="parallel")
     tied = bool(config.get("tie_word_embeddings", default=False))
     embedding = Embedding("transformer.wte.weight", vocab, hidden)
-    head = Head(norm("transformer.ln_f"), vocab, hidden, None if tied else "lm_head.weight", tied_to=embedding.tokens,
-                bias="lm_head.bias")
+    head = Head(norm("transformer.ln_f"), vocab, hidden, None if tied else "lm_head.weight",
+                tied_to=embedding.tokens, bias="lm_head.bias")
     return Decoder(embedding, layer, head, int(config.get("n_layer", "num_hidden_layers")))
 
 

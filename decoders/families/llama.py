@@ -32,16 +32,20 @@ def llama_layout(config: ConfigReader, fuse_qkv: bool, *, qkv_bias: bool, out_bi
         out=LAYER + "self_attn.o_proj", q=LAYER + "self_attn.q_proj", k=LAYER + "self_attn.k_proj",
         v=LAYER + "self_attn.v_proj", hidden=hidden, n_heads=n_heads,
         n_kv_heads=int(config.get("num_key_value_heads", default=n_heads)), head_dim=head_dim,
-        qkv_bias=qkv_bias, out_bias=out_bias, positions=Rotary(rope_inverse_frequencies(rope, theta, head_dim)),
+        qkv_bias=qkv_bias, out_bias=out_bias,
+        positions=Rotary(rope_inverse_frequencies(rope, theta, head_dim)),
         window=None if window is None else int(window), fused=fuse_qkv)
     if mlp is None:
         mlp = MLP(up=LAYER + "mlp.up_proj", down=LAYER + "mlp.down_proj", gate=LAYER + "mlp.gate_proj",
                   hidden=hidden, intermediate=int(config.get("intermediate_size")),
-                  activation=config.get("hidden_act", default="silu"), bias=bool(config.get("mlp_bias", default=False)))
-    layer = DecoderLayer(norm(LAYER + "input_layernorm"), attention, mlp, norm(LAYER + "post_attention_layernorm"))
+                  activation=config.get("hidden_act", default="silu"),
+                  bias=bool(config.get("mlp_bias", default=False)))
+    layer = DecoderLayer(norm(LAYER + "input_layernorm"), attention, mlp,
+                         norm(LAYER + "post_attention_layernorm"))
     tied = bool(config.get("tie_word_embeddings", default=False))
     embedding = Embedding("model.embed_tokens.weight", vocab, hidden)
-    head = Head(norm("model.norm"), vocab, hidden, None if tied else "lm_head.weight", tied_to=embedding.tokens)
+    head = Head(norm("model.norm"), vocab, hidden, None if tied else "lm_head.weight",
+                tied_to=embedding.tokens)
     return Decoder(embedding, layer, head, int(config.get("num_hidden_layers")))
 
 

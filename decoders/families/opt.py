@@ -30,12 +30,13 @@ def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
         head_dim=hidden // n_heads, qkv_bias=bias, out_bias=bias, fused=fuse_qkv)
     mlp = MLP(up=LAYER + "fc1", down=LAYER + "fc2", hidden=hidden, intermediate=int(config.get("ffn_dim")),
               activation=config.get("activation_function", default="relu"), bias=bias)
-    layer = DecoderLayer(norm(LAYER + "self_attn_layer_norm"), attention, mlp, norm(LAYER + "final_layer_norm"),
-                         residual="sequential" if pre_norm else "post")
+    layer = DecoderLayer(norm(LAYER + "self_attn_layer_norm"), attention, mlp,
+                         norm(LAYER + "final_layer_norm"), residual="sequential" if pre_norm else "post")
     projected = width != hidden
     embedding = Embedding(
         DECODER + "embed_tokens.weight", vocab, hidden, positions=DECODER + "embed_positions.weight",
-        n_positions=int(config.get("max_position_embeddings")) + POSITION_OFFSET, position_offset=POSITION_OFFSET,
+        n_positions=int(config.get("max_position_embeddings")) + POSITION_OFFSET,
+        position_offset=POSITION_OFFSET,
         projection=DECODER + "project_in" if projected else None, width=width if projected else None)
     final_norm = pre_norm and not config.get("_remove_final_layer_norm", default=False)
     tied = bool(config.get("tie_word_embeddings", default=True))

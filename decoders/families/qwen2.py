@@ -21,8 +21,9 @@ def sliding_window(config: ConfigReader) -> int | None:
     sliding = {kind == "sliding_attention" for kind in kinds}
     if sliding == {True, False}:
         # One block program serves every layer, so every layer has the same attention.
-        raise NotSupportedYet(f"qwen2: a sliding window on only some layers ({kinds.count('sliding_attention')} "
-                              f"of {len(kinds)}) is not supported yet; every layer or none is")
+        raise NotSupportedYet("qwen2: a sliding window on only some layers "
+                              f"({kinds.count('sliding_attention')} of {len(kinds)}) is not supported yet; "
+                              "every layer or none is")
     window = config.config.get("sliding_window", 4096)    # HF's default; an explicit null is no window
     return window if sliding == {True} else None
 

@@ -53,6 +53,7 @@ def write_stretch(cache: HloValue, new: HloValue, slot: HloValue, first: HloValu
     padded = pad(new, 0.0, [0, 0, length, 0], [0, 0, length, 0])
     start = ew.add(ew.subtract(first, slot), length)
     window = dynamic_slice(padded, [0, 0, start, 0], [b, heads, length, d])
-    offsets = ew.add(iota(cache.scribe, "s32", (length,), 0), ew.broadcast_scalar(ew.subtract(first, slot), (length,)))
+    offsets = ew.add(iota(cache.scribe, "s32", (length,), 0),
+                     ew.broadcast_scalar(ew.subtract(first, slot), (length,)))
     inside = cache.scribe.pred[length].And(ew.compare(offsets, 0, "GE"), ew.compare(offsets, n, "LT"))
     return ew.select(broadcast(inside, cache.dims, [2]), window, cache)

@@ -130,7 +130,8 @@ class ProgramBuilder:
 
     # -- parameter specs --------------------------------------------------------------
     def spec(self, param: Param, prefix: str = "") -> ParamSpec:
-        return ParamSpec(prefix + param.name, self.lowering.param_dtype(param), self.lowering.param_dims(param))
+        return ParamSpec(prefix + param.name, self.lowering.param_dtype(param),
+                         self.lowering.param_dims(param))
 
     def layer_params(self) -> list[Param]:
         return declare_quantized(self.decoder.layer.params(), self.lowering.quant, self.lowering.block_forms)
@@ -145,7 +146,8 @@ class ProgramBuilder:
     def cache_spec(self, name: str) -> ParamSpec:
         """One device's KV cache of one layer."""
         attention = self.device_decoder.layer.attention
-        return ParamSpec(name, attention.cache_dtype(self.dtype), attention.cache_dims(self.batch_size, self.cache_len))
+        return ParamSpec(name, attention.cache_dtype(self.dtype),
+                         attention.cache_dims(self.batch_size, self.cache_len))
 
     def _rows(self, rows: int | None) -> int:
         """A program's batch: every line (None), or `rows` of them (continuous batching)."""
@@ -170,7 +172,8 @@ class ProgramBuilder:
         if self.decoder.embedding.positions is not None:
             specs.append(ParamSpec("positions", "s32", (b, n_tokens)))
         table = self.decoder.token_table(self.one_table)
-        embedding = [p for p in self.shared_params() if p.name.startswith("embed.") or table in (p.name, p.part_of)]
+        embedding = [p for p in self.shared_params()
+                     if p.name.startswith("embed.") or table in (p.name, p.part_of)]
         return specs + [self.spec(p) for p in embedding]
 
     # -- bodies -------------------------------------------------------------------------
@@ -184,8 +187,8 @@ class ProgramBuilder:
 
     def _layer(self, p: dict[str, HloValue], n_tokens: int, n_attend: int) -> dict[str, HloValue]:
         step = Step(p["positions"], p["slot"], p["pad"], n_tokens, n_attend, p.get("lines"))
-        hidden, cache_k, cache_v = self.device_decoder.layer(p, self.lowering, p["hidden"], step, p["cache_k"],
-                                                             p["cache_v"])
+        hidden, cache_k, cache_v = self.device_decoder.layer(p, self.lowering, p["hidden"], step,
+                                                             p["cache_k"], p["cache_v"])
         cache_k.set_alias_to(p["cache_k"], must=True)
         cache_v.set_alias_to(p["cache_v"], must=True)
         return {"hidden": hidden, "cache_k": cache_k, "cache_v": cache_v}
@@ -202,8 +205,8 @@ class ProgramBuilder:
         return "" if self._rows(rows) == self.batch_size else f"_r{rows}"
 
     def embed(self, n_tokens: int, rows: int | None = None) -> Program:
-        return self._program(f"embed_n{n_tokens}{self._rows_suffix(rows)}", self._embed_specs(n_tokens, rows), ["hidden"],
-                             lambda p: {"hidden": self._embed(p)})
+        return self._program(f"embed_n{n_tokens}{self._rows_suffix(rows)}", self._embed_specs(n_tokens, rows),
+                             ["hidden"], lambda p: {"hidden": self._embed(p)})
 
     def block(self, n_tokens: int, n_attend: int, rows: int | None = None) -> Program:
         """One layer over n_tokens of every line, or of `rows` lines named by the `lines`
@@ -245,7 +248,8 @@ class ProgramBuilder:
         specs = [embed[0], *self._step_specs(n_tokens), ParamSpec("last_index", "s32", (b,)),
                  *[s for s in embed[1:] if s.name != "positions"],
                  *(self.spec(p) for p in self.head_params() if p.name not in names),
-                 *(ParamSpec(layer_prefix(i) + s.name, s.dtype, s.dims) for i in range(d.n_layers) for s in per_layer)]
+                 *(ParamSpec(layer_prefix(i) + s.name, s.dtype, s.dims) for i in range(d.n_layers)
+                   for s in per_layer)]
         # The greedy tokens too: a greedy decode step is then this one program.
         outputs = ["logits", "greedy_tokens"]
         outputs += [f"{layer_prefix(i)}{c}" for i in range(d.n_layers) for c in ("cache_k", "cache_v")]

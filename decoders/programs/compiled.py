@@ -115,7 +115,8 @@ class ProgramSet:
         module_bytes = program.module.SerializeToString()
         saved = self.saved.get(program.name)
         if saved is not None and saved[0] == _module_hash(program):
-            executable = self.backend.deserialize(saved[1].read_bytes(), module_bytes, num_replicas=self.replicas)
+            executable = self.backend.deserialize(saved[1].read_bytes(), module_bytes,
+                                                  num_replicas=self.replicas)
             self.loaded_from_save += 1
             return CompiledProgram(program, executable, time.perf_counter() - started, True)
         executable, hit = self.cache.get_or_compile(self.backend, module_bytes, num_replicas=self.replicas)

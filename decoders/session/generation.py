@@ -112,7 +112,8 @@ class Generation:
             self.sampling_inputs["rng_state"] = outputs["rng_state"]
         return outputs["tokens"]
 
-    def run(self, new_tokens: int, eos_ids: list[int], streamer: Any, stopping_criteria: Any) -> list[list[int]]:
+    def run(self, new_tokens: int, eos_ids: list[int], streamer: Any,
+            stopping_criteria: Any) -> list[list[int]]:
         """Up to `new_tokens` new tokens per line (fewer where every line has stopped)."""
         import torch
 

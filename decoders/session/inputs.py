@@ -89,7 +89,8 @@ def _mask_from_start_ids(start_ids: Any, shape: tuple[int, int]) -> np.ndarray:
     starts = _as_int_array(start_ids, "start_ids").reshape(-1)
     batch, length = shape
     if starts.shape != (batch,):
-        raise ValueError(f"start_ids has {starts.size} values for {batch} batch lines: give one offset per line")
+        raise ValueError(f"start_ids has {starts.size} values for {batch} batch lines: give one offset per "
+                         "line")
     if starts.min() < 0 or starts.max() >= length:
         raise ValueError(f"start_ids must be offsets in [0, {length - 1}] (the first real token of each "
                          f"left-padded line), got {starts.tolist()}")

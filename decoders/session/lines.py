@@ -26,9 +26,10 @@ def sequence_lines(seq_ids: Any, rows: int, batch_size: int) -> np.ndarray:
     if seq_ids is None:
         raise ValueError("a continuous-batching model needs start_ids=seq_ids: the batch line of each row")
     lines = _as_array(seq_ids).reshape(-1)
-    if lines.shape != (rows,) or len(set(lines.tolist())) != rows or (lines < 0).any() or (lines >= batch_size).any():
-        raise ValueError(f"start_ids (seq_ids) must be {rows} distinct batch lines in 0..{batch_size - 1}, one per "
-                         f"row of input_ids; got {lines.tolist()}")
+    if (lines.shape != (rows,) or len(set(lines.tolist())) != rows or (lines < 0).any()
+            or (lines >= batch_size).any()):
+        raise ValueError(f"start_ids (seq_ids) must be {rows} distinct batch lines in 0..{batch_size - 1}, "
+                         f"one per row of input_ids; got {lines.tolist()}")
     return lines
 
 
@@ -36,7 +37,8 @@ def first_positions(cache_ids: Any, rows: int, n_tokens: int, n_positions: int) 
     """Each row's first cache position, from cache_ids [rows, n] (consecutive) or [rows] (n = 1)."""
     if cache_ids is None:
         if n_tokens == 1:
-            raise ValueError("cache_ids is needed for a step of one token per sequence: each sequence's position")
+            raise ValueError("cache_ids is needed for a step of one token per sequence: each sequence's "
+                             "position")
         return np.zeros(rows, np.int64)
     ids = _as_array(cache_ids)
     if ids.ndim == 1 and n_tokens == 1:

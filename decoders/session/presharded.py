@@ -36,7 +36,8 @@ def write(path: pathlib.Path, tensors: Sequence[tuple[str, np.dtype, tuple[int, 
     offset = 0
     for name, dtype, shape in tensors:
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)

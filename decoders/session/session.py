@@ -198,7 +198,8 @@ class Session:
         self.kv_cache = KVCache(self.placement, n_layers, cache.dims, cache.dtype)
         # Weights never change once placed: named for the unrolled program once, not every step.
         self._prefixed_weights = {layer_prefix(i) + name: buffer
-                                  for i, weights in enumerate(self.layers) for name, buffer in weights.items()}
+                                  for i, weights in enumerate(self.layers)
+                                  for name, buffer in weights.items()}
         self._prefixed_cache_names = [(layer_prefix(i) + "cache_k", layer_prefix(i) + "cache_v")
                                       for i in range(n_layers)]
 
@@ -210,7 +211,8 @@ class Session:
                 "kv_split": lowering.kv_sharding.projections,
                 "quant": lowering.quant.to_dict() if lowering.quant is not None else None,
                 "gguf_blocks": [list(pair) for pair in lowering.gguf_blocks], "lowering": lowering.name,
-                "weight_layout": lowering.weight_layout, "dtype": lowering.dtype, "head_dtype": lowering.head_dtype}
+                "weight_layout": lowering.weight_layout, "dtype": lowering.dtype,
+                "head_dtype": lowering.head_dtype}
 
     def save_weights(self, directory: str | pathlib.Path) -> dict:
         """Write each replica's weights as it holds them to directory/weights/rank{r}.safetensors;
@@ -240,12 +242,13 @@ class Session:
         """A ValueError naming what differs when weights saved under `saved` (save_weights()'s
         manifest) are not what this session's programs take."""
         mine = self.weights_manifest()
-        saved = {"kv_split": "heads", "quant": None, "gguf_blocks": [], **saved}    # saved before these existed
+        saved = {"kv_split": "heads", "quant": None, "gguf_blocks": [], **saved}    # saved before these
+                                                                                     # existed
         for key in ("tp_degree", "kv_split", "quant", "gguf_blocks", "lowering", "weight_layout", "dtype",
                     "head_dtype"):
             if saved.get(key) != mine[key]:
-                raise ValueError(f"{directory}: its presharded weights were saved for {key}={saved.get(key)!r}, "
-                                 f"this model has {key}={mine[key]!r}")
+                raise ValueError(f"{directory}: its presharded weights were saved for "
+                                 f"{key}={saved.get(key)!r}, this model has {key}={mine[key]!r}")
         if saved.get("files") != preshards.FILES:
             raise ValueError(f"{directory}: unknown presharded weight files {saved.get('files')!r}")
         for rank in range(self.builder.tp_degree):
@@ -272,7 +275,8 @@ class Session:
         vocab]): the replicas' blocks joined, the padding past the vocabulary trimmed. The one
         place full logits are gathered."""
         parts = [self.placement.host(logits, r) for r in range(self.builder.tp_degree)]
-        return np.ascontiguousarray(np.concatenate(parts, axis=-1)[..., :self.builder.decoder.head.vocab_size])
+        return np.ascontiguousarray(
+            np.concatenate(parts, axis=-1)[..., :self.builder.decoder.head.vocab_size])
 
     def device_logits(self, host: np.ndarray) -> Any:
         """host_logits()'s inverse: f32 [batch, vocab] put back as run_batch() returns them, each
@@ -386,7 +390,8 @@ class Session:
             raise ValueError(f"step_every_line: a chunk of {n} tokens; use 1 or a context bucket "
                              f"{self.context_buckets}")
         live = slots < self.n_positions
-        if (slots < 0).any() or (slots > self.n_positions).any() or (last_index < 0).any() or (last_index >= n).any():
+        if ((slots < 0).any() or (slots > self.n_positions).any() or (last_index < 0).any()
+                or (last_index >= n).any()):
             raise ValueError(f"step_every_line: slots must be in 0..{self.n_positions} ({self.n_positions}: "
                              f"no part in the step) and last_index in 0..{n - 1}; got {slots.tolist()}, "
                              f"{last_index.tolist()}")
@@ -462,7 +467,8 @@ class Session:
         token_ids = np.asarray(token_ids, np.int32)
         n = token_ids.shape[1]
         if slot < 0 or slot + n > self.n_positions:
-            raise ValueError(f"cache slots {slot}..{slot + n - 1} are outside the cache of n_positions {self.n_positions}")
+            raise ValueError(f"cache slots {slot}..{slot + n - 1} are outside the cache of n_positions "
+                             f"{self.n_positions}")
         n_attend = bucketing.pick(self.token_buckets, slot + n)
         return self._run(token_ids, n, n_attend, slot, np.asarray(pads, np.int32), 0, every_position=True)
 
@@ -483,9 +489,11 @@ class Session:
         else:
             slot_key, slot_value = int(slot), (lambda: np.int32(slot))
         lasts = np.broadcast_to(np.asarray(last_index, np.int32), (b,))
-        step = {"positions": kept(("positions", n_tokens, slot_key), lambda: self.positions(pads, n_tokens, slot)),
+        step = {"positions": kept(("positions", n_tokens, slot_key),
+                                  lambda: self.positions(pads, n_tokens, slot)),
                 "slot": kept(("slot", slot_key), slot_value), "pad": pad,
-                "last_index": kept(("last_index", tuple(lasts.tolist())), lambda: np.ascontiguousarray(lasts)),
+                "last_index": kept(("last_index", tuple(lasts.tolist())),
+                                   lambda: np.ascontiguousarray(lasts)),
                 "token_ids": token_ids}
         if self.lowering.whole_model_decode and n_tokens == 1 and not every_position:
             outputs = self._run_whole(step, n_tokens, n_attend)
@@ -511,11 +519,13 @@ class Session:
                 "slot": kept(("row_slot", tuple(slots.tolist())), lambda: np.ascontiguousarray(slots)),
                 "pad": kept(("row_pad", tuple(pads.tolist())), lambda: np.ascontiguousarray(pads)),
                 "lines": kept(("row_lines", tuple(lines.tolist())), lambda: np.ascontiguousarray(lines)),
-                "last_index": kept(("row_last", tuple(last_index.tolist())), lambda: np.ascontiguousarray(last_index)),
+                "last_index": kept(("row_last", tuple(last_index.tolist())),
+                                   lambda: np.ascontiguousarray(last_index)),
                 "token_ids": token_ids}
         hidden = self.programs.get(Embed(n_tokens, rows)).run({**step, **self.shared})["hidden"]
         hidden = self._run_layers(hidden, step, n_tokens, n_attend, rows)
-        return self.programs.get(LMHead(n_tokens, rows)).run({**step, "hidden": hidden, **self.shared})["logits"]
+        return self.programs.get(LMHead(n_tokens, rows)).run(
+            {**step, "hidden": hidden, **self.shared})["logits"]
 
     def _run_layers(self, hidden: Any, step: dict[str, Any], n_tokens: int, n_attend: int,
                     rows: int | None = None) -> Any:
@@ -533,7 +543,8 @@ class Session:
             args = [weights[name] if name in weights else step.get(name) for name in names]
             args[at_hidden], args[at_k], args[at_v] = hidden, cache.keys[layer], cache.values[layer]
             outputs = block.run_buffers(args)
-            hidden, cache.keys[layer], cache.values[layer] = outputs[out_hidden], outputs[out_k], outputs[out_v]
+            hidden, cache.keys[layer], cache.values[layer] = (outputs[out_hidden], outputs[out_k],
+                                                              outputs[out_v])
         return hidden
 
     def _run_whole(self, step: dict[str, Any], n_tokens: int, n_attend: int) -> dict[str, Any]:

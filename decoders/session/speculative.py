@@ -44,8 +44,8 @@ class SpeculativeGenerator:
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"the speculation length k must be an int >= 1, got {k!r}")
         if draft.decoder.head.vocab_size != target.decoder.head.vocab_size:
-            raise ValueError(f"the draft's vocabulary ({draft.decoder.head.vocab_size}) differs from the target's "
-                             f"({target.decoder.head.vocab_size}): they must share a tokenizer")
+            raise ValueError(f"the draft's vocabulary ({draft.decoder.head.vocab_size}) differs from the "
+                             f"target's ({target.decoder.head.vocab_size}): they must share a tokenizer")
         if draft.batch_size != 1 or target.batch_size != 1:
             raise ValueError("speculative decoding runs batch_size=1 models (draft and target)")
         if target.session.speculation_length != k:
@@ -67,13 +67,13 @@ class SpeculativeGenerator:
         top_k=1, else sampled from the target's top-k / top-p / temperature distribution)."""
         import torch
 
-        prompt = [int(t) for t in np.asarray(input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids)
-                  .reshape(-1)]
+        prompt = [int(t) for t in np.asarray(input_ids.tolist() if hasattr(input_ids, "tolist")
+                                             else input_ids).reshape(-1)]
         target, draft = self.target.session, self.draft.session
         limit = min(target.n_positions, draft.n_positions)
         if not prompt or not len(prompt) < sequence_length <= limit:
-            raise ValueError(f"need a prompt shorter than sequence_length ({sequence_length}), which must be at most "
-                             f"n_positions {limit}; the prompt has {len(prompt)} tokens")
+            raise ValueError(f"need a prompt shorter than sequence_length ({sequence_length}), which must be "
+                             f"at most n_positions {limit}; the prompt has {len(prompt)} tokens")
         greedy = top_k == 1
         generator = None if greedy else choice.seeded_generator(seed)
         eos = set(self.target.eos_ids(eos_token_id))
@@ -89,7 +89,8 @@ class SpeculativeGenerator:
         draft.run_batch(ids, 0, pads)
         first = target.host_logits(target.run_batch(ids, 0, pads))[0]
         out = [pick(first if greedy else warped(first))]
-        pending, draft_slot = [out[0]], len(prompt)        # tokens the draft has not read yet, and where they go
+        pending, draft_slot = [out[0]], len(prompt)        # tokens the draft has not read yet, and where
+                                                           # they go
         if streamer is not None:
             streamer.put(torch.tensor(prompt))
             streamer.put(torch.tensor(out))
@@ -110,7 +111,8 @@ class SpeculativeGenerator:
                     logits = draft.host_logits(draft.run_batch(proposed, draft_slot, pads))[0]
                     draft_slot += 1
             checked = [out[-1], *drafts]
-            # The compiled check takes k + 1 tokens: pad the last round's shorter one where the cache has room.
+            # The compiled check takes k + 1 tokens: pad the last round's shorter one where the cache
+            # has room.
             width = self.k + 1 if slot + self.k + 1 <= target.n_positions else len(checked)
             tokens = np.zeros((1, width), np.int32)
             tokens[0, :len(checked)] = checked
@@ -121,8 +123,8 @@ class SpeculativeGenerator:
                 kept = next((i for i in range(k) if drafts[i] != choices[i]), k)
                 following = int(choices[kept])
             else:
-                kept, following = accept_drafts(drafts, torch.cat(draft_probs) if k else None, warped(verdicts),
-                                                generator)
+                kept, following = accept_drafts(drafts, torch.cat(draft_probs) if k else None,
+                                                warped(verdicts), generator)
             self.proposed += k
             self.accepted += kept
             new = drafts[:kept] + [following]

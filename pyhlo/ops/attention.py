@@ -140,7 +140,7 @@ def decode_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValu
         raise HloShapeError(
             f"decode_attention_kernel: need f32 q[b, h, 1, d], f32/bf16 k and v [b, kvh, S, d] (or packed "
             f"s8 rows [b, kvh, S, d + 4]), s32 slot[b] "
-            f"and pad[b]; got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, v {v.dtype}{list(v.dims)}, "
-            f"slot {slot.dtype}{list(slot.dims)}, pad {pad.dtype}{list(pad.dims)}")
+            f"and pad[b]; got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, v "
+            f"{v.dtype}{list(v.dims)}, slot {slot.dtype}{list(slot.dims)}, pad {pad.dtype}{list(pad.dims)}")
     factor = constant(q.scribe, "f32", float(scale))
     return ffi_call(q.shape, [q, k, v, slot, pad, factor], target)

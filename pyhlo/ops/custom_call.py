@@ -14,6 +14,7 @@ def ffi_call(shape: Shape, operands: list[HloValue], target: str) -> HloValue:
     call another layout (e.g. column-major for a [2, n] result feeding an all-gather along n)
     and read the kernel's rows as columns.
     """
-    layouts = [json_format.MessageToDict(o.shape.to_proto(), preserving_proto_field_name=True) for o in operands]
-    return shape.CustomCall(*operands, custom_call_target=target, custom_call_api_version=4, backend_config=b"{}",
-                            constrain_layout=True, operand_shapes_with_layout=layouts)
+    layouts = [json_format.MessageToDict(o.shape.to_proto(), preserving_proto_field_name=True)
+               for o in operands]
+    return shape.CustomCall(*operands, custom_call_target=target, custom_call_api_version=4,
+                            backend_config=b"{}", constrain_layout=True, operand_shapes_with_layout=layouts)

@@ -43,7 +43,8 @@ def matmul_transposed(x: HloValue, w: HloValue, out_dtype: str | None = None) ->
     return dot_general(x, w, ([len(x.dims) - 1], [1]), out_dtype=out_dtype)
 
 
-def matvec_kernel(x: HloValue, w: HloValue, scale: HloValue | None = None, target: str | None = None) -> HloValue:
+def matvec_kernel(x: HloValue, w: HloValue, scale: HloValue | None = None,
+                  target: str | None = None) -> HloValue:
     """x[..., k] (f32) @ w[n, k].T -> f32[..., n] by a CPU kernel called through XLA's typed FFI.
 
     `w` is f32 or bf16 in torch's [out, in] layout, or s8 with `scale` f32[n], one per weight
@@ -52,7 +53,8 @@ def matvec_kernel(x: HloValue, w: HloValue, scale: HloValue | None = None, targe
     is compiled.
     """
     quantized = w.dtype == "s8"
-    if (x.dtype != "f32" or w.dtype not in ("f32", "bf16", "s8") or len(w.dims) != 2 or x.dims[-1] != w.dims[1]
+    if (x.dtype != "f32" or w.dtype not in ("f32", "bf16", "s8") or len(w.dims) != 2
+            or x.dims[-1] != w.dims[1]
             or quantized != (scale is not None)
             or (quantized and (scale.dtype != "f32" or scale.dims != (w.dims[0],)))):
         raise HloShapeError(f"matvec_kernel: need f32 x[..., k] and f32/bf16 w[n, k], or s8 w[n, k] with f32 "
@@ -76,12 +78,14 @@ def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: 
     per_byte = 1 if values.dtype == "s8" else 2
     k = x.dims[-1] if x.dims else -1
     if (x.dtype != "f32" or values.dtype not in ("s8", "u8") or len(values.dims) != 2 or k % 32
-            or values.dims[1] * per_byte != k or scales.dtype != "f16" or scales.dims != (values.dims[0], k // 32)
-            or (mins is not None and (values.dtype != "u8" or mins.dtype != "f16" or mins.dims != scales.dims))):
+            or values.dims[1] * per_byte != k or scales.dtype != "f16"
+            or scales.dims != (values.dims[0], k // 32)
+            or (mins is not None
+                and (values.dtype != "u8" or mins.dtype != "f16" or mins.dims != scales.dims))):
         got = [f"{v.dtype}{list(v.dims)}" for v in (x, values, scales, mins) if v is not None]
-        raise HloShapeError(f"matvec_blocks_kernel: need f32 x[..., k] (k a multiple of 32), s8 values [n, k] or "
-                            f"u8 values [n, k/2], f16 scales [n, k/32] (and f16 mins [n, k/32] with u8 values); "
-                            f"got {', '.join(got)}")
+        raise HloShapeError("matvec_blocks_kernel: need f32 x[..., k] (k a multiple of 32), s8 values "
+                            "[n, k] or u8 values [n, k/2], f16 scales [n, k/32] (and f16 mins [n, k/32] "
+                            f"with u8 values); got {', '.join(got)}")
     form = "q8_0" if values.dtype == "s8" else ("q4_1" if mins is not None else "q4_0")
     operands = [x, values, scales] + ([mins] if mins is not None else [])
     target = f"pyhlo_matvec_{form}" + ("_x8" if int8_activations else "")

@@ -34,7 +34,8 @@ def dequantize_blocks(values: HloValue, scales: HloValue, mins: HloValue | None 
     per_byte = 1 if values.dtype == "s8" else 2
     if (len(values.dims) != 2 or values.dtype not in ("s8", "u8") or scales.dtype != "f16"
             or scales.dims != (n, blocks) or values.dims[1] * per_byte != blocks * BLOCK
-            or (mins is not None and (values.dtype != "u8" or mins.dtype != "f16" or mins.dims != scales.dims))):
+            or (mins is not None
+                and (values.dtype != "u8" or mins.dtype != "f16" or mins.dims != scales.dims))):
         got = [f"{v.dtype}{list(v.dims)}" for v in (values, scales, mins) if v is not None]
         raise HloShapeError(f"dequantize_blocks: need s8 values [n, k] or u8 values [n, k/2], f16 scales "
                             f"[n, k/32] (and f16 mins [n, k/32] with u8 values); got {', '.join(got)}")

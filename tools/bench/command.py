@@ -46,7 +46,8 @@ examples:
   pyhlo bench --amp s8,f32 --batch 1                # int8 weights beside f32
   pyhlo bench --amp gguf --batch 1                  # the GGUF file's Q4_1 blocks as stored
   pyhlo bench --amp gguf,gguf-x8 --batch 1          # ... and with int8 activations
-  pyhlo bench --device cuda                         # on a GPU: pyhlo, HF eager, HF static cache + torch.compile
+  pyhlo bench --device cuda                         # on a GPU: pyhlo, HF eager, HF static cache + \
+torch.compile
   pyhlo bench --device cpu --random-model tiny      # the same on the CPU, a tiny random model
 """
 from __future__ import annotations
@@ -63,14 +64,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`pyhlo bench`'s options, for every benchmark the package runs."""
     parser.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--engines", help="comma-separated, from pyhlo,hf,llamacpp (default: all available)")
-    parser.add_argument("--amp", help="comma-separated precisions, from f32,bf16,s8,gguf,gguf-x8; s8: int8 weights "
-                                      "in the decoder layers, the rest f32; gguf: a GGUF model's own quantized "
-                                      "weights as stored; gguf-x8: the same with the activations of their products "
-                                      f"rounded to int8 (default {DEFAULTS['amp']})")
+    parser.add_argument("--amp", help="comma-separated precisions, from f32,bf16,s8,gguf,gguf-x8; s8: int8 "
+                                      "weights in the decoder layers, the rest f32; gguf: a GGUF model's own "
+                                      "quantized weights as stored; gguf-x8: the same with the activations "
+                                      f"of their products rounded to int8 (default {DEFAULTS['amp']})")
     parser.add_argument("--batch", help=f"comma-separated batch sizes (default {DEFAULTS['batch']})")
-    parser.add_argument("--prompt-tokens", type=int, help=f"prompt length (default {DEFAULTS['prompt_tokens']})")
-    parser.add_argument("--new-tokens", type=int, help=f"tokens generated per line (default {DEFAULTS['new_tokens']})")
-    parser.add_argument("--repeats", type=int, help=f"measured rounds after the warm-up (default {DEFAULTS['repeats']})")
+    parser.add_argument("--prompt-tokens", type=int,
+                        help=f"prompt length (default {DEFAULTS['prompt_tokens']})")
+    parser.add_argument("--new-tokens", type=int,
+                        help=f"tokens generated per line (default {DEFAULTS['new_tokens']})")
+    parser.add_argument("--repeats", type=int,
+                        help=f"measured rounds after the warm-up (default {DEFAULTS['repeats']})")
     parser.add_argument("--n-positions", type=int,
                         help=f"longest sequence pyhlo compiles for (default {DEFAULTS['n_positions']})")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -83,18 +87,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the cold compile into an empty cache; use the usual compile cache")
     parser.add_argument("--no-buckets", action="store_true", help="skip the per-bucket decode latency run")
     parser.add_argument("--serve", action="store_true",
-                        help="instead: `pyhlo serve` against llama.cpp's server on the model's GGUF file, 1, 4 and "
-                             "8 concurrent streaming clients (tools/bench/serve.py)")
+                        help="instead: `pyhlo serve` against llama.cpp's server on the model's GGUF file, 1, "
+                             "4 and 8 concurrent streaming clients (tools/bench/serve.py)")
     parser.add_argument("--serve-requests", type=int, default=24, metavar="N",
                         help="--serve: requests per concurrency level (default 24)")
     parser.add_argument("--speculative", type=int, metavar="K",
-                        help="instead: speculative decoding's speed-up, k=K drafts a round: the model widened to "
-                             "f32 as target, its GGUF blocks as stored as draft, greedy, 3 chat prompts "
-                             "(tools/bench/speculative.py; --new-tokens, default 128)")
+                        help="instead: speculative decoding's speed-up, k=K drafts a round: the model "
+                             "widened to f32 as target, its GGUF blocks as stored as draft, greedy, 3 chat "
+                             "prompts (tools/bench/speculative.py; --new-tokens, default 128)")
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         help="instead: pyhlo against HF transformers eager and HF with a static cache + "
-                             "torch.compile on this device, with the share of the weight-copy floor each reaches; "
-                             "random weights of Llama-3.2-1B's shape unless --model (tools/bench/device.py)")
+                             "torch.compile on this device, with the share of the weight-copy floor each "
+                             "reaches; random weights of Llama-3.2-1B's shape unless --model "
+                             "(tools/bench/device.py)")
     parser.add_argument("--random-model", choices=tuple(RANDOM_SHAPES),
                         help="--device: random weights of this shape (default llama-3.2-1b; tiny for tests)")
     parser.add_argument("--quiet-wait", type=float, default=60.0,

@@ -45,7 +45,8 @@ def weight_bytes(model_path: pathlib.Path, amp: str, n_positions: int) -> int:
     from decoders.blocks.params import Kind
     from pyhlo.dtypes import byte_size
 
-    model = NeuronAutoModelForCausalLM.from_pretrained(model_path, n_positions=n_positions, **pyhlo_options(amp))
+    model = NeuronAutoModelForCausalLM.from_pretrained(model_path, n_positions=n_positions,
+                                                       **pyhlo_options(amp))
     builder = model.session.builder
     declared = [(p, builder.decoder.n_layers) for p in builder.layer_params()]
     declared += [(p, 1) for p in builder.shared_params()]
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         if amp in ("gguf", "gguf-x8"):
             missing.setdefault("hf", "HF transformers widens GGUF weights to f32 at load: no row as stored")
             if model_path.suffix != ".gguf":
-                raise ValueError(f"--amp gguf runs a GGUF model's weights as stored; {model_path} is not a .gguf")
+                raise ValueError(f"--amp gguf runs a GGUF model's weights as stored; {model_path} is not a "
+                                 ".gguf")
             model_files["llamacpp"] = model_path
         elif "llamacpp" in engines and "llamacpp" not in unavailable:
             print(f"{peers.GGUF_KINDS[amp][0]} GGUF for llama.cpp ...", file=sys.stderr)
@@ -110,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
         for batch in settings["batches"]:
             runnable = [e for e in engines if e not in missing]
             load.start()
-            rows, bucket_list = measure_config(model_path, runnable, amp, batch, settings, prompts_all[:batch],
-                                               model_files, logs, load)
+            rows, bucket_list = measure_config(model_path, runnable, amp, batch, settings,
+                                               prompts_all[:batch], model_files, logs, load)
             busy.append({"amp": amp, "batch": batch, **load.stop()})
             for engine in engines:
                 if engine in missing:
@@ -121,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
             buckets += bucket_list
             probe_bandwidth()
     # Other processes only ever lower a probe: the best one is the machine's bandwidth.
-    bandwidth = dict(max(probes, key=lambda b: b["gb_per_s"]), all_probes_gb_per_s=[b["gb_per_s"] for b in probes])
+    bandwidth = dict(max(probes, key=lambda b: b["gb_per_s"]),
+                     all_probes_gb_per_s=[b["gb_per_s"] for b in probes])
     sizes = {amp: weight_bytes(model_path, amp, settings["n_positions"]) for amp in settings["amps"]}
     workload = {"model": model_path.name, "prompt_tokens": settings["prompt_tokens"],
                 "new_tokens": settings["new_tokens"], "repeats": settings["repeats"],

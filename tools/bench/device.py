@@ -178,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
     for amp in settings["amps"]:
         for batch in settings["batches"]:
             # torch.compile's cache starts empty too, when compile times are measured.
-            inductor_cache = tempfile.mkdtemp(prefix="pyhlo-bench-inductor-") if settings["compile_times"] else None
+            inductor_cache = (tempfile.mkdtemp(prefix="pyhlo-bench-inductor-") if settings["compile_times"]
+                              else None)
             config_env = dict(env, **({"TORCHINDUCTOR_CACHE_DIR": inductor_cache} if inductor_cache else {}))
             load.start()
             try:

@@ -123,7 +123,8 @@ def torch_cuda_problem() -> str | None:
 def jax_cuda_problem(root: str) -> str | None:
     """None if jax (as pyhlo's runtime uses it) has CUDA devices, else what is wrong and how to fix it."""
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               PYTHONPATH=os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+               PYTHONPATH=os.pathsep.join([root] + ([os.environ["PYTHONPATH"]]
+                                                    if os.environ.get("PYTHONPATH") else [])))
     probe = subprocess.run([sys.executable, "-c", _JAX_CUDA_PROBE], capture_output=True, text=True, env=env,
                            cwd=root, timeout=300)
     if probe.returncode == 0 and probe.stdout.strip() not in ("", "0"):
@@ -141,8 +142,9 @@ def check_device(device: str, root: str) -> None:
         return
     problems = [p for p in (torch_cuda_problem(), jax_cuda_problem(root)) if p]
     if problems:
-        raise DeviceMissing("--device cuda needs an NVIDIA GPU that both torch (the HF engines) and jax (pyhlo) "
-                            "can use; nothing falls back to the CPU. Missing here:\n  - " + "\n  - ".join(problems))
+        raise DeviceMissing("--device cuda needs an NVIDIA GPU that both torch (the HF engines) and jax "
+                            "(pyhlo) can use; nothing falls back to the CPU. Missing here:\n  - "
+                            + "\n  - ".join(problems))
 
 
 def device_name(device: str) -> str:

@@ -155,7 +155,8 @@ def quantize_layers_dynamic(model: Any) -> str:
                          inplace=True)
     quantized = sum(isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in layers.modules())
     if not quantized:
-        raise RuntimeError("torch.ao.quantization.quantize_dynamic left no quantized Linear in the decoder layers")
+        raise RuntimeError("torch.ao.quantization.quantize_dynamic left no quantized Linear in the decoder "
+                           "layers")
     return (f"torch.ao.quantization.quantize_dynamic: {quantized} Linear modules of the decoder layers, "
             f"qint8 per-channel weights, engine {torch.backends.quantized.engine}")
 

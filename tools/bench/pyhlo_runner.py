@@ -15,7 +15,8 @@ def pyhlo_options(amp: str) -> dict:
     if amp == "s8":
         return {"amp": "f32", "neuron_config": NeuronConfig(quant=QuantizationConfig(quant_dtype="s8"))}
     if amp in ("gguf", "gguf-x8"):
-        return {"amp": "f32", "neuron_config": NeuronConfig(gguf_blocks=True, int8_activations=amp == "gguf-x8")}
+        return {"amp": "f32",
+                "neuron_config": NeuronConfig(gguf_blocks=True, int8_activations=amp == "gguf-x8")}
     return {"amp": amp, "neuron_config": NeuronConfig(gguf_blocks=False)}
 
 

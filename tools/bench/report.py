@@ -50,20 +50,22 @@ AGREEMENT_TOKENS = 16
 AMP_NOTES = {
     "s8": "s8: int8 weights for the decoder layers' linear products, embeddings, LM head and norms f32 "
           "(pyhlo: one f32 scale per row; llama.cpp: Q8_0, one f16 scale per 32 values; HF transformers: "
-          "torch dynamic int8 quantization of the layers' Linear modules, activations quantized per product); "
-          "vs compares engines at the same precision. The three round differently (llama.cpp and torch quantize "
-          "the activations too), so their greedy tokens part from pyhlo's sooner than in f32.",
-    "gguf": "gguf: the GGUF file's own weights as stored (SmolLM2-135M-Instruct.Q4_1.gguf: Q4_1 layer matrices, "
-            "Q8_0 embedding / LM head, f32 norms); pyhlo runs the blocks as stored, dequantized inside its kernels, "
-            "llama.cpp reads the same file (and quantizes the activations to 8 bits for its products).",
-    "gguf-x8": "gguf-x8: the same file, with pyhlo's kernels rounding the activations of the block products to int8 "
-               "per 32 values and multiplying integers (NeuronConfig(int8_activations=True)), as llama.cpp does; "
-               "llama.cpp's row is the same as gguf's, run again.",
+          "torch dynamic int8 quantization of the layers' Linear modules, activations quantized per "
+          "product); vs compares engines at the same precision. The three round differently (llama.cpp and "
+          "torch quantize the activations too), so their greedy tokens part from pyhlo's sooner than in f32.",
+    "gguf": "gguf: the GGUF file's own weights as stored (SmolLM2-135M-Instruct.Q4_1.gguf: Q4_1 layer "
+            "matrices, Q8_0 embedding / LM head, f32 norms); pyhlo runs the blocks as stored, dequantized "
+            "inside its kernels, llama.cpp reads the same file (and quantizes the activations to 8 bits for "
+            "its products).",
+    "gguf-x8": "gguf-x8: the same file, with pyhlo's kernels rounding the activations of the block products "
+               "to int8 per 32 values and multiplying integers (NeuronConfig(int8_activations=True)), as "
+               "llama.cpp does; llama.cpp's row is the same as gguf's, run again.",
 }
 
 
 # -- rows against each other -------------------------------------------------------
-def add_roofline_fractions(rows: list[dict], weight_bytes: dict[str, float], bandwidth_bytes_per_s: float) -> None:
+def add_roofline_fractions(rows: list[dict], weight_bytes: dict[str, float],
+                           bandwidth_bytes_per_s: float) -> None:
     """Fill each ok row's `roofline_fraction` from its amp's weight bytes (weight_bytes[amp])
     and its median ms per step."""
     for row in rows:
@@ -133,9 +135,10 @@ def assemble(schema: str, machine: dict, workload: dict, bandwidth: dict, weight
 
 
 # -- notes -------------------------------------------------------------------------------
-LLAMACPP_WITHOUT_AMX = ("CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
-                        "-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
-                        "-DGGML_AMX_BF16=OFF\" pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python")
+LLAMACPP_WITHOUT_AMX = ("CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON "
+                        "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF "
+                        "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF\" pip install --force-reinstall --no-deps "
+                        "--no-cache-dir llama-cpp-python")
 
 
 def notes_for(results: list[dict], settings: dict) -> list[str]:
@@ -154,9 +157,9 @@ def notes_for(results: list[dict], settings: dict) -> list[str]:
         label = ENGINE_LABELS.get(engine, engine)
         single = agreeing(by_key.get((engine, amp, 1)))
         if batch > 1 and single is not None and single >= need:
-            notes.append(f"{label} f32 batch {batch}: greedy tokens part from pyhlo's after {same} (worst line) "
-                         f"while batch 1 agrees for {single}: its batched kernels round differently and a "
-                         "near-tie flips")
+            notes.append(f"{label} f32 batch {batch}: greedy tokens part from pyhlo's after {same} (worst "
+                         f"line) while batch 1 agrees for {single}: its batched kernels round differently "
+                         "and a near-tie flips")
         else:
             notes.append(f"{label} f32 batch {batch}: only {same} leading greedy tokens equal pyhlo's "
                          f"(expected >= {need}); are the weights the same?")
@@ -168,25 +171,27 @@ def notes_for(results: list[dict], settings: dict) -> list[str]:
             slow = median_of(row["decode_tokens_per_s"])
             if fast and slow and slow < 0.9 * fast:
                 notes.append(f"{ENGINE_LABELS.get(engine, engine)} batch {batch}: {amp} decodes at "
-                             f"{slow:.1f} tok/s, f32 at {fast:.1f} tok/s ({fast / slow:.2f}x slower in {amp}, "
-                             f"although it reads {fewer_bytes[amp]})")
+                             f"{slow:.1f} tok/s, f32 at {fast:.1f} tok/s ({fast / slow:.2f}x slower in "
+                             f"{amp}, although it reads {fewer_bytes[amp]})")
     crashed = [r for r in results if r["engine"] == "llamacpp" and "code -11" in str(r.get("error", ""))]
     if crashed and "amx_int8" in machine_info().get("cpu_flags", ()):
-        notes.append("llama.cpp crashed (SIGSEGV) on this CPU: a llama-cpp-python built with -march=native runs "
-                     "its AMX int8 kernels for prompts of 2 or more tokens, and they fault here. Build it without "
-                     "them: " + LLAMACPP_WITHOUT_AMX)
+        notes.append("llama.cpp crashed (SIGSEGV) on this CPU: a llama-cpp-python built with -march=native "
+                     "runs its AMX int8 kernels for prompts of 2 or more tokens, and they fault here. Build "
+                     "it without them: " + LLAMACPP_WITHOUT_AMX)
     for row in results:
         if row.get("disturbed_samples"):
             notes.append(f"{ENGINE_LABELS.get(row['engine'], row['engine'])} {row['amp']} batch "
-                         f"{row['batch']}: {row['disturbed_samples']} of {len(row['other_cpu_fraction'])} samples ran "
-                         f"while other processes took over {DISTURBED:.0%} of the CPUs (after {RETRIES} retries)")
+                         f"{row['batch']}: {row['disturbed_samples']} of {len(row['other_cpu_fraction'])} "
+                         f"samples ran while other processes took over {DISTURBED:.0%} of the CPUs (after "
+                         f"{RETRIES} retries)")
         if (row.get("roofline_fraction") or 0) > 1.0:
             notes.append(f"{ENGINE_LABELS.get(row['engine'], row['engine'])} {row['amp']} batch "
                          f"{row['batch']} beats the roofline ({row['roofline_fraction'] * 100:.0f}%): the "
                          "bandwidth probes read slower than the engine did")
     for row in results:
         if row["status"] != "ok":
-            notes.append(f"{row['engine']} {row['amp']} batch {row['batch']}: {row['status']}: {row['error']}")
+            notes.append(f"{row['engine']} {row['amp']} batch {row['batch']}: {row['status']}: "
+                         f"{row['error']}")
     return notes
 
 
@@ -209,7 +214,8 @@ def spread(summary: dict | None, digits: int = 1) -> str:
         return "–"
     if summary["n"] == 1:
         return _num(summary["median"], digits)
-    return f"{_num(summary['median'], digits)} ({_num(summary['min'], digits)}–{_num(summary['max'], digits)})"
+    return (f"{_num(summary['median'], digits)} "
+            f"({_num(summary['min'], digits)}–{_num(summary['max'], digits)})")
 
 
 def _times(value: float | None) -> str:
@@ -308,7 +314,8 @@ def report_markdown(report: dict) -> str:
         runs = bw.get("all_probes_gb_per_s", [])
         out.append(f"- memory read bandwidth: {bw['gb_per_s']:.1f} GB/s ({bw['method']}, median of "
                    f"{len(bw['samples_gb_per_s'])} passes over {bw['array_mb']} MB; probes: {probes} GB/s; "
-                   f"best of {len(runs)} measurements through the run: {', '.join(f'{r:.1f}' for r in runs)})")
+                   f"best of {len(runs)} measurements through the run: "
+                   f"{', '.join(f'{r:.1f}' for r in runs)})")
         for amp, roof in report.get("roofline", {}).items():
             out.append(f"- roofline {amp}: {_num(roof['weight_bytes'] / 1e6, 1)} MB of weights per step -> "
                        f"at least {roof['min_ms_per_step']:.2f} ms per step "
@@ -383,25 +390,26 @@ def device_report_markdown(report: dict) -> str:
     out = [
         f"# pyhlo bench --device {w['device']}",
         "",
-        f"Model {w['model']}; prompt {w['prompt_tokens']} random token ids, {w['new_tokens']} new tokens (greedy, "
-        f"EOS ignored); n_positions {w['n_positions']}; measured rounds: {w['repeats']} after a warm-up, engines "
-        "taking turns.",
+        f"Model {w['model']}; prompt {w['prompt_tokens']} random token ids, {w['new_tokens']} new tokens "
+        f"(greedy, EOS ignored); n_positions {w['n_positions']}; measured rounds: {w['repeats']} after a "
+        "warm-up, engines taking turns.",
         "",
         f"- device: {device_line(m)}",
         f"- versions: {versions}",
-        f"- bandwidth: {bw['gb_per_s']:,.1f} GB/s ({bw['method']}, median of {len(bw['samples_gb_per_s'])} passes "
-        f"over {bw['array_mb']:,.0f} MB)",
+        f"- bandwidth: {bw['gb_per_s']:,.1f} GB/s ({bw['method']}, median of {len(bw['samples_gb_per_s'])} "
+        f"passes over {bw['array_mb']:,.0f} MB)",
     ]
     for amp, floor in report["floor"].items():
-        out.append(f"- floor {amp}: {floor['weight_bytes'] / 1e6:,.1f} MB of weights read once per decode step -> "
-                   f"{floor['floor_ms']:.3f} ms per step ({1e3 / floor['floor_ms']:,.0f} steps/s)")
+        out.append(f"- floor {amp}: {floor['weight_bytes'] / 1e6:,.1f} MB of weights read once per decode "
+                   f"step -> {floor['floor_ms']:.3f} ms per step ({1e3 / floor['floor_ms']:,.0f} steps/s)")
     out += device_ratio_lines(report["results"])
     out += [
         "",
         "median (min–max). TTFT: prefill of the prompt and the first token. decode tok/s: (new tokens − 1) / "
-        "(total − TTFT), summed over the batch lines. % of floor: floor ms / measured ms per step. compile s: "
-        "pyhlo's from_pretrained + to_neuron() into an empty compile cache; hf-compiled: the warm-up generation's "
-        "time over a measured one's. same tokens: leading greedy tokens equal to pyhlo's (worst line).",
+        "(total − TTFT), summed over the batch lines. % of floor: floor ms / measured ms per step. compile "
+        "s: pyhlo's from_pretrained + to_neuron() into an empty compile cache; hf-compiled: the warm-up "
+        "generation's time over a measured one's. same tokens: leading greedy tokens equal to pyhlo's (worst "
+        "line).",
         "",
         device_results_table(report["results"]),
     ]

@@ -43,7 +43,8 @@ def measure_config(model_path: pathlib.Path, engines: list[str], amp: str, batch
     `env`: environment variables for every worker."""
     rows = {e: new_row(e, amp, batch) for e in engines}
     tag = f"{amp}-b{batch}"
-    spec = {"amp": amp, "batch": batch, "n_positions": settings["n_positions"], "threads": settings["threads"],
+    spec = {"amp": amp, "batch": batch, "n_positions": settings["n_positions"],
+            "threads": settings["threads"],
             "prompt_tokens": settings["prompt_tokens"], "device": settings.get("device", "cpu")}
     new_tokens = settings["new_tokens"]
     cache_env: dict[str, str] = dict(env or {})
@@ -103,8 +104,10 @@ def measure_config(model_path: pathlib.Path, engines: list[str], amp: str, batch
             if row["status"] == "ok":
                 summarize_records(row, records[engine], new_tokens, batch)
                 if "pyhlo" in warm_tokens and engine != "pyhlo" and engine in warm_tokens:
-                    row["agreement"] = {"reference": "pyhlo", "new_tokens": new_tokens, "matching_new_tokens": [
-                        stats.matching_prefix(a, b) for a, b in zip(warm_tokens[engine], warm_tokens["pyhlo"])]}
+                    row["agreement"] = {"reference": "pyhlo", "new_tokens": new_tokens,
+                                        "matching_new_tokens": [
+                                            stats.matching_prefix(a, b)
+                                            for a, b in zip(warm_tokens[engine], warm_tokens["pyhlo"])]}
         if settings["buckets"] and "pyhlo" in live and rows["pyhlo"]["status"] == "ok":
             buckets = measure_buckets(workers["pyhlo"], rows["pyhlo"], prompts, settings, tag, load)
         for engine, worker in workers.items():
@@ -151,5 +154,6 @@ def measure_buckets(worker: Worker, row: dict, prompts: list[list[int]], setting
     times = record["token_times_s"]
     step_ms = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
     rows = stats.bucket_rows(step_ms, prompt_length, buckets)
-    return [{"amp": row["amp"], "batch": row["batch"], **r, "other_cpu_fraction": record["other_cpu_fraction"]}
+    return [{"amp": row["amp"], "batch": row["batch"], **r,
+             "other_cpu_fraction": record["other_cpu_fraction"]}
             for r in rows]

@@ -50,7 +50,8 @@ def _wait_ready(base: str, process: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server did not answer within {timeout:.0f} s")
 
 
-def start(engine: str, model: Path, lines: int, context: int, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start(engine: str, model: Path, lines: int, context: int, threads: int,
+          log: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     if engine == "pyhlo":
         command = [sys.executable, "-m", "tools.cli", "serve", str(model), "--port", str(port),
@@ -71,7 +72,8 @@ def start(engine: str, model: Path, lines: int, context: int, threads: int, log:
     return process, base
 
 
-async def _drive(base: str, clients: int, requests: int, max_tokens: int) -> tuple[list[float], list[str], float]:
+async def _drive(base: str, clients: int, requests: int,
+                 max_tokens: int) -> tuple[list[float], list[str], float]:
     from openai import AsyncOpenAI
 
     async with AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=600, max_retries=0) as api:
@@ -86,7 +88,8 @@ async def _clients(api, clients: int, requests: int, max_tokens: int) -> tuple[l
         for number in range(index, requests, clients):
             question = f"Write two sentences about {TOPICS[number % len(TOPICS)]}."
             sent = time.perf_counter()
-            stream = await api.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+            stream = await api.chat.completions.create(model=model,
+                                                       messages=[{"role": "user", "content": question}],
                                                        max_tokens=max_tokens, temperature=0, stream=True)
             pieces, seen = [], False
             async for chunk in stream:
@@ -102,8 +105,8 @@ async def _clients(api, clients: int, requests: int, max_tokens: int) -> tuple[l
     return first_token, texts, time.perf_counter() - started
 
 
-def measure(model: Path, engines: list[str], concurrency: list[int], requests: int, max_tokens: int, threads: int,
-            out: Path) -> list[dict]:
+def measure(model: Path, engines: list[str], concurrency: list[int], requests: int, max_tokens: int,
+            threads: int, out: Path) -> list[dict]:
     """One row per engine and concurrency."""
     from decoders.checkpoints import open_checkpoint
 
@@ -111,7 +114,8 @@ def measure(model: Path, engines: list[str], concurrency: list[int], requests: i
     rows = []
     for engine in engines:
         print(f"[serve] {engine}: starting", file=sys.stderr, flush=True)
-        process, base = start(engine, model, max(concurrency), 1024, threads, out / "logs" / f"serve-{engine}.log")
+        process, base = start(engine, model, max(concurrency), 1024, threads,
+                              out / "logs" / f"serve-{engine}.log")
         try:
             asyncio.run(_drive(base, 1, 1, 8))                     # warm-up
             for clients in concurrency:
@@ -133,13 +137,15 @@ def measure(model: Path, engines: list[str], concurrency: list[int], requests: i
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| server | clients | requests | tokens | tok/s | TTFT p50 ms | TTFT p95 ms | vs llama.cpp tok/s |",
+    lines = ["| server | clients | requests | tokens | tok/s | TTFT p50 ms | TTFT p95 ms | vs llama.cpp "
+             "tok/s |",
              "|---|---|---|---|---|---|---|---|"]
     peer = {r["clients"]: r["tokens_per_s"] for r in rows if r["engine"] == "llamacpp"}
     for r in rows:
-        ratio = f"{r['tokens_per_s'] / peer[r['clients']]:.2f}x" if r["engine"] == "pyhlo" and r["clients"] in peer else ""
-        lines.append(f"| {r['engine']} | {r['clients']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | {ratio} |")
+        ratio = (f"{r['tokens_per_s'] / peer[r['clients']]:.2f}x"
+                 if r["engine"] == "pyhlo" and r["clients"] in peer else "")
+        lines.append(f"| {r['engine']} | {r['clients']} | {r['requests']} | {r['tokens']} | "
+                     f"{r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -147,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     """`pyhlo bench --serve`: measure, print the table, write serve.md and serve.json."""
     model_path = default_or_given_model(args)
     if model_path.suffix != ".gguf":
-        raise ValueError("--serve compares with llama.cpp's server, which reads .gguf models: give a .gguf --model")
+        raise ValueError("--serve compares with llama.cpp's server, which reads .gguf models: give a .gguf "
+                         "--model")
     engines, unavailable = resolve_engines(args.engines or "pyhlo,llamacpp")
     engines = [e for e in engines if e != "hf" and e not in unavailable]
     out = Path(args.out)

@@ -11,7 +11,8 @@ ENGINES = ("pyhlo", "hf", "llamacpp")
 AMPS = ("f32", "bf16", "s8", "gguf", "gguf-x8")
 DEFAULTS = dict(amp="f32,bf16,s8,gguf,gguf-x8", batch="1,4", prompt_tokens=128, new_tokens=128, repeats=3,
                 n_positions=1024, bandwidth_mb=512)
-QUICK = dict(amp="f32", batch="1", prompt_tokens=16, new_tokens=8, repeats=1, n_positions=256, bandwidth_mb=64)
+QUICK = dict(amp="f32", batch="1", prompt_tokens=16, new_tokens=8, repeats=1, n_positions=256,
+             bandwidth_mb=64)
 
 
 def csv(value: str) -> list[str]:
@@ -41,8 +42,9 @@ def resolve_settings(args: argparse.Namespace) -> dict:
     if settings["prompt_tokens"] < 1 or settings["repeats"] < 1:
         raise ValueError("--prompt-tokens and --repeats must be at least 1")
     if settings["prompt_tokens"] + settings["new_tokens"] > settings["n_positions"]:
-        raise ValueError(f"--prompt-tokens + --new-tokens ({settings['prompt_tokens'] + settings['new_tokens']}) "
-                         f"exceeds --n-positions {settings['n_positions']}")
+        raise ValueError("--prompt-tokens + --new-tokens "
+                         f"({settings['prompt_tokens'] + settings['new_tokens']}) exceeds --n-positions "
+                         f"{settings['n_positions']}")
     settings["threads"] = max(1, args.threads)
     settings["compile_times"] = not args.no_compile_times
     settings["buckets"] = not args.no_buckets

@@ -40,12 +40,14 @@ def measure(model_path: Path, k: int, new_tokens: int, n_positions: int = 512) -
     tokenizer = open_checkpoint(model_path).tokenizer()
     print(f"[speculative] target: {model_path.name} widened to f32, k={k}", file=sys.stderr, flush=True)
     target = NeuronAutoModelForCausalLM.from_pretrained(model_path, batch_size=1, n_positions=n_positions,
-                                                        amp="f32", neuron_config=NeuronConfig(gguf_blocks=False))
+                                                        amp="f32",
+                                                        neuron_config=NeuronConfig(gguf_blocks=False))
     target.enable_speculative_decoder(k)
     target.to_neuron()
     print("[speculative] draft: the same file's blocks as stored", file=sys.stderr, flush=True)
     draft = NeuronAutoModelForCausalLM.from_pretrained(model_path, batch_size=1, n_positions=n_positions,
-                                                       amp="f32", neuron_config=NeuronConfig(gguf_blocks=True))
+                                                       amp="f32",
+                                                       neuron_config=NeuronConfig(gguf_blocks=True))
     draft.to_neuron()
     generator = SpeculativeGenerator(draft, target, k)
     prompts = [_prompt_ids(tokenizer, q) for q in QUESTIONS]
@@ -68,7 +70,8 @@ def measure(model_path: Path, k: int, new_tokens: int, n_positions: int = 512) -
         fast_s = time.perf_counter() - started
         generated = alone.shape[1] - len(prompt)
         rows.append({"prompt_tokens": len(prompt), "new_tokens": generated,
-                     "target_tokens_per_s": generated / alone_s, "speculative_tokens_per_s": generated / fast_s,
+                     "target_tokens_per_s": generated / alone_s,
+                     "speculative_tokens_per_s": generated / fast_s,
                      "same_tokens": bool(torch.equal(alone, fast)),
                      "target_calls": generator.target_calls - calls_before,
                      "acceptance_rate": (generator.accepted - accepted_before)
@@ -83,16 +86,16 @@ def measure(model_path: Path, k: int, new_tokens: int, n_positions: int = 512) -
 
 
 def table(result: dict) -> str:
-    lines = ["| prompt tokens | new tokens | target alone tok/s | speculative tok/s | speed-up | acceptance | "
-             "same tokens |", "|---|---|---|---|---|---|---|"]
+    lines = ["| prompt tokens | new tokens | target alone tok/s | speculative tok/s | speed-up | acceptance "
+             "| same tokens |", "|---|---|---|---|---|---|---|"]
     for r in result["prompts"]:
         lines.append(f"| {r['prompt_tokens']} | {r['new_tokens']} | {r['target_tokens_per_s']:.1f} | "
                      f"{r['speculative_tokens_per_s']:.1f} | "
                      f"{r['speculative_tokens_per_s'] / r['target_tokens_per_s']:.2f}x | "
                      f"{r['acceptance_rate']:.2f} | {'yes' if r['same_tokens'] else 'NO'} |")
-    lines.append(f"| median | | {result['target_tokens_per_s']:.1f} | {result['speculative_tokens_per_s']:.1f} | "
-                 f"{result['speed_up']:.2f}x | {result['acceptance_rate']:.2f} | "
-                 f"{'yes' if result['all_same_tokens'] else 'NO'} |")
+    lines.append(f"| median | | {result['target_tokens_per_s']:.1f} | "
+                 f"{result['speculative_tokens_per_s']:.1f} | {result['speed_up']:.2f}x | "
+                 f"{result['acceptance_rate']:.2f} | {'yes' if result['all_same_tokens'] else 'NO'} |")
     return "\n".join(lines)
 
 

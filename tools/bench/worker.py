@@ -53,7 +53,8 @@ class Worker:
             line = ""
         if not line:
             self.proc.wait(timeout=30)
-            raise WorkerError(f"{self.name} worker exited with code {self.proc.returncode}: {self._log_tail()}")
+            raise WorkerError(f"{self.name} worker exited with code {self.proc.returncode}: "
+                              f"{self._log_tail()}")
         reply = json.loads(line)
         if not reply["ok"]:
             raise WorkerError(f"{self.name}: {reply['error']}")
@@ -89,8 +90,8 @@ class Worker:
 RUNNERS = {"pyhlo": pyhlo_runner.PyhloRunner, "hf": peers.HFRunner, "hf-compiled": peers.HFCompiledRunner,
            "llamacpp": peers.LlamaCppRunner}
 # Imported before the load clock starts: library import time is not load time.
-PRELOAD = {"pyhlo": ("decoders", "jax"), "hf": ("torch", "transformers"), "hf-compiled": ("torch", "transformers"),
-           "llamacpp": ("llama_cpp",)}
+PRELOAD = {"pyhlo": ("decoders", "jax"), "hf": ("torch", "transformers"),
+           "hf-compiled": ("torch", "transformers"), "llamacpp": ("llama_cpp",)}
 
 
 def peak_rss_bytes() -> int:
