@@ -46,8 +46,7 @@ examples:
   pyhlo bench --amp s8,f32 --batch 1                # int8 weights beside f32
   pyhlo bench --amp gguf --batch 1                  # the GGUF file's Q4_1 blocks as stored
   pyhlo bench --amp gguf,gguf-x8 --batch 1          # ... and with int8 activations
-  pyhlo bench --device cuda                         # on a GPU: pyhlo, HF eager, HF static cache + \
-torch.compile
+  pyhlo bench --device cuda                         # on a GPU: pyhlo, HF eager, HF compiled
   pyhlo bench --device cpu --random-model tiny      # the same on the CPU, a tiny random model
 """
 from __future__ import annotations
