@@ -21,18 +21,24 @@ prompt (the least recently used free line when none does, so the others' prefixe
 longest), and only the rest of its prompt is computed: a shared system prompt or a chat's
 earlier turns are not prefilled again. Tokens are chosen on the host: greedy, or HF transformers'
 temperature / top-k / top-p warpers and a seeded torch generator per request.
+
+Faults: a request's failure ends that request alone, with finish_reason "error" and its
+`error`; see ContinuousBatcher.step for where that boundary lies.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import itertools
+import logging
 from typing import Any, Callable
 
 import numpy as np
 
 from decoders.programs import buckets as bucketing
 from decoders.session import choice
+
+log = logging.getLogger("pyhlo")
 
 
 @dataclasses.dataclass
@@ -52,6 +58,7 @@ class Request:
     id: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)     # generated so far
     finish_reason: str | None = None             # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None                     # what went wrong, where finish_reason is "error"
     line: int | None = None
     written: int = 0               # prompt tokens already in the cache
     reused: int = 0                # of those, taken from the line's kept prefix (not computed)
@@ -137,10 +144,19 @@ class ContinuousBatcher:
             self.waiting.remove(request)
         self._finish(request, "cancelled")
 
-    def fail_all(self) -> None:
-        """End every request, queued or running, with finish_reason "error" (a step failed)."""
+    def fail(self, request: Request, error: str) -> None:
+        """End one request with finish_reason "error"; error says what went wrong."""
+        if request.done:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.error = error
+        self._finish(request, "error")
+
+    def fail_all(self, error: str = "the server could not run this request") -> None:
+        """End every request, queued or running, with finish_reason "error" (the engine cannot go on)."""
         for request in [*self.waiting, *(r for r in self.lines if r is not None)]:
-            self._finish(request, "error")
+            self.fail(request, error)
         self.waiting.clear()
 
     @property
@@ -153,7 +169,17 @@ class ContinuousBatcher:
 
     # -- one step ------------------------------------------------------------------------
     def step(self) -> None:
-        """Admit waiting requests into free lines, then run every active line once."""
+        """Admit waiting requests into free lines, then run every active line once.
+
+        A failure ends the requests it belongs to, with finish_reason "error", and no other:
+        choosing a request's token, its callbacks and its own prompt chunk (a program for its
+        line alone) fail that request only. A program over several lines (the decode step, or
+        the one program over every line) fails every request in it: their logits come from one
+        run, so none of them has a token it can trust, and no request is kept waiting on a
+        program that may fail again. Requests still waiting are not touched and run in later
+        steps. A failed program may have written (or, its buffers donated, lost) any line's
+        cache, so every line's kept prefix is dropped: later prompts are computed in full.
+        """
         self._admit()
         active = [r for r in self.lines if r is not None]
         if not active:
@@ -176,11 +202,16 @@ class ContinuousBatcher:
         part = r.prompt[r.written:r.written + width]
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :len(part)] = part
-        logits = session.prefill_line(tokens, r.line, r.written, len(part) - 1)
+        try:
+            logits = session.prefill_line(tokens, r.line, r.written, len(part) - 1)
+            row = session.host_logits(logits)[0]
+        except Exception as error:
+            self._program_failed([r], error)
+            return
         r.written += len(part)
         self.prompt_tokens_written += len(part)
         if r.written == len(r.prompt):
-            self._accept(r, self._choose(r, session.host_logits(logits)[0]))
+            self._give(r, row)
 
     def _run_lines(self, active: list[Request]) -> None:
         """One program over every line: a chunk of each pending prompt, the newest token of
@@ -215,12 +246,14 @@ class ContinuousBatcher:
                 tokens[r.line, 0] = r.tokens[-1]
                 slots[r.line] = r.length - 1
                 choosing.append(r)
-        logits = session.step_every_line(tokens, slots, last_index)
-        if not choosing:
+        try:
+            logits = session.step_every_line(tokens, slots, last_index)
+            rows = session.host_logits(logits) if choosing else None
+        except Exception as error:
+            self._program_failed(active, error)
             return
-        rows = session.host_logits(logits)
         for r in choosing:
-            self._accept(r, self._choose(r, rows[r.line]))
+            self._give(r, rows[r.line])
 
     def _run_rows(self, active: list[Request]) -> None:
         """One token for each active line, in the programs for that many rows."""
@@ -235,9 +268,13 @@ class ContinuousBatcher:
             else:
                 tokens[i], slots[i] = r.tokens[-1], r.length - 1
         lines = np.array([r.line for r in active], np.int32)
-        logits = session.host_logits(session.decode_lines(tokens, lines, slots))
+        try:
+            logits = session.host_logits(session.decode_lines(tokens, lines, slots))
+        except Exception as error:
+            self._program_failed(active, error)
+            return
         for i, r in enumerate(active):
-            self._accept(r, self._choose(r, logits[i]))
+            self._give(r, logits[i])
 
     def _admit(self) -> None:
         """Waiting requests, first come first served, each into the free line that holds the
@@ -254,8 +291,24 @@ class ContinuousBatcher:
             self.lines[line] = request
             self.kept[line] = []
 
+    def _program_failed(self, requests: list[Request], error: Exception) -> None:
+        """A program failed: its requests end with an error, and no line's kept prefix is trusted."""
+        log.error("a program over %d line(s) failed: %s: %s", len(requests), type(error).__name__, error,
+                  exc_info=error)
+        for request in requests:
+            self.fail(request, f"the step computing this request failed: {type(error).__name__}: {error}")
+        self.kept = [[] for _ in self.lines]
+
+    def _give(self, request: Request, logits: np.ndarray) -> None:
+        """Choose the request's next token and hand it over; a failure there ends this request alone."""
+        try:
+            self._accept(request, self._choose(request, logits))
+        except Exception as error:
+            log.error("request %d failed: %s: %s", request.id, type(error).__name__, error, exc_info=error)
+            self.fail(request, f"choosing this request's token failed: {type(error).__name__}: {error}")
+
     def _choose(self, request: Request, logits: np.ndarray) -> int:
-        if not request.do_sample:
+        if not request.do_sample or request.temperature < choice.GREEDY_BELOW:
             return int(np.argmax(logits))
         return choice.draw(choice.probabilities(logits, request.temperature, request.top_k, request.top_p),
                            request._generator)
@@ -274,13 +327,16 @@ class ContinuousBatcher:
         if request.line is not None and self.lines[request.line] is request:
             self.lines[request.line] = None
             # What the cache holds: the prompt as far as it was written, then every generated
-            # token but the last (which was never fed back).
+            # token but the last (which was never fed back). Nothing is trusted after an error.
             fed = len(request.prompt) + max(len(request.tokens) - 1, 0) \
                 if request.written == len(request.prompt) else request.written
-            self.kept[request.line] = (request.prompt + request.tokens)[:fed]
+            self.kept[request.line] = (request.prompt + request.tokens)[:fed] if reason != "error" else []
             self.last_used[request.line] = self.steps
         if request.on_finish is not None:
-            request.on_finish(request)
+            try:
+                request.on_finish(request)
+            except Exception:             # the request is over either way; the others go on
+                log.exception("request %d: its on_finish callback failed", request.id)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

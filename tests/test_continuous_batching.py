@@ -177,6 +177,108 @@ def test_eos_cancel_and_the_end_of_the_cache_free_their_lines(tiny_llama):
     assert cancelled.finish_reason == "cancelled" and cancelled.tokens == []
 
 
+def test_a_failing_request_ends_alone_and_its_neighbours_get_their_greedy_tokens(tiny_llama):
+    """A failure in one request's token choice, its callback, or its own prompt chunk ends
+    that request with an error; the others run on to the tokens they get alone."""
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = batched_model(path)
+    batcher = ContinuousBatcher(model)
+    prompts = [[5, 6, 7], list(range(10, 30)), [40, 41], list(range(50, 70)), [8, 9, 10, 11], [3, 4]]
+
+    def on_token(request, token):
+        if request.prompt == prompts[1] and len(request.tokens) == 3:
+            raise RuntimeError("a callback failed")
+
+    choose = batcher._choose
+
+    def failing_choice(request, logits):
+        if request.prompt == prompts[2] and len(request.tokens) == 5:
+            raise FloatingPointError("the sampler failed")
+        return choose(request, logits)
+
+    prefill_line = model.session.prefill_line
+
+    def failing_chunk(tokens, line, *rest):
+        if batcher.lines[line].prompt == prompts[3]:
+            raise RuntimeError("this prompt's chunk failed")
+        return prefill_line(tokens, line, *rest)
+
+    batcher._choose, model.session.prefill_line = failing_choice, failing_chunk
+    requests = [batcher.submit(prompt, max_new_tokens=12, on_token=on_token) for prompt in prompts]
+    for _ in range(200):
+        if not batcher.busy:
+            break
+        batcher.step()
+    assert not batcher.busy
+    failed = {1: "a callback failed", 2: "the sampler failed", 3: "this prompt's chunk failed"}
+    for i, request in enumerate(requests):
+        if i in failed:
+            assert request.finish_reason == "error" and failed[i] in request.error, (i, request.error)
+        else:
+            assert request.finish_reason == "length" and request.error is None
+            assert request.tokens == hf_greedy(hf, request.prompt, 12), i
+    assert requests[1].tokens == hf_greedy(hf, prompts[1], 3)      # what it had when its callback failed
+
+
+def test_a_failing_shared_step_ends_the_requests_in_it_and_the_batcher_goes_on(tiny_llama):
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = batched_model(path, lines=2)
+    batcher = ContinuousBatcher(model)
+    failed = []
+
+    def fails_once(program):
+        def run(*args):
+            if not failed:                   # the first step over both lines, in either program
+                failed.append(1)
+                raise RuntimeError("the device step failed")
+            return program(*args)
+        return run
+
+    session = model.session
+    session.decode_lines, session.step_every_line = map(fails_once, (session.decode_lines,
+                                                                     session.step_every_line))
+    first = [batcher.submit([5, 6, 7], max_new_tokens=8), batcher.submit([9, 10], max_new_tokens=8)]
+    waiting = batcher.submit([20, 21, 22], max_new_tokens=8)
+    for _ in range(100):
+        if not batcher.busy:
+            break
+        batcher.step()
+    assert not batcher.busy
+    for request in first:
+        assert request.finish_reason == "error" and "the device step failed" in request.error
+        assert 1 <= len(request.tokens) < 8
+        assert request.tokens == hf_greedy(hf, request.prompt, len(request.tokens))
+    # The failed lines' caches are not trusted: only the line `waiting` used since keeps a prefix.
+    assert sorted(kept[:3] for kept in batcher.kept) == [[], [20, 21, 22]]
+    assert waiting.finish_reason == "length" and waiting.tokens == hf_greedy(hf, [20, 21, 22], 8)
+    again = batcher.submit([5, 6, 7], max_new_tokens=8)          # no stale prefix is reused
+    for _ in range(100):
+        if not batcher.busy:
+            break
+        batcher.step()
+    assert again.reused == 0 and again.tokens == hf_greedy(hf, [5, 6, 7], 8)
+
+
+def test_extreme_sampling_values_choose_tokens_without_raising(tiny_llama):
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    batcher = ContinuousBatcher(batched_model(path))
+    greedy = hf_greedy(hf, [5, 6, 7], 6)
+    settings = [dict(temperature=1e-40), dict(temperature=1e-30, top_p=1e-9),
+                dict(temperature=1.0, top_p=1e-9), dict(temperature=1e30),
+                dict(temperature=1e30, top_k=1), dict(temperature=4e-6, top_k=3)]
+    requests = [batcher.submit([5, 6, 7], max_new_tokens=6, do_sample=True, seed=1, **options)
+                for options in settings]
+    for _ in range(100):
+        if not batcher.busy:
+            break
+        batcher.step()
+    assert [r.finish_reason for r in requests] == ["length"] * len(settings)
+    for request, options in zip(requests, settings):
+        if options != dict(temperature=1e30):                 # the others leave the top token alone
+            assert request.tokens == greedy, options
+    assert all(0 <= t < 320 for t in requests[3].tokens)
+
+
 def test_sampling_with_a_seed_reproduces(tiny_llama):
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")
     model = batched_model(path, lines=2)

@@ -8,13 +8,26 @@ from typing import Any
 
 import numpy as np
 
+# Temperatures below this choose greedily: logits divided by them overflow f32 (a logit of 10
+# over 1e-38 is past f32's largest value), and the distribution is one-hot long before that.
+GREEDY_BELOW = 1e-5
+
 
 def probabilities(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Any:
     """torch f32 [rows, vocab]: softmax of the logits [rows, vocab] (or [vocab]) after HF's
-    warpers (temperature, then top-k, then top-p, as generate() orders them)."""
+    warpers (temperature, then top-k, then top-p, as generate() orders them).
+
+    Any temperature > 0 and top_p > 0 gives a distribution: below GREEDY_BELOW the
+    temperature gives the argmax all the mass; a huge one gives the uniform distribution
+    (softmax subtracts the maximum, so no exp overflows); top_p near 0 keeps the top token."""
     import torch
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+    if temperature < GREEDY_BELOW:
+        rows = np.asarray(logits, np.float32).reshape(-1, logits.shape[-1])
+        greedy = torch.zeros(rows.shape, dtype=torch.float32)
+        greedy[torch.arange(rows.shape[0]), torch.from_numpy(np.argmax(rows, axis=-1))] = 1.0
+        return greedy
     warpers = LogitsProcessorList()
     if temperature != 1.0:
         warpers.append(TemperatureLogitsWarper(temperature))
