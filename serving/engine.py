@@ -8,6 +8,11 @@ Each request's tokens go through HF transformers' TextStreamer (its word-boundar
 UTF-8-safe decoding) into an asyncio queue of text pieces, closed by None. Prometheus
 metrics count requests, tokens, queue length, busy lines and time to first token. Each
 finished request gives one line on the `pyhlo.requests` logger (show_request_log()).
+
+A request that fails ends alone with finish_reason "error" (the batcher draws that line, see
+ContinuousBatcher.step). Should the thread itself stop on an error, every request it held or
+was sent ends with an error, `alive` turns false (the API's /health answers 503) and submit()
+raises EngineStopped.
 """
 from __future__ import annotations
 
@@ -32,6 +37,10 @@ def show_request_log(shown: bool = True) -> None:
     """Show the line per finished request at the default log level (WARNING, where `-v` is
     not given), or hide it even under `-v`: its logger's own level, INFO or WARNING."""
     request_log.setLevel(logging.INFO if shown else logging.WARNING)
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is not running: no request can be served."""
 
 
 @dataclass
@@ -62,7 +71,8 @@ class Engine:
 
     It owns the batcher (only its thread touches it), the inbox through which the event loop
     hands it requests and cancellations, and the Prometheus metrics. A step that fails ends
-    the requests it held with an error; the thread lives on.
+    the requests it held with an error; the thread lives on. An error outside a step stops
+    the thread: `failure` says what it was.
     """
 
     def __init__(self, model: Any, name: str):
@@ -74,7 +84,8 @@ class Engine:
         # (kind, request, reason): "add" | "cancel" (reason: why, for the request log) | "stop"
         self._inbox: queues.SimpleQueue = queues.SimpleQueue()
         self._ended_by: dict[int, str] = {}          # request id -> why it was cancelled (engine thread)
-        self._thread = threading.Thread(target=self._loop, name="pyhlo-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="pyhlo-engine", daemon=True)
+        self.failure: str | None = None               # why the thread stopped, if an error stopped it
         self.registry = CollectorRegistry()
         self.requests = Counter("pyhlo_requests", "Requests by how they ended", ["finish_reason"],
                                 registry=self.registry)
@@ -96,6 +107,11 @@ class Engine:
     def n_positions(self) -> int:
         return self.model.n_positions
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs and serves requests."""
+        return self._thread.is_alive() and self.failure is None
+
     def start(self) -> Engine:
         self._thread.start()
         return self
@@ -108,7 +124,10 @@ class Engine:
     def submit(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop,
                label: str | None = None) -> tuple[Request, asyncio.Queue]:
         """Queue a request; text pieces arrive on the returned queue, then None. label: its
-        name in the request log (the API's response id; default request-<n>)."""
+        name in the request log (the API's response id; default request-<n>). Raises
+        EngineStopped when the thread is not running, ValueError for a bad request."""
+        if not self.alive:
+            raise EngineStopped(self.failure or "the engine is not running")
         queue: asyncio.Queue = asyncio.Queue()
         streamer = _QueueStreamer(self.tokenizer, loop, queue)
         arrived = time.perf_counter()
@@ -151,6 +170,30 @@ class Engine:
         return self._inbox.empty() and not self.batcher.busy
 
     # -- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:
+            self.failure = f"the engine stopped: {type(error).__name__}: {error}"
+            log.exception("the engine thread stopped; failing every request it holds")
+            self._fail_everything(self.failure)
+
+    def _fail_everything(self, error: str) -> None:
+        """End every request held or on its way in with an error (the thread is stopping)."""
+        try:
+            self.batcher.fail_all(error)
+        except Exception:
+            log.exception("ending the running requests failed")
+        while True:
+            try:
+                kind, request, _ = self._inbox.get_nowait()
+            except queues.Empty:
+                break
+            if kind == "add":
+                self.batcher.fail(request, error)
+        self.waiting.set(0)
+        self.busy_lines.set(0)
+
     def _loop(self) -> None:
         batcher = self.batcher
         while True:
@@ -172,8 +215,10 @@ class Engine:
             if batcher.busy:
                 try:
                     batcher.step()
-                except Exception:            # the server lives on; these requests end with an error
+                except Exception as error:     # not a program's nor a request's fault (those the
+                    # batcher ends themselves): the batcher's own state is in doubt, so every
+                    # request in it ends with an error; the server lives on.
                     log.exception("a batch step failed; ending its requests")
-                    batcher.fail_all()
+                    batcher.fail_all(f"a batch step failed: {type(error).__name__}: {error}")
                 self.steps.inc()
             self.busy_lines.set(batcher.active)

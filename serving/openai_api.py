@@ -6,8 +6,11 @@
 
 Per request: max_tokens, temperature (0: greedy), top_p, top_k, stop, seed. Errors come in
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: a prompt
-over the context length, malformed JSON, a wrong field, an unknown model. A client that
-goes away mid-stream has its request cancelled, which frees its batch line.
+over the context length, malformed JSON, a wrong field, an unknown model. A request that
+fails while it runs is a 500 in that shape (an error event, then the end, in a stream), never
+a finish_reason; its neighbours go on. A stopped engine is a 503, and /health says so. A
+client that goes away, streaming or not, has its request cancelled within a step, which frees
+its batch line.
 """
 from __future__ import annotations
 
@@ -24,7 +27,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from serving.engine import Engine, Sampling
+from serving.engine import Engine, EngineStopped, Sampling
+
+# How often a handler waiting for text checks that its client is still there and the engine
+# still runs: well under a decode step, so a request whose client left ends within a step.
+POLL_S = 0.02
 
 
 class _Common(BaseModel):
@@ -33,7 +40,8 @@ class _Common(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    # Any finite temperature >= 0, as vLLM takes it (OpenAI's own API stops at 2).
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     n: int = Field(default=1, ge=1, le=1)
@@ -61,10 +69,17 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+class _ClientLeft(Exception):
+    """The client of a request closed its connection."""
+
+
+def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(status, message, param, code), status_code=status)
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -149,6 +164,8 @@ def create_app(engine: Engine) -> FastAPI:
             request, pieces = engine.submit(prompt, settings, loop, label=ident)
         except ValueError as error:
             raise ApiError(400, str(error), "prompt") from None
+        except EngineStopped as error:
+            raise ApiError(503, str(error)) from None
         created = int(time.time())
         stops = _stops(body.stop)
         if body.stream:
@@ -156,14 +173,20 @@ def create_app(engine: Engine) -> FastAPI:
                                      media_type="text/event-stream")
         text, stopped = "", False
         try:
-            while (piece := await pieces.get()) is not None:
+            async for piece in _pieces(http, request, pieces):
                 text, stopped = _cut_at_stop(text + piece, stops)
                 if stopped:
                     engine.cancel(request, "stop")
                     break
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, _ClientLeft) as gone:
             engine.cancel(request)
+            if isinstance(gone, _ClientLeft):
+                return Response(status_code=499)              # nobody reads it
             raise
+        except EngineStopped as error:
+            raise ApiError(503, str(error)) from None
+        if not stopped and request.finish_reason == "error":
+            raise ApiError(500, request.error or "the request failed")
         reason = "stop" if stopped else _reason(request.finish_reason)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(request.tokens),
                  "total_tokens": len(prompt) + len(request.tokens),
@@ -176,6 +199,29 @@ def create_app(engine: Engine) -> FastAPI:
         choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
         return {"id": ident, "object": "text_completion", "created": created, "model": engine.name,
                 "choices": [choice], "usage": usage}
+
+    async def _pieces(http: Request | None, request, pieces: asyncio.Queue):
+        """A request's text pieces as the engine sends them. While it waits, it checks every
+        POLL_S that the engine runs (EngineStopped if not) and, given http, that the client is
+        still there (_ClientLeft if not). Streams pass no http: their response listens for the
+        disconnect itself, and two readers would take each other's messages."""
+        getter: asyncio.Future | None = None
+        try:
+            while True:
+                getter = getter or asyncio.ensure_future(pieces.get())
+                done, _ = await asyncio.wait({getter}, timeout=POLL_S)
+                if done:
+                    piece, getter = getter.result(), None
+                    if piece is None:
+                        return
+                    yield piece
+                elif not engine.alive:
+                    raise EngineStopped(engine.failure or "the engine is not running")
+                elif http is not None and await http.is_disconnected():
+                    raise _ClientLeft()
+        finally:
+            if getter is not None:
+                getter.cancel()
 
     async def _stream(http: Request, request, pieces: asyncio.Queue, ident: str, created: int, chat: bool,
                       stops: list[str]):
@@ -195,14 +241,23 @@ def create_app(engine: Engine) -> FastAPI:
         try:
             if chat:
                 yield event(None, None, first=True)
-            while (piece := await pieces.get()) is not None:
-                text, stopped = _cut_at_stop(sent + piece, stops)
-                if len(text) > len(sent):
-                    yield event(text[len(sent):], None)
-                    sent = text
-                if stopped:
-                    engine.cancel(request, "stop")
-                    break
+            try:
+                async for piece in _pieces(None, request, pieces):
+                    text, stopped = _cut_at_stop(sent + piece, stops)
+                    if len(text) > len(sent):
+                        yield event(text[len(sent):], None)
+                        sent = text
+                    if stopped:
+                        engine.cancel(request, "stop")
+                        break
+            except EngineStopped as error:
+                failed = _error_body(503, str(error))
+            else:
+                failed = None if stopped or request.finish_reason != "error" else \
+                    _error_body(500, request.error or "the request failed")
+            if failed is not None:           # an error event (as OpenAI's clients read it), then the end
+                yield f"data: {json.dumps(failed)}\n\n"
+                return
             yield event(None, "stop" if stopped else _reason(request.finish_reason))
             yield "data: [DONE]\n\n"
         finally:
@@ -224,7 +279,9 @@ def create_app(engine: Engine) -> FastAPI:
                                             "owned_by": "pyhlo", "max_model_len": engine.n_positions}]}
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health():
+        if not engine.alive:
+            return _error(503, engine.failure or "the engine is not running")
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -271,6 +271,9 @@ def test_each_finished_request_gives_one_log_line_unless_quieted(server):
         done = api.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0)
         cut = api.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
                                      stop=[","])
+        deadline = time.monotonic() + 10          # the stopped request's line comes once the engine ends it
+        while len(lines.lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(lines.lines) == 2
         logged = [(line.split()[0], dict(field.split("=") for field in line.split()[1:]))
                   for line in lines.lines]
@@ -286,3 +289,190 @@ def test_each_finished_request_gives_one_log_line_unless_quieted(server):
     finally:
         request_log.removeHandler(lines)
         request_log.setLevel(logging.NOTSET)
+
+
+def test_one_request_failing_inside_a_step_ends_alone_and_seven_others_get_their_solo_text(server, alone,
+                                                                                            monkeypatch):
+    """Fault injection: of 8 concurrent greedy requests, one fails while its tokens are chosen
+    (mid-answer). It gets a 500 in OpenAI's shape; the 7 others, streamed or not, get what
+    sample() gives their prompts alone."""
+    from openai import AsyncOpenAI
+
+    base, engine = server
+    model, text = alone
+    prompts = [f"Here is a short list of {thing}:" for thing in
+               ("fruits", "colours", "rivers", "tools", "birds", "games", "metals", "planets")]
+    doomed = list(model.tokenizer(prompts[3])["input_ids"])
+    choose = engine.batcher._choose
+
+    def failing_choice(request, logits):
+        if request.prompt == doomed and len(request.tokens) == 4:
+            raise RuntimeError("injected fault")
+        return choose(request, logits)
+
+    monkeypatch.setattr(engine.batcher, "_choose", failing_choice)
+    api = AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
+
+    async def one(i: int, http: httpx.AsyncClient):
+        if i == 3:
+            return await http.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 20,
+                                                             "temperature": 0})
+        if i % 2:
+            done = await api.completions.create(model="smollm2", prompt=prompts[i], max_tokens=20,
+                                                temperature=0)
+            return done.choices[0].text, done.choices[0].finish_reason
+        stream = await api.completions.create(model="smollm2", prompt=prompts[i], max_tokens=20,
+                                              temperature=0, stream=True)
+        chunks = [chunk async for chunk in stream]
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    async def everyone():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            return await asyncio.wait_for(asyncio.gather(*(one(i, http) for i in range(8))), timeout=300)
+
+    answers = asyncio.run(everyone())
+    failed = answers[3]
+    assert failed.status_code == 500
+    error = failed.json()["error"]
+    assert error["type"] == "server_error" and "injected fault" in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for i, answer in enumerate(answers):
+        if i != 3:
+            ids = list(model.tokenizer(prompts[i])["input_ids"])
+            assert answer == (text(ids, 20), "length"), prompts[i]
+    metrics = httpx.get(base + "/metrics", timeout=30).text
+    assert 'pyhlo_requests_total{finish_reason="error"} 1.0' in metrics
+
+
+def test_a_streamed_request_that_fails_gets_an_error_event_and_the_stream_ends(server, monkeypatch):
+    import openai
+
+    base, engine = server
+    choose = engine.batcher._choose
+
+    def failing_choice(request, logits):
+        if len(request.tokens) == 2:
+            raise RuntimeError("injected fault")
+        return choose(request, logits)
+
+    monkeypatch.setattr(engine.batcher, "_choose", failing_choice)
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 20, "temperature": 0,
+            "stream": True}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    last = json.loads(events[-1])
+    assert last["error"]["type"] == "server_error" and "injected fault" in last["error"]["message"]
+    assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-1])
+    with pytest.raises(openai.APIError, match="injected fault"):
+        for _ in client(base).chat.completions.create(model="smollm2", **body):
+            pass
+
+
+def test_a_failing_device_step_is_a_500_and_the_next_request_is_right(server, alone, monkeypatch):
+    base, engine = server
+    model, text = alone
+    session, failed = engine.batcher.session, []
+    decode_lines = session.decode_lines
+
+    def fails_once(*args):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("the device step failed")
+        return decode_lines(*args)
+
+    monkeypatch.setattr(session, "decode_lines", fails_once)
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    with httpx.Client(base_url=base, timeout=60) as http:
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 500 and "the device step failed" in response.json()["error"]["message"]
+        assert failed and http.get("/health").status_code == 200
+        again = http.post("/v1/completions", json=body)
+    ids = list(model.tokenizer(body["prompt"])["input_ids"])
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == text(ids, 8)
+
+
+def test_extreme_but_valid_sampling_values_answer(server, alone):
+    base, _ = server
+    model, text = alone
+    greedy = text(list(model.tokenizer("Hello, my name is")["input_ids"]), 8)
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for options in ({"temperature": 1e-40}, {"temperature": 1e-30, "top_p": 1e-9}, {"top_p": 1e-9},
+                        {"temperature": 1e30}, {"temperature": 1e30, "top_k": 1}, {"temperature": 2.5}):
+            response = http.post("/v1/completions", json={"prompt": "Hello, my name is", "max_tokens": 8,
+                                                          "seed": 3, **options})
+            assert response.status_code == 200, (options, response.text)
+            answer = response.json()["choices"][0]
+            assert answer["finish_reason"] == "length", options
+            if options.get("temperature", 1) < 1e-5 or "top_p" in options or "top_k" in options:
+                assert answer["text"] == greedy, options
+        for raw in (b'{"prompt": "Hi", "temperature": Infinity}', b'{"prompt": "Hi", "temperature": NaN}'):
+            response = http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+            assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+class _Crash(BaseException):
+    """What stops an engine thread in the test below (no Exception: nothing catches it)."""
+
+
+def test_if_the_engine_thread_dies_health_fails_and_clients_get_errors_not_a_hang(server):
+    from serving.engine import Engine
+    from serving.openai_api import create_app
+
+    _, running = server
+    engine = Engine(running.model, "smollm2").start()
+
+    def crash():
+        raise _Crash("the engine broke")
+
+    engine.batcher.step = crash                    # before any program runs: the model is untouched
+
+    async def ask():
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://pyhlo", timeout=30) as http:
+            assert (await http.get("/health")).status_code == 200
+            body = {"prompt": "Hello", "max_tokens": 4}
+            waiting = await asyncio.wait_for(http.post("/v1/completions", json=body), timeout=30)
+            health = await http.get("/health")
+            later = await http.post("/v1/completions", json=body)
+            streamed = await http.post("/v1/completions", json={**body, "stream": True})
+            return waiting, health, later, streamed
+
+    waiting, health, later, streamed = asyncio.run(ask())
+    assert waiting.status_code in (500, 503) and "the engine broke" in waiting.json()["error"]["message"]
+    for response in (health, later, streamed):
+        assert response.status_code == 503, response.text
+        assert "the engine broke" in response.json()["error"]["message"]
+    assert not engine.alive and "_Crash" in engine.failure
+
+
+def test_a_client_leaving_a_non_streamed_request_cancels_it_within_a_step(server):
+    base, engine = server
+    body = {"prompt": "Count from one to a hundred: one, two,", "max_tokens": 200, "temperature": 0}
+
+    def running():
+        return [r for r in engine.batcher.lines if r is not None and len(r.tokens) >= 3]
+
+    async def leave():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            task = asyncio.create_task(http.post("/v1/completions", json=body))
+            deadline = time.monotonic() + 60
+            while not running():
+                assert time.monotonic() < deadline, "the request did not start in 60 s"
+                await asyncio.sleep(0.005)
+            request = running()[0]
+            task.cancel()                                  # the client closes its connection
+            at_leaving = len(request.tokens)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return request, at_leaving
+
+    request, at_leaving = asyncio.run(leave())
+    deadline = time.monotonic() + 30
+    while not request.done:
+        assert time.monotonic() < deadline, "the request still ran 30 s after its client left"
+        time.sleep(0.01)
+    assert request.finish_reason == "cancelled"
+    # Within a step or so of leaving (a step here is tens of milliseconds; the server checks every 20 ms).
+    assert len(request.tokens) <= at_leaving + 3, (at_leaving, len(request.tokens))
