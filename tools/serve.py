@@ -6,7 +6,9 @@ frees its line at once. Binds to 127.0.0.1 unless --host says otherwise.
 
 endpoints:
   POST /v1/completions, POST /v1/chat/completions (streamed with "stream": true),
-  GET /v1/models, GET /health, GET /metrics (Prometheus)
+  GET /v1/models, GET /health (503 once the engine has stopped), GET /metrics (Prometheus)
+
+A request that fails ends alone, as a 500 in OpenAI's error shape (an error event in a stream).
 
 While it starts, a line on stderr names each step (reading the model, compiling, placing
 the weights, loading the tokenizer); once it serves, a line per finished request (its id,
