@@ -110,12 +110,17 @@ class ProgramSet:
     def build(self, key: ProgramKey) -> Program:
         return key.build(self.builder)
 
+    def _saved_file(self, program: Program) -> pathlib.Path | None:
+        """The file a save() wrote for this very program (same HLO), or None."""
+        saved = self.saved.get(program.name)
+        return saved[1] if saved is not None and saved[0] == _module_hash(program) else None
+
     def _compile(self, program: Program) -> CompiledProgram:
         started = time.perf_counter()
         module_bytes = program.module.SerializeToString()
-        saved = self.saved.get(program.name)
-        if saved is not None and saved[0] == _module_hash(program):
-            executable = self.backend.deserialize(saved[1].read_bytes(), module_bytes,
+        saved_file = self._saved_file(program)
+        if saved_file is not None:
+            executable = self.backend.deserialize(saved_file.read_bytes(), module_bytes,
                                                   num_replicas=self.replicas)
             self.loaded_from_save += 1
             return CompiledProgram(program, executable, time.perf_counter() - started, True)
@@ -138,8 +143,7 @@ class ProgramSet:
 
     def _cached(self, program: Program) -> bool:
         """Whether `program` comes from a save() or the compile cache rather than the compiler."""
-        saved = self.saved.get(program.name)
-        if saved is not None and saved[0] == _module_hash(program):
+        if self._saved_file(program) is not None:
             return True
         return self.cache.holds(self.backend, program.module.SerializeToString(), num_replicas=self.replicas)
 
