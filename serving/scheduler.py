@@ -308,7 +308,7 @@ class ContinuousBatcher:
             self.fail(request, f"choosing this request's token failed: {type(error).__name__}: {error}")
 
     def _choose(self, request: Request, logits: np.ndarray) -> int:
-        if not request.do_sample or request.temperature < choice.GREEDY_BELOW:
+        if not request.do_sample:
             return int(np.argmax(logits))
         return choice.draw(choice.probabilities(logits, request.temperature, request.top_k, request.top_p),
                            request._generator)
