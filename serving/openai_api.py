@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from serving.engine import Engine, EngineStopped, Sampling
+from serving.stop_strings import cut_at_stop
 
 # How often a handler waiting for text checks that its client is still there and the engine
 # still runs: well under a decode step, so a request whose client left ends within a step.
@@ -88,8 +89,8 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     """text up to the first stop string, and whether one was found."""
-    found = [text.index(s) for s in stops if s in text]
-    return (text[:min(found)], True) if found else (text, False)
+    cut = cut_at_stop(text, stops)
+    return (text, False) if cut is None else (text[:cut], True)
 
 
 def create_app(engine: Engine) -> FastAPI:

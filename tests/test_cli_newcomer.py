@@ -15,8 +15,9 @@ from tiny_families import make_model, save
 from tiny_tokenizer import make_tokenizer
 
 from decoders import NeuronAutoModelForCausalLM
+from serving.stop_strings import cut_at_stop, held_back
 from tools import cli
-from tools.generate import cut_at_stop, held_back, model_before_options, stop_streamer
+from tools.generate import model_before_options, stop_streamer
 from tools.model_options import model_path
 
 REPO = Path(__file__).resolve().parent.parent

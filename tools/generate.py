@@ -78,6 +78,8 @@ def stop_streamer(tokenizer, stops: list[str]):
     when one was seen (text that may begin one is held back until it is known)."""
     from transformers import TextStreamer
 
+    from serving.stop_strings import cut_at_stop, held_back
+
     class StopStreamer(TextStreamer):
         def __init__(self) -> None:
             super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -98,17 +100,6 @@ def stop_streamer(tokenizer, stops: list[str]):
             super().on_finalized_text(text, stream_end=stream_end or self.stopped)
 
     return StopStreamer()
-
-
-def cut_at_stop(text: str, stops: list[str]) -> int | None:
-    """Where the first stop string begins in `text` (None: nowhere)."""
-    found = [text.find(s) for s in stops if s and s in text]
-    return min(found) if found else None
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """How many characters at the end of `text` may begin a stop string."""
-    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 
 def stop_when_streamer_stops(streamer: Any):
@@ -141,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds "
                          f"--n-positions {model.n_positions}")
     if args.stop:
-        streamer = stop_streamer(tokenizer, args.stop)
+        streamer = stop_streamer(tokenizer, [s for s in args.stop if s])
         criteria = [stop_when_streamer_stops(streamer)]
     else:
         streamer, criteria = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), None
