@@ -120,7 +120,7 @@ class Scribe:
 
     def __init__(self, record_source: bool = True, f32_dot_precision: str = "highest"):
         self.record_source = record_source
-        # The precision of f32 dots that do not name their own (pyhlo.ops.linalg.dot_general):
+        # The precision of f32 dots that do not name their own (raw `Dot` or dot_general):
         # "highest" keeps f32 products exact in f32 on every platform (GPUs would otherwise
         # use TF32); "high" or "default" lets the compiler trade precision for speed.
         self.f32_dot_precision = check_precision(f32_dot_precision)
@@ -194,6 +194,8 @@ class Scribe:
             proto.literal.CopyFrom(literal(shape, attributes.pop("constant_value")))  # type: ignore[arg-type]
         if opcode == "parameter":
             self._add_parameter(builder, proto, attributes)
+        if opcode == "dot" and "precision_config" not in attributes:
+            self._default_dot_precision(operands, attributes)
         self._check_shape(opcode, shape, operands, attributes)
         self._set_fields(opcode, proto, attributes)
         proto.name = self.unique_name(name)
@@ -204,6 +206,11 @@ class Scribe:
         if opcode == "parameter":
             builder.parameters[proto.parameter_number] = value
         return value
+
+    def _default_dot_precision(self, operands: Sequence[HloValue], attributes: dict) -> None:
+        """An f32 dot that names no precision takes the module's f32_dot_precision."""
+        if self.f32_dot_precision != "default" and any(o.dtype == "f32" for o in operands):
+            attributes["precision_config"] = {"operand_precision": [self.f32_dot_precision.upper()] * 2}
 
     def _add_parameter(self, builder: _ComputationBuilder, proto, attributes: dict) -> None:
         number = attributes.get("parameter_number")

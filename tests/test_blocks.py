@@ -471,8 +471,9 @@ def test_attention_fused_and_split_qkv_programs_agree():
         assert ("attn.qkv.weight" in names) == fused and ("attn.q.weight" in names) != fused
         weights = _weights(piece.params("attn"), checkpoint, IN_OUT)
         outs.append(_run_attention(piece, IN_OUT, weights, x, step, cache, cache, 3))
+    # One product or three: the same sums, added in another order on a GPU.
     for fused_out, split_out in zip(*outs):
-        np.testing.assert_allclose(fused_out, split_out, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(fused_out, split_out, rtol=1e-5, atol=1e-5)
 
 
 def test_attention_rotary_interleaved():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_env import python_path
 from tiny_families import make_model, save
 from tiny_tokenizer import make_tokenizer
 
@@ -148,7 +149,7 @@ def test_generate_stops_at_a_stop_string_which_is_not_printed(checkpoint, capsys
 def test_generate_with_tp_degree_2_on_cpu_makes_its_devices_and_gives_the_same_text(checkpoint):
     prompt = "t5 t17 t42 t8"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYHLO_PLATFORM="cpu", PYTHONPATH=str(REPO))
+    env.update(PYHLO_PLATFORM="cpu", PYTHONPATH=python_path(REPO))
     done = subprocess.run([sys.executable, "-m", "tools.cli", "generate", "-m", str(checkpoint),
                            "--tp-degree", "2", "--max-model-len", "128", "--max-new-tokens", "6", prompt],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

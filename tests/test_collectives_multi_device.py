@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+from child_env import python_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +52,8 @@ FOUR_REPLICAS = textwrap.dedent("""
 
 
 def test_all_reduce_within_replica_groups_on_four_cpu_devices():
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, PYTHONPATH=python_path(REPO_ROOT),
+               XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", FOUR_REPLICAS], env=env, capture_output=True, text=True,
                           timeout=120)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from child_env import python_path
 
 from pyhlo import compile_py_func
 from runtime import CompileCache, get_backend
@@ -121,7 +122,7 @@ CONCURRENT_COMPILE = textwrap.dedent("""
 def test_two_processes_compiling_the_same_module_both_succeed(tmp_path):
     hlo_file, gate = tmp_path / "module.pb", tmp_path / "go"
     hlo_file.write_bytes(HLO)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYHLO_CACHE="1")
+    env = dict(os.environ, PYTHONPATH=python_path(REPO_ROOT), PYHLO_CACHE="1")
     ready = [tmp_path / f"ready{i}" for i in range(2)]
     processes = [
         subprocess.Popen([sys.executable, "-c", CONCURRENT_COMPILE, str(tmp_path / "cache"), str(gate),

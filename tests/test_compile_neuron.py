@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from child_env import python_path
 
 from runtime import get_backend
 from runtime.neuronx_cc import NeuronCCBackend, neuronx_cc_command
@@ -221,7 +222,8 @@ def test_tp_degree_2_writes_replicated_programs(checkpoint, tmp_path, capsys):
     assert any(i.opcode == "all-reduce" for c in programs["block_n1_s256"].module.computations
                for i in c.instructions)
     # XLA:CPU shows two devices only when XLA_FLAGS asks before jax starts: a fresh process.
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, PYTHONPATH=python_path(REPO_ROOT),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", XLA_COMPILES_REPLICATED, str(out)], env=env,
                           capture_output=True, text=True, timeout=300)

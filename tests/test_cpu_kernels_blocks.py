@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from child_env import python_path
 from hlo_run import run_fn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -121,7 +122,7 @@ def test_every_instruction_set_form_of_the_kernels_matches_numpy(form):
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYHLO_KERNEL_FLAGS=KERNEL_FORMS[form], PYTHONPATH=str(here.parent))
+    env = dict(os.environ, PYHLO_KERNEL_FLAGS=KERNEL_FORMS[form], PYTHONPATH=python_path(here.parent))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                            str(here / "test_cpu_kernels_blocks.py"), str(here / "test_cpu_kernels.py"),
                            "-k", "(match or packed or large_head) and not instruction_set"],

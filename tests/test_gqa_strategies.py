@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from child_env import python_path
 
 TESTS = Path(__file__).resolve().parent
 
@@ -76,7 +77,7 @@ RUN = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+    env = dict(os.environ, PYTHONPATH=python_path(str(TESTS.parent), str(TESTS)),
                XLA_FLAGS="--xla_force_host_platform_device_count=4", PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", RUN, json.dumps(RUNS)], env=env, capture_output=True,
                           text=True, timeout=1500)

@@ -34,7 +34,6 @@ def cache_copies(hlo_text: str, cache_elements: int) -> list[str]:
     return copies
 
 
-@pytest.mark.cpu_only
 def test_no_compiled_step_copies_a_kv_cache(model):
     steps = [c for key, c in model.programs.compiled.items() if isinstance(key, (Block, ModelStep))]
     assert len(steps) == len(model.context_buckets) + len(model.decode_buckets())
@@ -75,7 +74,9 @@ def test_buckets_follow_transformers_neuronx():
 
 @pytest.mark.cpu_only
 def test_the_copy_check_catches_a_program_that_reads_the_cache_before_updating_it(model):
-    """Reading the old cache after an in-place update forces XLA to copy it (DESIGN's trap)."""
+    """Reading the old cache after an in-place update forces XLA:CPU to copy it (DESIGN's trap).
+    XLA:GPU schedules that read before the update and needs no copy (seen on an H100), so the
+    trap is a fact of XLA:CPU; the check above runs on every platform."""
     from pyhlo import compile_py_func
     from pyhlo.ops.reductions import reduce_sum
     from pyhlo.ops.shape_ops import dynamic_update_slice

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_env import python_path
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 600
@@ -91,7 +92,7 @@ def _env(devices: int, cache_dir: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYHLO_COORDINATOR", "PYHLO_NUM_PROCESSES", "PYHLO_PROCESS_ID",
                         "PYHLO_LOCAL_DEVICES")}
-    env.update(PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), PYHLO_CACHE_DIR=str(cache_dir),
+    env.update(PYTHONPATH=python_path(str(TESTS.parent), str(TESTS)), PYHLO_CACHE_DIR=str(cache_dir),
                PYTHONFAULTHANDLER="1", PYHLO_PLATFORM="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
     return env

@@ -13,6 +13,7 @@ import sys
 import extra_ops
 import numpy as np
 import pytest
+from child_env import python_path
 
 from pyhlo import compile_py_func
 from pyhlo.ops import collectives
@@ -64,8 +65,7 @@ def outputs(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("collectives") / "outputs.npz")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", PYHLO_PLATFORM="cpu",
-               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"),
-                                           os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=python_path(root, os.path.join(root, "tests")))
     code = f"import test_ops_collectives as t; t.save_replicated_outputs({path!r})"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
                           timeout=300)

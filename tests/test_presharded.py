@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_env import python_path
 
 import decoders.session.session as session_module
 from decoders import LlamaForSampling
@@ -139,7 +140,7 @@ RUN = textwrap.dedent("""
 
 
 def test_presharded_weights_at_tp2_load_per_rank_and_give_identical_tokens():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+    env = dict(os.environ, PYTHONPATH=python_path(str(TESTS.parent), str(TESTS)),
                XLA_FLAGS="--xla_force_host_platform_device_count=2", PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]

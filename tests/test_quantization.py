@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from child_env import python_path
 from hlo_run import run_fn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -179,7 +180,7 @@ def test_quantized_weights_split_over_devices_give_the_tokens_of_one(tiny_llama)
 
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, PYTHONPATH=python_path(root), XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", TP_RUN, str(path)], env=env, capture_output=True, text=True,
                           timeout=600)

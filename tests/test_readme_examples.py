@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from child_env import python_path
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER_PORT = 8000                      # the port the README's client block names
@@ -35,7 +36,7 @@ BLOCKS = python_blocks()
 
 
 def environment() -> dict:
-    return dict(os.environ, PYTHONPATH=str(REPO))
+    return dict(os.environ, PYTHONPATH=python_path(REPO))
 
 
 @contextlib.contextmanager

@@ -154,7 +154,9 @@ def test_inspection_text_graph_and_cost(backend):
     from runtime import pjrt
 
     assert pjrt.hlo_dot_graph(hlo).lstrip().startswith("digraph")
-    assert pjrt.compiler_version("cpu").startswith("jaxlib 0.10.2")
+    import jaxlib
+
+    assert pjrt.compiler_version("cpu").startswith(f"jaxlib {jaxlib.__version__}")
 
 
 def test_get_backend_choice_by_argument_and_environment(monkeypatch):

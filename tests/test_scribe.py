@@ -406,3 +406,25 @@ def test_operand_that_is_not_a_value():
 def test_result_that_is_not_a_value():
     with pytest.raises(TypeError, match="must return an HloValue, got int"):
         _build(lambda scribe: 3)
+
+
+def _dot_module(dtype: str, f32_dot_precision: str = "highest", **attributes) -> str:
+    def program(scribe):
+        a = getattr(scribe, dtype)[2, 3].Parameter(parameter_number=0)
+        b = getattr(scribe, dtype)[3, 4].Parameter(parameter_number=1)
+        numbers = dict(lhs_contracting_dimensions=[1], rhs_contracting_dimensions=[0])
+        return getattr(scribe, dtype)[2, 4].Dot(a, b, dot_dimension_numbers=numbers, **attributes)
+
+    proto = compile_py_func(program, f32_dot_precision=f32_dot_precision)
+    (dot,) = [i for c in proto.computations for i in c.instructions if i.opcode == "dot"]
+    return list(dot.precision_config.operand_precision)
+
+
+def test_a_raw_f32_dot_takes_the_modules_precision_unless_it_names_its_own():
+    """transformers-neuronx style `f32[...].Dot(...)` is exact in f32 on a GPU too (not TF32)."""
+    highest, default = hlo_pb2.PrecisionConfig.HIGHEST, hlo_pb2.PrecisionConfig.DEFAULT
+    assert _dot_module("f32") == [highest, highest]
+    assert _dot_module("f32", f32_dot_precision="high") == [hlo_pb2.PrecisionConfig.HIGH] * 2
+    assert _dot_module("f32", f32_dot_precision="default") == []
+    assert _dot_module("f32", precision_config={"operand_precision": ["DEFAULT", "DEFAULT"]}) == [default] * 2
+    assert _dot_module("bf16") == []

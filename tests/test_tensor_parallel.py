@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from child_env import python_path
 
 TESTS = Path(__file__).resolve().parent
 # Bloom's tiny model has 6 heads (ALiBi slopes of a head count that is not a power of two):
@@ -75,7 +76,7 @@ RUN = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+    env = dict(os.environ, PYTHONPATH=python_path(str(TESTS.parent), str(TESTS)),
                XLA_FLAGS="--xla_force_host_platform_device_count=4", PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", RUN, ",".join(VARIANTS), json.dumps(DEGREES)], env=env,
                           capture_output=True, text=True, timeout=1500)
@@ -158,7 +159,8 @@ SMOLLM2 = textwrap.dedent("""
 
 
 def test_smollm2_over_two_devices_pads_its_heads_and_keeps_its_tokens(smollm2_gguf):
-    env = dict(os.environ, PYTHONPATH=str(TESTS.parent), XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, PYTHONPATH=python_path(TESTS.parent),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", SMOLLM2, str(smollm2_gguf)], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -231,7 +233,8 @@ GQA_RUN = textwrap.dedent("""
 
 def test_gqa_strategies_over_devices_keep_the_tokens(tiny_llama):
     _, path = tiny_llama("gqa_tied_llama3", "safetensors")       # 4 heads, 2 KV heads
-    env = dict(os.environ, PYTHONPATH=str(TESTS.parent), XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, PYTHONPATH=python_path(TESTS.parent),
+               XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", GQA_RUN, str(path)], env=env, capture_output=True, text=True,
                           timeout=600)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from child_env import python_path
 
 TESTS = Path(__file__).resolve().parent
 VOCAB = 321         # over 2 devices 161 rows each, over 4 devices 81: the last rows are padding
@@ -23,7 +24,7 @@ DEGREES = (1, 2, 4)
 
 
 def _run(script: str, *args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+    env = dict(os.environ, PYTHONPATH=python_path(str(TESTS.parent), str(TESTS)),
                XLA_FLAGS="--xla_force_host_platform_device_count=4", PYHLO_PLATFORM="cpu")
     done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=1200)

@@ -25,11 +25,9 @@ def dot_general(lhs: HloValue, rhs: HloValue, contracting: tuple[Sequence[int], 
     numbers = dict(lhs_contracting_dimensions=list(lc), rhs_contracting_dimensions=list(rc),
                    lhs_batch_dimensions=list(lb), rhs_batch_dimensions=list(rb))
     shape = getattr(lhs.scribe, out_dtype or lhs.dtype)[tuple(dims)]
-    if precision is None and "f32" in (lhs.dtype, rhs.dtype):
-        precision = lhs.scribe.f32_dot_precision
-    if precision is None or check_precision(precision) == "default":
+    if precision is None:  # the scribe gives f32 dots its f32_dot_precision
         return shape.Dot(lhs, rhs, dot_dimension_numbers=numbers)
-    config = {"operand_precision": [precision.upper()] * 2}
+    config = {"operand_precision": [check_precision(precision).upper()] * 2}
     return shape.Dot(lhs, rhs, dot_dimension_numbers=numbers, precision_config=config)
 
 
