@@ -430,3 +430,25 @@ def test_device_options_have_their_own_defaults_and_checks():
         device.resolve_model(parser.parse_args(["--device", "cpu", "--model", "m", "--random-model", "tiny"]))
     with pytest.raises(ValueError, match="add --device"):
         command.run(parser.parse_args(["--random-model", "tiny"]))
+
+
+def test_a_random_model_runs_as_a_gguf_file_of_the_type_asked(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYHLO_MODEL_DIR", str(tmp_path / "models"))
+    out = tmp_path / "results"
+    code = main(["bench", "--random-model", "tiny-smollm2", "--gguf-type", "q8_0", "--amp", "gguf", "--quick",
+                 "--engines", "pyhlo", "--quiet-wait", "0", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["workload"]["model"].startswith("tiny-smollm2-") and report["workload"]["model"].endswith(
+        ".q8_0.gguf")
+    assert [(r["engine"], r["amp"], r["status"]) for r in report["results"]] == [("pyhlo", "gguf", "ok")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gguf-type", "q4_0"], "--gguf-type writes a random model as a GGUF file: add --random-model"),
+    (["--random-model", "tiny", "--model", "x"], "give --model or --random-model, not both"),
+    (["--device", "cpu", "--random-model", "tiny", "--gguf-type", "bf16"], "the device benchmark runs HF"),
+])
+def test_random_model_options_that_do_not_go_together_are_named(argv, message, tmp_path, capsys):
+    assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err

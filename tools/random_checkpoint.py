@@ -26,11 +26,22 @@ SHAPES: dict[str, dict] = {
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
                          max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=LLAMA3_ROPE,
                          bos_token_id=128000, eos_token_id=128001),
+    # SmolLM2-1.7B: 1.71 B parameters, LM head tied to the embedding, SmolLM2's vocabulary.
+    "smollm2-1.7b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                         num_attention_heads=32, num_key_value_heads=32, head_dim=64,
+                         tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_parameters=dict(rope_type="default", rope_theta=130000.0),
+                         bos_token_id=1, eos_token_id=2),
     # The same architecture in miniature, for tests: runs in seconds on a CPU.
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                  max_position_embeddings=2048, rms_norm_eps=1e-5,
                  rope_parameters=dict(LLAMA3_ROPE, original_max_position_embeddings=64)),
+    # SmolLM2's architecture in miniature (plain rope, no KV-head grouping), for tests of GGUF files.
+    "tiny-smollm2": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True,
+                         max_position_embeddings=2048, rms_norm_eps=1e-5,
+                         rope_parameters=dict(rope_type="default", rope_theta=130000.0)),
 }
 SEED = 0
 DTYPE = "bfloat16"

@@ -48,6 +48,8 @@ examples:
   pyhlo bench --amp gguf,gguf-x8 --batch 1          # ... and with int8 activations
   pyhlo bench --device cuda                         # on a GPU: pyhlo, HF eager, HF compiled
   pyhlo bench --device cpu --random-model tiny      # the same on the CPU, a tiny random model
+  pyhlo bench --random-model smollm2-1.7b --amp bf16 --engines pyhlo,hf   # 1.7 B, random weights
+  pyhlo bench --random-model smollm2-1.7b --gguf-type q4_0 --amp gguf     # ... as a Q4_0 GGUF file
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ import os
 from tools.bench import cpu, device, serve, speculative
 from tools.bench.settings import DEFAULTS
 from tools.random_checkpoint import SHAPES as RANDOM_SHAPES
+from tools.random_gguf import GGUF_TYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reaches; random weights of Llama-3.2-1B's shape unless --model "
                              "(tools/bench/device.py)")
     parser.add_argument("--random-model", choices=tuple(RANDOM_SHAPES),
-                        help="--device: random weights of this shape (default llama-3.2-1b; tiny for tests)")
+                        help="random weights of this shape, written once into the model cache as bf16 "
+                             "safetensors (--device: default llama-3.2-1b); smollm2-1.7b is SmolLM2-1.7B's "
+                             "shape; tiny and tiny-smollm2 are for tests")
+    parser.add_argument("--gguf-type", choices=tuple(GGUF_TYPES),
+                        help="with --random-model: the random weights as a GGUF file of this type, which "
+                             "pyhlo and llama.cpp both run (--amp gguf: as stored); q4_k_m is written by "
+                             "llama.cpp's quantizer (the .[llamacpp] extra)")
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each measured generation, wait up to this many seconds for other "
                              "processes to leave the CPUs idle, and repeat generations they disturbed "
@@ -109,10 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark the options ask for: --device, --serve, --speculative, else the CPU one."""
+    if args.device is not None and args.gguf_type:
+        raise ValueError("--gguf-type: the device benchmark runs HF directories (HF's engines read no GGUF)")
     if args.device is not None:
         return device.run(args)
-    if args.random_model:
-        raise ValueError("--random-model belongs to the device benchmark: add --device cpu or --device cuda")
+    if args.gguf_type and not args.random_model:
+        raise ValueError("--gguf-type writes a random model as a GGUF file: add --random-model SHAPE "
+                         "(or give a GGUF file with --model)")
     if args.serve:
         return serve.run(args)
     if args.speculative is not None:

@@ -68,9 +68,20 @@ def resolve_engines(requested: str | None) -> tuple[list[str], dict[str, str]]:
 
 
 def default_or_given_model(args: argparse.Namespace) -> pathlib.Path:
-    """--model, else the default model (fetched into the model cache on first use)."""
+    """--model, else --random-model (as --gguf-type's GGUF file, if given), else the default model
+    (fetched into the model cache on first use)."""
+    if args.model and getattr(args, "random_model", None):
+        raise ValueError("give --model or --random-model, not both")
     if args.model:
         return pathlib.Path(args.model)
+    if getattr(args, "random_model", None):
+        if getattr(args, "gguf_type", None):
+            from tools.random_gguf import random_gguf
+
+            return random_gguf(args.random_model, args.gguf_type)
+        from tools.random_checkpoint import random_checkpoint
+
+        return random_checkpoint(args.random_model)
     from decoders.checkpoints.default_model import default_model_path
 
     return default_model_path()
