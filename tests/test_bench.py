@@ -313,15 +313,40 @@ def test_quick_run_writes_table_json_and_chart(tiny_llama, tmp_path, capsys):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_serving_table_puts_pyhlo_beside_llama_cpp():
+@pytest.mark.parametrize("peer", ["llama-server", "llamacpp"])
+def test_the_serving_table_puts_pyhlo_beside_llama_cpp(peer):
     from tools.bench.serve import table
 
     rows = [{"engine": engine, "clients": clients, "requests": 8, "tokens": 512, "seconds": 4.0,
              "tokens_per_s": rate, "ttft_p50_ms": 50.0, "ttft_p95_ms": 90.0}
-            for engine, clients, rate in (("pyhlo", 4, 300.0), ("llamacpp", 4, 150.0), ("pyhlo", 8, 400.0))]
+            for engine, clients, rate in (("pyhlo", 4, 300.0), (peer, 4, 150.0), ("pyhlo", 8, 400.0))]
     text = table(rows).splitlines()
+    assert text[0].endswith(f"| pyhlo vs {peer} tok/s |")
     assert text[2].startswith("| pyhlo | 4 |") and text[2].endswith("| 2.00x |")
-    assert text[3].startswith("| llamacpp | 4 |") and text[4].endswith("|  |")      # no peer row at 8 clients
+    assert text[3].startswith(f"| {peer} | 4 |") and text[4].endswith("|  |")      # no peer row at 8 clients
+
+
+def test_a_server_that_is_not_found_is_left_out_saying_how_to_get_it(monkeypatch, tmp_path):
+    from tools.bench import llama_cpp_programs, serve
+
+    monkeypatch.setenv("PYHLO_MODEL_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv(llama_cpp_programs.BIN_ENV, raising=False)
+    servers, left_out = serve.resolve_servers(None)
+    assert servers == ["pyhlo"]
+    assert "pyhlo bench --build-llama-cpp" in left_out["llama-server"]
+    program = tmp_path / "bin" / "llama-server"
+    program.parent.mkdir()
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    monkeypatch.setenv(llama_cpp_programs.BIN_ENV, str(program.parent))
+    assert serve.resolve_servers(None) == (["pyhlo", "llama-server"], {})
+    command = llama_cpp_programs.server_command(tmp_path / "m.gguf", 8080, 8, 1024, 2)
+    assert command[:3] == [str(program), "--model", str(tmp_path / "m.gguf")]
+    assert command[command.index("--parallel") + 1] == "8"
+    assert command[command.index("--ctx-size") + 1] == "8192"      # 8 slots of 1024 positions
+    with pytest.raises(ValueError, match="--engines 'vllm' is not one of pyhlo, llama-server, llamacpp"):
+        serve.resolve_servers("pyhlo,vllm")
 
 
 def test_the_speculative_table_gives_each_prompt_and_the_median():

@@ -50,13 +50,15 @@ examples:
   pyhlo bench --device cpu --random-model tiny      # the same on the CPU, a tiny random model
   pyhlo bench --random-model smollm2-1.7b --amp bf16 --engines pyhlo,hf   # 1.7 B, random weights
   pyhlo bench --random-model smollm2-1.7b --gguf-type q4_0 --amp gguf     # ... as a Q4_0 GGUF file
+  pyhlo bench --build-llama-cpp                     # once: llama.cpp's llama-server and llama-bench
+  pyhlo bench --serve                               # pyhlo serve vs llama-server, 1 / 4 / 8 clients
 """
 from __future__ import annotations
 
 import argparse
 import os
 
-from tools.bench import cpu, device, serve, speculative
+from tools.bench import cpu, device, llama_cpp_programs, serve, speculative
 from tools.bench.settings import DEFAULTS
 from tools.random_checkpoint import SHAPES as RANDOM_SHAPES
 from tools.random_gguf import GGUF_TYPES
@@ -110,6 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --random-model: the random weights as a GGUF file of this type, which "
                              "pyhlo and llama.cpp both run (--amp gguf: as stored); q4_k_m is written by "
                              "llama.cpp's quantizer (the .[llamacpp] extra)")
+    parser.add_argument("--build-llama-cpp", action="store_true",
+                        help="instead: build llama.cpp's own llama-server and llama-bench (the peers of "
+                             "--serve) from the llama.cpp source in llama-cpp-python's source "
+                             "distribution, tuned for this CPU, into the model cache; needs cmake and a C++ "
+                             "compiler, about 20 min on 2 cores")
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each measured generation, wait up to this many seconds for other "
                              "processes to leave the CPUs idle, and repeat generations they disturbed "
@@ -118,6 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark the options ask for: --device, --serve, --speculative, else the CPU one."""
+    if args.build_llama_cpp:
+        print(f"llama.cpp's programs are in {llama_cpp_programs.build()}")
+        return 0
     if args.device is not None and args.gguf_type:
         raise ValueError("--gguf-type: the device benchmark runs HF directories (HF's engines read no GGUF)")
     if args.device is not None:

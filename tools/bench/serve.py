@@ -1,11 +1,12 @@
-"""`pyhlo bench --serve`: `pyhlo serve` against llama.cpp's server (llama-cpp-python's
-`llama_cpp.server`) on the same GGUF file, each started in a process of its own on a free
-loopback port, then driven by 1, 4 and 8 concurrent streaming clients through the official
-`openai` client. Each client sends its share of the requests one after another (distinct
-chat prompts, greedy, max_tokens fixed; llama.cpp's server is told not to interrupt a running
-request for a new one, so that it queues them). Reported per server and concurrency: generated
-tokens per second over the whole run (the answers' tokens counted with the model's
-tokenizer) and the median and 95th percentile of the time to first token.
+"""`pyhlo bench --serve`: `pyhlo serve` against llama.cpp's own C++ server (`llama-server`,
+8 slots, continuous batching) and, where asked, llama-cpp-python's server, on the same GGUF
+file, each started in a process of its own on a free loopback port, then driven by 1, 4 and 8
+concurrent streaming clients through the official `openai` client. Each client sends its share
+of the requests one after another (distinct chat prompts, greedy, max_tokens fixed). Reported
+per server and concurrency: generated tokens per second over the whole run (the answers' tokens
+counted with the model's tokenizer, the same way for every server) and the median and 95th
+percentile of the time to first token. A server that is not found is left out, saying how to
+get it (llama-server: `pyhlo bench --build-llama-cpp`).
 """
 from __future__ import annotations
 
@@ -20,8 +21,14 @@ import sys
 import time
 from pathlib import Path
 
+from tools.bench import llama_cpp_programs, peers
 from tools.bench.machine import machine_info
-from tools.bench.settings import default_or_given_model, resolve_engines
+from tools.bench.settings import csv, default_or_given_model
+
+# Servers --serve can drive; llamacpp is llama-cpp-python's server (one request at a time).
+SERVERS = ("pyhlo", "llama-server", "llamacpp")
+DEFAULT_SERVERS = "pyhlo,llama-server"
+SLOTS = 8
 
 TOPICS = ["the sea", "a cat", "winter", "coffee", "the moon", "trains", "music", "bread", "rain", "a garden",
           "mountains", "a library", "fire", "the desert", "bees", "a clock", "rivers", "a lighthouse", "snow",
@@ -56,6 +63,8 @@ def start(engine: str, model: Path, lines: int, context: int, threads: int,
     if engine == "pyhlo":
         command = [sys.executable, "-m", "tools.cli", "serve", str(model), "--port", str(port),
                    "--batch-size", str(lines), "--n-positions", str(context)]
+    elif engine == "llama-server":
+        command = llama_cpp_programs.server_command(model, port, lines, context, threads)
     else:
         command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
                    "--host", "127.0.0.1", "--n_ctx", str(context), "--n_threads", str(threads),
@@ -136,11 +145,26 @@ def measure(model: Path, engines: list[str], concurrency: list[int], requests: i
     return rows
 
 
+def resolve_servers(requested: str | None) -> tuple[list[str], dict[str, str]]:
+    """The servers to drive, and the ones left out with the reason."""
+    names = csv(requested or DEFAULT_SERVERS)
+    for name in names:
+        if name not in SERVERS:
+            raise ValueError(f"--serve --engines {name!r} is not one of {', '.join(SERVERS)}")
+    reasons = {"llama-server": llama_cpp_programs.missing_reason("llama-server"),
+               "llamacpp": peers.llamacpp_available()}
+    unavailable = {n: reasons[n] for n in names if reasons.get(n)}
+    return [n for n in names if n not in unavailable], unavailable
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| server | clients | requests | tokens | tok/s | TTFT p50 ms | TTFT p95 ms | vs llama.cpp "
-             "tok/s |",
+    """Markdown rows per server and concurrency; pyhlo's rows give its ratio to llama-server (or,
+    without it, llama-cpp-python's server)."""
+    anchor = next((e for e in ("llama-server", "llamacpp") if any(r["engine"] == e for r in rows)), None)
+    lines = ["| server | clients | requests | tokens | tok/s | TTFT p50 ms | TTFT p95 ms | pyhlo vs "
+             f"{anchor or 'llama.cpp'} tok/s |",
              "|---|---|---|---|---|---|---|---|"]
-    peer = {r["clients"]: r["tokens_per_s"] for r in rows if r["engine"] == "llamacpp"}
+    peer = {r["clients"]: r["tokens_per_s"] for r in rows if r["engine"] == anchor}
     for r in rows:
         ratio = (f"{r['tokens_per_s'] / peer[r['clients']]:.2f}x"
                  if r["engine"] == "pyhlo" and r["clients"] in peer else "")
@@ -155,14 +179,14 @@ def run(args: argparse.Namespace) -> int:
     if model_path.suffix != ".gguf":
         raise ValueError("--serve compares with llama.cpp's server, which reads .gguf models: give a .gguf "
                          "--model")
-    engines, unavailable = resolve_engines(args.engines or "pyhlo,llamacpp")
-    engines = [e for e in engines if e != "hf" and e not in unavailable]
+    engines, unavailable = resolve_servers(args.engines)
     out = Path(args.out)
-    rows = measure(model_path, engines, [1, 4, 8], args.serve_requests, args.new_tokens or 64,
+    rows = measure(model_path, engines, [1, 4, SLOTS], args.serve_requests, args.new_tokens or 64,
                    args.threads, out)
     info = machine_info()
     text = (f"Serving: {model_path.name} as stored, {args.serve_requests} chat requests per level, "
-            f"max_tokens {args.new_tokens or 64}, greedy, streamed; pyhlo serve with 8 lines; "
+            f"max_tokens {args.new_tokens or 64}, greedy, streamed; pyhlo serve with {SLOTS} lines, "
+            f"llama-server with {SLOTS} slots; "
             f"CPU {info.get('cpu')}, {args.threads} threads\n\n" + table(rows))
     for engine, why in unavailable.items():
         text += f"\n\n{engine} left out: {why}"
