@@ -24,6 +24,10 @@ from transformers import (
     OPTForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 NEOX_SHAPE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -72,6 +76,13 @@ VARIANTS = {
     # 4 experts, top 2
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**LLAMA_SHAPE, num_local_experts=4,
                                                         num_experts_per_tok=2)),
+    # per-head q and k norms; heads wider than hidden / heads (as Qwen3's 128 over 1024 / 16), tied
+    # head (as Qwen3-0.6B)
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA_SHAPE, head_dim=32, tie_word_embeddings=True)),
+    # 4 experts of 32 rows, top 2, the kept probabilities not renormalised (Mixtral's are)
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(**LLAMA_SHAPE, head_dim=16, num_experts=4,
+                                                            num_experts_per_tok=2, moe_intermediate_size=32,
+                                                            norm_topk_prob=False)),
 }
 
 
@@ -79,10 +90,12 @@ def make_model(variant: str, seed: int = 0):
     torch.manual_seed(seed)
     model = as_reference(VARIANTS[variant]())
     with torch.no_grad():
-        # HF initialises biases to 0; random ones check that they are read and added.
+        # HF initialises biases to 0 and norms to 1; random ones check that they are read and added.
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.copy_(torch.randn_like(p))
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
     return model
 
 
