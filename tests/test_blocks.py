@@ -239,6 +239,28 @@ def test_mlp(activation, gated, bias, lowering):
     np.testing.assert_allclose(out, ref_mlp(x, tensors, activation, gated, bias), **TOL)
 
 
+@LOWERINGS
+def test_mlp_with_one_fused_gate_up_projection_as_phi3(lowering):
+    hidden, inter = 6, 10
+    rng = np.random.default_rng(20)
+    tensors = {"gate.weight": _randn(rng, inter, hidden), "up.weight": _randn(rng, inter, hidden),
+               "down.weight": _randn(rng, hidden, inter)}
+    mlp = MLP(up="mlp.gate_up_proj", down="mlp.down_proj", hidden=hidden, intermediate=inter,
+              gate_up_fused=True)
+    checkpoint = FakeCheckpoint({"mlp.gate_up_proj.weight": np.concatenate([tensors["gate.weight"],
+                                                                            tensors["up.weight"]]),
+                                 "mlp.down_proj.weight": tensors["down.weight"]})
+    params = mlp.params("mlp")
+    assert [(p.name, p.source.names, p.segments) for p in params][0] == (
+        "mlp.gate_up.weight", ("mlp.gate_up_proj.weight",), (inter, inter))
+    x = _randn(rng, 2, 3, hidden)
+    weights = _weights(params, checkpoint, lowering)
+    (out,) = _run({"x": x, **weights}, lambda v: [mlp(PieceValues(v, lowering, "mlp", params), v["x"])])
+    np.testing.assert_allclose(out, ref_mlp(x, tensors, "silu", True, False), **TOL)
+    with pytest.raises(ValueError, match="named by `up` alone"):
+        MLP(up="u", down="d", hidden=4, intermediate=6, gate="g", gate_up_fused=True)
+
+
 @pytest.mark.parametrize("gated", [True, False])
 def test_mlp_params(gated):
     mlp = MLP(up="u", down="d", hidden=4, intermediate=6, gate="g" if gated else None, bias=True)

@@ -22,6 +22,8 @@ from transformers import (
     MixtralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -41,6 +43,17 @@ LLAMA_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hi
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                    rms_norm_eps=1e-5)
 WINDOW = 48                  # a 150-token sequence crosses it
+ROTARY_PAIRS = 6             # Phi-4-mini's rotary over 3/4 of each head: 12 of 16 features
+
+
+def longrope_scaling(original: int) -> dict:
+    """Phi-3.5 / Phi-4-mini's rope_scaling: LongRoPE factors per rotary pair, short and long."""
+    gen = torch.Generator().manual_seed(7)
+    return {"rope_type": "longrope", "partial_rotary_factor": 0.75, "rope_theta": 10000.0,
+            "original_max_position_embeddings": original,
+            "short_factor": (1 + torch.rand(ROTARY_PAIRS, generator=gen)).tolist(),
+            "long_factor": (1 + 10 * torch.rand(ROTARY_PAIRS, generator=gen)).tolist()}
+
 
 VARIANTS = {
     # parallel residual, rotary on a quarter of each head, untied head
@@ -83,6 +96,16 @@ VARIANTS = {
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(**LLAMA_SHAPE, head_dim=16, num_experts=4,
                                                             num_experts_per_tok=2, moe_intermediate_size=32,
                                                             norm_topk_prob=False)),
+    # Phi-3-mini: fused qkv_proj and gate_up_proj, grouped-query heads, a sliding window on every
+    # layer, untied head
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**LLAMA_SHAPE, sliding_window=WINDOW, pad_token_id=0,
+                                               bos_token_id=1, eos_token_id=2)),
+    # Phi-4-mini: rotary on 3/4 of each head, LongRoPE (a model of up to 512 positions runs its
+    # short factors; max_position_embeddings 4096 sets the attention factor), tied head
+    "phi3_longrope": lambda: Phi3ForCausalLM(Phi3Config(
+        **{**LLAMA_SHAPE, "max_position_embeddings": 4096}, original_max_position_embeddings=512,
+        rope_parameters=longrope_scaling(512), tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
 }
 
 

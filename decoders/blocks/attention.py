@@ -43,14 +43,36 @@ from pyhlo.scribe import HloValue
 @dataclass(frozen=True)
 class Rotary:
     """Rotary positions on the first `rotary_dim` features of every head (all of them unless
-    partial, as GPT-NeoX and GPT-J), paired "half" (Llama, NeoX) or "interleaved" (GPT-J)."""
+    partial, as GPT-NeoX and GPT-J), paired "half" (Llama, NeoX) or "interleaved" (GPT-J).
+
+    LongRoPE (Phi-3.5, Phi-4-mini) gives two sets of frequencies: `inv_freq` for a model of at
+    most `original_context` positions, `long_inv_freq` for a longer one (for_context() picks
+    one by the model's n_positions, as llama.cpp does by its context size), and scales cos and
+    sin by `scale`, its attention factor."""
 
     inv_freq: tuple[float, ...]
     style: str = "half"
+    scale: float = 1.0
+    long_inv_freq: tuple[float, ...] = ()
+    original_context: int = 0
+
+    def __post_init__(self) -> None:
+        long_ones = len(self.long_inv_freq)
+        if long_ones and (long_ones != len(self.inv_freq) or self.original_context < 1):
+            raise ValueError(f"long_inv_freq needs as many frequencies as inv_freq ({len(self.inv_freq)}), "
+                             f"got {long_ones}, and an original_context >= 1")
 
     @property
     def rotary_dim(self) -> int:
         return 2 * len(self.inv_freq)
+
+    def for_context(self, n_positions: int) -> Rotary:
+        """The frequencies a model of `n_positions` positions runs with (LongRoPE's long ones
+        past the original context); one set from then on."""
+        if not self.long_inv_freq:
+            return self
+        chosen = self.long_inv_freq if n_positions > self.original_context else self.inv_freq
+        return replace(self, inv_freq=chosen, long_inv_freq=(), original_context=0)
 
 
 @dataclass(frozen=True)
@@ -328,6 +350,8 @@ class Attention:
     def _rotate(self, q: HloValue, k: HloValue, positions: HloValue) -> tuple[HloValue, HloValue]:
         rotary = self.positions
         cos, sin = nn.rotary_cos_sin(positions, np.asarray(rotary.inv_freq, np.float32), rotary.style)
+        if rotary.scale != 1.0:
+            cos, sin = ew.multiply(cos, rotary.scale), ew.multiply(sin, rotary.scale)
         b, n = positions.dims
 
         def spread(table: HloValue, heads: int) -> HloValue:
@@ -376,6 +400,12 @@ class Attention:
         key_slots = ew.convert(self._key_slots(scribe, dims, 3, first), "f32")
         key_positions = ew.subtract(key_slots, broadcast(ew.convert(step.pad, "f32"), dims, [0]))
         return ew.multiply(broadcast(slopes, dims, [1]), key_positions)
+
+    def for_context(self, n_positions: int) -> Attention:
+        """This attention in a model of `n_positions` positions (Rotary.for_context)."""
+        if not isinstance(self.positions, Rotary):
+            return self
+        return replace(self, positions=self.positions.for_context(n_positions))
 
     def sharded(self, tp_degree: int, kv_sharding: KVSharding = KVSharding.HEADS) -> Attention:
         """One device's share over `tp_degree` devices (as decoders/parallel/sharding.py splits
