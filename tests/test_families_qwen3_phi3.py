@@ -1,7 +1,8 @@
 """Qwen3, Qwen3-MoE and Phi-3 / Phi-4 beyond the golden tables (tests/test_family_golden.py,
-tests/test_tensor_parallel.py): LongRoPE's long factors, configs refused with their reason, and
+tests/test_tensor_parallel.py): LongRoPE's long factors, configs refused with their reason,
 GGUF files named and described as llama.cpp's converter writes them ("qwen3", "qwen3moe",
-"phi3"), each against HF transformers' own model on the same weights."""
+"phi3"), and `pyhlo serve`'s engine, each against HF transformers' own model on the same
+weights."""
 from __future__ import annotations
 
 import json
@@ -218,3 +219,29 @@ def test_a_phi3_file_with_one_longrope_factor_tensor_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="LongRoPE needs both tensors rope_factors_long and "
                                               "rope_factors_short; the file has one"):
         open_checkpoint(path)
+
+
+# -- pyhlo serve ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["qwen3", "phi3_longrope"])
+def test_serve_engine_gives_each_request_hfs_greedy_tokens(tmp_path, variant):
+    """`pyhlo serve`'s engine over the family's checkpoint: five requests through two lines of
+    continuous batching, each getting the tokens HF's greedy search gives its prompt alone."""
+    from test_continuous_batching import hf_greedy as hf_greedy_alone
+    from test_server import serve_args
+    from tiny_tokenizer import make_tokenizer
+
+    from tools.serve import build_engine
+
+    hf = make_model(variant)
+    make_tokenizer().save_pretrained(save(hf, tmp_path))
+    engine = build_engine(serve_args("-m", str(tmp_path), "--max-num-seqs", "2", "--max-model-len", "64",
+                                     "--context-length-estimate", "8,16"))
+    assert engine.model.family.name == variant.split("_")[0]
+    rng = np.random.default_rng(0)
+    requests = [engine.batcher.submit(rng.integers(3, 320, length).tolist(), max_new_tokens=budget)
+                for length, budget in ((5, 12), (19, 6), (1, 9), (9, 15), (30, 4))]
+    while engine.batcher.busy:
+        engine.batcher.step()
+    for request in requests:
+        assert request.tokens == hf_greedy_alone(hf, request.prompt, request.max_new_tokens), request.id
