@@ -5,8 +5,8 @@
       model.py       DecoderForSampling: from_pretrained, to_neuron, sample, forward, save, load
       auto.py        NeuronAutoModelForCausalLM: the family class picked by the checkpoint's model_type
       hf_adapter.py  HuggingFaceGenerationModelAdapter: HF generate() over a compiled model
-      families/      one short description per family (Llama, Mistral, Mixtral, Qwen2, GPT-NeoX,
-                     Bloom, GPT-2, OPT, GPT-J)
+      families/      one short description per family (Llama, Mistral, Mixtral, Qwen2, Qwen3,
+                     Qwen3-MoE, Phi-3/Phi-4, GPT-NeoX, Bloom, GPT-2, OPT, GPT-J)
       description.py what a family description is: Family, config reading, rotary tables
       blocks/        the pieces: norm, attention, MLP, mixture of experts, embedding, head, layer wiring; each
                      declares its parameters once (params.py: name, shape, shard axis, source)
@@ -39,14 +39,17 @@ from decoders.families.llama import LlamaForSampling
 from decoders.families.mistral import MistralForSampling
 from decoders.families.mixtral import MixtralForSampling
 from decoders.families.opt import OPTForSampling
+from decoders.families.phi3 import Phi3ForSampling
 from decoders.families.qwen2 import Qwen2ForSampling
+from decoders.families.qwen3 import Qwen3ForSampling, Qwen3MoeForSampling
 from decoders.session.speculative import SpeculativeGenerator
 
 __all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",
            "GPTNeoXForSampling", "GQA", "GenerationConfig", "HuggingFaceGenerationModelAdapter",
            "LlamaForSampling", "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM",
-           "NeuronConfig", "ContinuousBatchingConfig", "NotSupportedYet", "OPTForSampling",
-           "QuantizationConfig", "Qwen2ForSampling", "SpeculativeGenerator"]
+           "NeuronConfig", "ContinuousBatchingConfig", "NotSupportedYet", "OPTForSampling", "Phi3ForSampling",
+           "QuantizationConfig", "Qwen2ForSampling", "Qwen3ForSampling", "Qwen3MoeForSampling",
+           "SpeculativeGenerator"]
 
 
 def __getattr__(name: str):

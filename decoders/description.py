@@ -1,4 +1,4 @@
-"""What a family description is made of: a config reader and the rotary frequency table.
+"""What a family description is made of: a config reader and the rotary frequency tables.
 
 A family (one file in families/) is a `Family`: the model types it runs and a
 `describe(config, fuse_qkv)` function that reads its config keys and returns the pieces
@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from decoders.blocks.attention import Rotary
 from decoders.blocks.layer import Decoder
 from decoders.config import NotSupportedYet
 
@@ -75,3 +76,28 @@ def rope_inverse_frequencies(scaling: dict, theta: float, dim: int) -> tuple[flo
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return tuple(float(f) for f in np.where(is_medium, smoothed, scaled).astype(np.float32))
+
+
+def longrope(scaling: dict, theta: float, dim: int, max_positions: int) -> Rotary:
+    """LongRoPE (Phi-3.5, Phi-4-mini) as HF computes it: the default frequencies over `dim`
+    features divided by short_factor (by long_factor past original_max_position_embeddings),
+    cos and sin scaled by attention_factor (by default sqrt(1 + ln(factor) / ln(original)),
+    factor max_positions / original unless the config gives it)."""
+    original = int(scaling["original_max_position_embeddings"])
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        factors[key] = np.asarray(scaling.get(key, ()), np.float64)
+        if factors[key].shape != (dim // 2,):
+            raise ValueError(f"rope_scaling {key} has {factors[key].size} values; LongRoPE over {dim} rotary "
+                             f"features needs {dim // 2}")
+    factor = float(scaling.get("factor") or max_positions / original)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+
+    def frequencies(ext: np.ndarray) -> tuple[float, ...]:
+        return tuple(float(f) for f in (1.0 / (ext * base)).astype(np.float32))
+
+    return Rotary(frequencies(factors["short_factor"]), scale=float(attention_factor),
+                  long_inv_freq=frequencies(factors["long_factor"]), original_context=original)

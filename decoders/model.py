@@ -70,6 +70,7 @@ class DecoderForSampling:
         self.token_buckets = bucketing.token_buckets(self._n_positions_or_default(n_positions))
         self.context_buckets = bucketing.context_buckets(self.token_buckets, context_length_estimate)
         self.n_positions = self.token_buckets[-1]
+        self.decoder = self.decoder.for_context(self.n_positions)
         self._check_position_table()
         if backend is None:
             from runtime import get_backend

@@ -100,6 +100,18 @@ def test_routing_picks_the_top_k_by_value_and_renormalises():
     assert ((ours > 0).sum(-1) == 2).all()
 
 
+def test_routing_without_renormalising_keeps_the_softmax_probabilities_as_qwen3_moe():
+    # Qwen3-MoE with norm_topk_prob=False: the chosen experts' probabilities as they are.
+    moe = MoE(PREFIX + "gate", _moe(8, 2).experts, 2, renormalise=False)
+    logits = np.random.default_rng(6).standard_normal((64, 8)).astype(np.float32)
+    ours = _routing(moe, logits)
+    probs = torch.softmax(torch.from_numpy(logits), dim=-1)
+    top, index = torch.topk(probs, 2, dim=-1)
+    expected = torch.zeros_like(probs).scatter(-1, index, top).numpy()
+    np.testing.assert_allclose(ours, expected, rtol=1e-6, atol=1e-7)
+    assert (ours.sum(-1) < 1 - 1e-3).all()
+
+
 def test_routing_near_tie_goes_to_the_larger_probability_whatever_its_index():
     moe = _moe(4, 1)
     near = np.float32(0.5) + np.float32(2.0**-18)

@@ -10,7 +10,7 @@ from decoders import NeuronAutoModelForCausalLM
 from tools.cli import main
 
 
-@pytest.fixture(scope="module", params=["gpt_neox", "bloom"])
+@pytest.fixture(scope="module", params=["gpt_neox", "bloom", "qwen3", "phi3"])
 def checkpoint(request, tmp_path_factory):
     directory = save(make_model(request.param), tmp_path_factory.mktemp(request.param))
     make_tokenizer().save_pretrained(directory)
@@ -35,6 +35,15 @@ def test_inspect_shows_the_family_and_its_pieces(checkpoint, capsys):
     out = capsys.readouterr().out
     assert f"({family})" in out
     pieces = {"gpt_neox": "layer norm, gelu MLP, rotary positions, parallel residual",
-              "bloom": "layer norm, gelu_tanh MLP, alibi positions, sequential residual, tied LM head"}
+              "bloom": "layer norm, gelu_tanh MLP, alibi positions, sequential residual, tied LM head",
+              "qwen3": "rms norm, gated silu MLP, rotary positions, sequential residual, tied LM head",
+              "phi3": "rms norm, gated silu MLP, rotary positions, sequential residual"}
+    # The fused q|k|v weight and the checkpoint tensors it is read from.
+    qkv_source = {"gpt_neox": "query_key_value", "bloom": "query_key_value", "qwen3": "self_attn.q_proj",
+                  "phi3": "self_attn.qkv_proj"}
     assert pieces[family] in out
-    assert "attn.qkv.weight" in out and "column" in out and "query_key_value" in out
+    assert "attn.qkv.weight" in out and "column" in out and qkv_source[family] in out
+    if family == "qwen3":
+        assert "attn.q_norm.weight" in out and "attn.k_norm.weight" in out
+    if family == "phi3":
+        assert "mlp.gate_up.weight" in out and "mlp.gate_up_proj" in out

@@ -24,7 +24,7 @@ TESTS = Path(__file__).resolve().parent
 # vocabulary's 320 rows to 321.
 DEGREES: dict = {"llama_gqa": (1, 2, 3, 4)}
 VARIANTS = ["llama_mha", "llama_gqa", "gpt_neox", "bloom", "gpt2", "opt", "opt_post_norm", "gptj", "mistral",
-            "qwen2", "mixtral"]
+            "qwen2", "mixtral", "qwen3", "qwen3_moe", "phi3", "phi3_longrope"]
 
 RUN = textwrap.dedent("""
     import json, sys, tempfile, pathlib
@@ -105,7 +105,8 @@ def test_each_device_holds_its_share_of_weights_and_caches(results, variant):
         # The device buffers hold exactly what the declarations give one device.
         assert run["device_bytes"] == [run["declared_weight_bytes"] + run["cache_bytes"]] * int(tp), tp
     # 2 KV heads are replicated over 4 devices, Bloom's 6 heads padded to 8: not an even split.
-    uneven = {"llama_gqa": ("3", "4"), "mistral": ("4",), "qwen2": ("4",), "mixtral": ("4",), "bloom": ("4",)}
+    uneven = {"llama_gqa": ("3", "4"), "mistral": ("4",), "qwen2": ("4",), "mixtral": ("4",), "bloom": ("4",),
+              "qwen3": ("4",), "qwen3_moe": ("4",), "phi3": ("4",), "phi3_longrope": ("4",)}
     for tp in sorted(runs)[1:]:
         if tp not in uneven.get(variant, ()):
             assert runs[tp]["sharded_weight_bytes"] * int(tp) == runs["1"]["sharded_weight_bytes"], tp

@@ -22,8 +22,14 @@ from transformers import (
     MixtralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 NEOX_SHAPE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -37,6 +43,17 @@ LLAMA_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hi
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                    rms_norm_eps=1e-5)
 WINDOW = 48                  # a 150-token sequence crosses it
+ROTARY_PAIRS = 6             # Phi-4-mini's rotary over 3/4 of each head: 12 of 16 features
+
+
+def longrope_scaling(original: int) -> dict:
+    """Phi-3.5 / Phi-4-mini's rope_scaling: LongRoPE factors per rotary pair, short and long."""
+    gen = torch.Generator().manual_seed(7)
+    return {"rope_type": "longrope", "partial_rotary_factor": 0.75, "rope_theta": 10000.0,
+            "original_max_position_embeddings": original,
+            "short_factor": (1 + torch.rand(ROTARY_PAIRS, generator=gen)).tolist(),
+            "long_factor": (1 + 10 * torch.rand(ROTARY_PAIRS, generator=gen)).tolist()}
+
 
 VARIANTS = {
     # parallel residual, rotary on a quarter of each head, untied head
@@ -72,6 +89,23 @@ VARIANTS = {
     # 4 experts, top 2
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**LLAMA_SHAPE, num_local_experts=4,
                                                         num_experts_per_tok=2)),
+    # per-head q and k norms; heads wider than hidden / heads (as Qwen3's 128 over 1024 / 16), tied
+    # head (as Qwen3-0.6B)
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**LLAMA_SHAPE, head_dim=32, tie_word_embeddings=True)),
+    # 4 experts of 32 rows, top 2, the kept probabilities not renormalised (Mixtral's are)
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(**LLAMA_SHAPE, head_dim=16, num_experts=4,
+                                                            num_experts_per_tok=2, moe_intermediate_size=32,
+                                                            norm_topk_prob=False)),
+    # Phi-3-mini: fused qkv_proj and gate_up_proj, grouped-query heads, a sliding window on every
+    # layer, untied head
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**LLAMA_SHAPE, sliding_window=WINDOW, pad_token_id=0,
+                                               bos_token_id=1, eos_token_id=2)),
+    # Phi-4-mini: rotary on 3/4 of each head, LongRoPE (a model of up to 512 positions runs its
+    # short factors; max_position_embeddings 4096 sets the attention factor), tied head
+    "phi3_longrope": lambda: Phi3ForCausalLM(Phi3Config(
+        **{**LLAMA_SHAPE, "max_position_embeddings": 4096}, original_max_position_embeddings=512,
+        rope_parameters=longrope_scaling(512), tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)),
 }
 
 
@@ -79,10 +113,12 @@ def make_model(variant: str, seed: int = 0):
     torch.manual_seed(seed)
     model = as_reference(VARIANTS[variant]())
     with torch.no_grad():
-        # HF initialises biases to 0; random ones check that they are read and added.
+        # HF initialises biases to 0 and norms to 1; random ones check that they are read and added.
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.copy_(torch.randn_like(p))
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
     return model
 
 

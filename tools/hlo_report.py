@@ -422,7 +422,7 @@ def format_model(model: Any, reports: Sequence[ModuleReport]) -> str:
         f"layers {decoder.n_layers}, hidden {attention.hidden}, heads {attention.n_heads} (kv "
         f"{attention.n_kv_heads}) x head_dim {attention.head_dim}, intermediate {mlp.intermediate}, "
         f"vocab {decoder.head.vocab_size}",
-        f"{decoder.layer.input_norm.kind} norm, {'gated ' if mlp.gate else ''}{mlp.activation} MLP, "
+        f"{decoder.layer.input_norm.kind} norm, {'gated ' if mlp.gated else ''}{mlp.activation} MLP, "
         f"{positions} positions, {decoder.layer.residual} residual{', tied LM head' if decoder.tied else ''}",
         f"amp {model.amp}, batch {model.batch_size}, n_positions {model.n_positions}; token buckets "
         f"{', '.join(map(str, model.token_buckets))}; context buckets "

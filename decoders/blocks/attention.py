@@ -1,6 +1,6 @@
-"""Attention piece: fused (per head or contiguous) or split QKV (optional biases), rotary
-(full, partial, interleaved) or ALiBi positions, optional sliding window, grouped-query
-heads, over an in-place KV cache.
+"""Attention piece: fused (per head or contiguous) or split QKV (optional biases), optional
+per-head norms of queries and keys (Qwen3, Gemma 3), rotary (full, partial, interleaved) or
+ALiBi positions, optional sliding window, grouped-query heads, over an in-place KV cache.
 
 Caches are [batch, kv_heads, n_positions, head_dim]; each step writes its new keys and
 values at `step.slot` (one in-place update for the whole batch) and attends over the first
@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from decoders.blocks.norm import Norm
 from decoders.blocks.params import Kind, Param, Shard, Source, Transform, per_head_qkv, rows, transposed
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
@@ -42,14 +43,36 @@ from pyhlo.scribe import HloValue
 @dataclass(frozen=True)
 class Rotary:
     """Rotary positions on the first `rotary_dim` features of every head (all of them unless
-    partial, as GPT-NeoX and GPT-J), paired "half" (Llama, NeoX) or "interleaved" (GPT-J)."""
+    partial, as GPT-NeoX and GPT-J), paired "half" (Llama, NeoX) or "interleaved" (GPT-J).
+
+    LongRoPE (Phi-3.5, Phi-4-mini) gives two sets of frequencies: `inv_freq` for a model of at
+    most `original_context` positions, `long_inv_freq` for a longer one (for_context() picks
+    one by the model's n_positions, as llama.cpp does by its context size), and scales cos and
+    sin by `scale`, its attention factor."""
 
     inv_freq: tuple[float, ...]
     style: str = "half"
+    scale: float = 1.0
+    long_inv_freq: tuple[float, ...] = ()
+    original_context: int = 0
+
+    def __post_init__(self) -> None:
+        long_ones = len(self.long_inv_freq)
+        if long_ones and (long_ones != len(self.inv_freq) or self.original_context < 1):
+            raise ValueError(f"long_inv_freq needs as many frequencies as inv_freq ({len(self.inv_freq)}), "
+                             f"got {long_ones}, and an original_context >= 1")
 
     @property
     def rotary_dim(self) -> int:
         return 2 * len(self.inv_freq)
+
+    def for_context(self, n_positions: int) -> Rotary:
+        """The frequencies a model of `n_positions` positions runs with (LongRoPE's long ones
+        past the original context); one set from then on."""
+        if not self.long_inv_freq:
+            return self
+        chosen = self.long_inv_freq if n_positions > self.original_context else self.inv_freq
+        return replace(self, inv_freq=chosen, long_inv_freq=(), original_context=0)
 
 
 @dataclass(frozen=True)
@@ -76,6 +99,10 @@ class Attention:
     out_bias: bool = False
     positions: Rotary | Alibi | None = None
     window: int | None = None
+    # Per-head norms of queries and keys (Qwen3, Gemma 3): Norms of width head_dim, each over
+    # every head's features, after the projection and before the rotary positions.
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
     # The program takes q, k and v as one fused weight (NeuronConfig.fuse_qkv) or three.
     fused: bool = True
     qkv_layout: str = "per_head"       # a fused checkpoint qkv: "per_head" | "contiguous"
@@ -109,6 +136,10 @@ class Attention:
         if self.stored_in_out and self.qkv is None and self.fused:
             # Source concatenates parts along axis 0, which is `in` for [in, out] tensors.
             raise ValueError("split q, k, v weights stored [in, out] cannot be fused; use fused=False")
+        for head_norm in (self.q_norm, self.k_norm):
+            if head_norm is not None and head_norm.width != self.head_dim:
+                raise ValueError(f"a per-head q or k norm has width head_dim {self.head_dim}, got "
+                                 f"{head_norm.width}")
         if isinstance(self.positions, Rotary) and not 0 < self.positions.rotary_dim <= self.head_dim:
             raise ValueError(f"rotary dimension {self.positions.rotary_dim} must be in 1..head_dim "
                              f"{self.head_dim}")
@@ -211,6 +242,9 @@ class Attention:
         declared = self._qkv_params(scope, "weight")
         if self.qkv_bias:
             declared += self._qkv_params(scope, "bias")
+        for name, head_norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
+            if head_norm is not None:
+                declared += head_norm.params(f"{scope}.{name}")
         declared.append(Param(f"{scope}.out.weight", Kind.LINEAR, (self.hidden, self.q_size), Shard.ROW,
                               Source((f"{self.out}.weight",), self._stored("weight")), unit=self.head_dim,
                               head_groups=self.n_kv_heads))
@@ -230,6 +264,10 @@ class Attention:
         q = reshape(q, (b, n, self.n_heads, self.head_dim))
         k = reshape(k, (b, n, self.n_kv_heads, self.head_dim))
         v = reshape(v, (b, n, self.n_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            q = self.q_norm(values.scoped("q_norm", self.q_norm), q)
+        if self.k_norm is not None:
+            k = self.k_norm(values.scoped("k_norm", self.k_norm), k)
         if isinstance(self.positions, Rotary):
             q, k = self._rotate(q, k, step.positions)
         q, k, v = (transpose(t, (0, 2, 1, 3)) for t in (q, k, v))     # [b, heads, n, d]
@@ -312,6 +350,8 @@ class Attention:
     def _rotate(self, q: HloValue, k: HloValue, positions: HloValue) -> tuple[HloValue, HloValue]:
         rotary = self.positions
         cos, sin = nn.rotary_cos_sin(positions, np.asarray(rotary.inv_freq, np.float32), rotary.style)
+        if rotary.scale != 1.0:
+            cos, sin = ew.multiply(cos, rotary.scale), ew.multiply(sin, rotary.scale)
         b, n = positions.dims
 
         def spread(table: HloValue, heads: int) -> HloValue:
@@ -360,6 +400,12 @@ class Attention:
         key_slots = ew.convert(self._key_slots(scribe, dims, 3, first), "f32")
         key_positions = ew.subtract(key_slots, broadcast(ew.convert(step.pad, "f32"), dims, [0]))
         return ew.multiply(broadcast(slopes, dims, [1]), key_positions)
+
+    def for_context(self, n_positions: int) -> Attention:
+        """This attention in a model of `n_positions` positions (Rotary.for_context)."""
+        if not isinstance(self.positions, Rotary):
+            return self
+        return replace(self, positions=self.positions.for_context(n_positions))
 
     def sharded(self, tp_degree: int, kv_sharding: KVSharding = KVSharding.HEADS) -> Attention:
         """One device's share over `tp_degree` devices (as decoders/parallel/sharding.py splits

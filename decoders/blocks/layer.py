@@ -80,6 +80,11 @@ class Decoder:
     def tied(self) -> bool:
         return self.head.weight is None
 
+    def for_context(self, n_positions: int) -> Decoder:
+        """The pieces of a model of `n_positions` positions (LongRoPE's frequencies: Rotary.for_context)."""
+        attention = self.layer.attention.for_context(n_positions)
+        return replace(self, layer=replace(self.layer, attention=attention))
+
     def sharded(self, tp_degree: int, kv_sharding: KVSharding = KVSharding.HEADS) -> Decoder:
         """The pieces as one device of `tp_degree` runs them (its share of the attention heads,
         keys and values shared out by `kv_sharding`); parameter declarations stay the whole

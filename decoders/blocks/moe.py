@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP piece (Mixtral): a router picks `top_k` experts per token, each a
-gated MLP, and their outputs are summed with the router's renormalised weights.
+"""Mixture-of-experts MLP piece (Mixtral, Qwen3-MoE): a router picks `top_k` experts per token,
+each a gated MLP, and their outputs are summed with the router's probabilities, renormalised
+over the chosen experts (Mixtral; Qwen3-MoE's norm_topk_prob) or as they are.
 
 The call is the MLP's (x in, x out), so `DecoderLayer` takes either. Each expert declares its
 weights as an `MLP` does, under "experts.E" (e.g. `mlp.experts.3.gate_up.weight`), so every
@@ -32,6 +33,8 @@ class MoE:
     router: str
     experts: tuple[MLP, ...]
     top_k: int
+    # The kept probabilities divided by their sum (Mixtral), or used as the softmax gave them.
+    renormalise: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= len(self.experts):
@@ -55,7 +58,8 @@ class MoE:
     def routing(self, logits: HloValue) -> HloValue:
         """f32 [..., n_experts] weights of router logits: softmax over every expert, the top_k
         probabilities kept (by value, as torch.topk; exact ties to the lower index, where
-        torch leaves the order unspecified) and renormalised to sum to 1; the others 0."""
+        torch leaves the order unspecified) and, with `renormalise`, scaled to sum to 1; the
+        others 0."""
         probs = nn.softmax(ew.convert(logits, "f32"))
         dims, last = probs.dims, len(probs.dims) - 1
         pairs = (*dims, dims[-1])                       # [..., e, j]: expert e against expert j
@@ -68,6 +72,8 @@ class MoE:
         # Expert e's rank: the experts ahead of it (more probable, or as probable with a lower index).
         rank = reduce_sum(ew.convert(ahead, "s32"), last + 1)
         kept = ew.select(ew.compare(rank, self.top_k, "LT"), probs, 0.0)
+        if not self.renormalise:
+            return kept
         return ew.divide(kept, nn.expand(reduce_sum(kept, last), dims, last))
 
     def __call__(self, values: PieceValues, x: HloValue) -> HloValue:

@@ -7,7 +7,7 @@ A GGUF file differs from a Hugging Face checkpoint in five ways, each undone her
    to float32 with ``gguf.quants.dequantize``.
 3. Shapes: GGUF lists dimensions fastest-varying first, the reverse of numpy's order.
 4. Rotary layout: llama.cpp's converter reorders the rows of the q and k projections
-   of "llama" files (see ``unpermute_rope_rows``), not of "qwen2" ones.
+   of "llama" files (see ``unpermute_rope_rows``), not of "qwen2", "qwen3" or "phi3" ones.
 5. Experts: a mixture of experts (Mixtral, written as "llama") stacks each expert weight
    into one tensor [n_expert, ...] (``blk.N.ffn_gate_exps``); it is read as one tensor per
    expert, with the names of HF's Mixtral checkpoints.
@@ -52,6 +52,9 @@ class GGUFArchitecture:
     expert_tensors: dict[str, str] = dataclasses.field(default_factory=dict)
     # (model_type, HF architecture) of a file with expert tensors.
     moe_model: tuple[str, str] | None = None
+    # Global tensors that are rotary settings, not weights (Phi-3's LongRoPE factors) -> their
+    # key in HF's rope_parameters.
+    rope_tensors: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 LLAMA = GGUFArchitecture(
@@ -120,7 +123,61 @@ QWEN2 = dataclasses.replace(
     moe_model=None,
 )
 
-ARCHITECTURES: dict[str, GGUFArchitecture] = {"llama": LLAMA, "qwen2": QWEN2}
+# Qwen3: Qwen2's names (without biases unless the file has them) and the per-head q and k norms.
+QWEN3 = dataclasses.replace(
+    QWEN2,
+    model_type="qwen3",
+    hf_architecture="Qwen3ForCausalLM",
+    block_tensors={**QWEN2.block_tensors, "attn_q_norm": "self_attn.q_norm",
+                   "attn_k_norm": "self_attn.k_norm"},
+)
+
+# Qwen3-MoE: Qwen3's attention, experts stacked as Mixtral's are; llama.cpp always renormalises
+# the chosen experts' weights for this architecture (norm_topk_prob).
+QWEN3_MOE = dataclasses.replace(
+    QWEN3,
+    model_type="qwen3_moe",
+    hf_architecture="Qwen3MoeForCausalLM",
+    block_tensors={**QWEN3.block_tensors, "ffn_gate_inp": "mlp.gate"},
+    config_keys={**QWEN3.config_keys, "moe_intermediate_size": ("expert_feed_forward_length",)},
+    config_defaults={**QWEN3.config_defaults, "norm_topk_prob": True},
+    expert_tensors={
+        "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+        "ffn_up_exps": "mlp.experts.{e}.up_proj",
+        "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    },
+    moe_model=("qwen3_moe", "Qwen3MoeForCausalLM"),
+)
+
+# Phi-3 / Phi-4: fused qkv and gate|up projections kept fused (ffn_up has the gate's rows then
+# the up's); rope.dimension_count is the rotary part of a head, not the head; LongRoPE's factors
+# are two global tensors.
+PHI3 = dataclasses.replace(
+    LLAMA,
+    model_type="phi3",
+    hf_architecture="Phi3ForCausalLM",
+    block_tensors={
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_up": "mlp.gate_up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    },
+    config_keys={**{k: v for k, v in LLAMA.config_keys.items() if k not in ("num_local_experts",
+                                                                            "num_experts_per_tok")},
+                 "head_dim": ("attention.key_length",),
+                 "sliding_window": ("attention.sliding_window",)},
+    config_defaults={**LLAMA.config_defaults, "max_position_embeddings": 4096},
+    rope_permuted={},
+    unsupported_tensors={},
+    expert_tensors={},
+    moe_model=None,
+    rope_tensors={"rope_factors_long": "long_factor", "rope_factors_short": "short_factor"},
+)
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3,
+                                              "qwen3moe": QWEN3_MOE, "phi3": PHI3}
 
 # tokenizer.ggml.<key> -> HF config key
 TOKEN_ID_KEYS = {
@@ -202,7 +259,13 @@ class GGUFCheckpoint(Checkpoint):
         self._arch_name = arch_name
         # HF name -> (GGUF tensor, config key of its rotary head count or None, expert index or None)
         self._tensors = {}
+        # rope_parameters key -> its values, from the architecture's rope_tensors
+        self._rope_tensors = {}
         for tensor in reader.tensors:
+            base = tensor.name.rpartition(".")[0]
+            if base in self.arch.rope_tensors:
+                self._rope_tensors[self.arch.rope_tensors[base]] = [float(f) for f in np.asarray(tensor.data)]
+                continue
             for hf_name, rope_heads, expert in self._hf_names(tensor):
                 self._tensors[hf_name] = (tensor, rope_heads, expert)
         self.config = self._config()
@@ -274,6 +337,8 @@ class GGUFCheckpoint(Checkpoint):
             if value is not None:
                 config[hf_key] = int(value)
 
+        if not config.get("sliding_window"):
+            config.pop("sliding_window", None)     # llama.cpp writes 0 for none
         config["rope_scaling"] = self._rope_scaling()
         # transformers 5 keeps theta and scaling together under one key.
         config["rope_parameters"] = {
@@ -281,6 +346,9 @@ class GGUFCheckpoint(Checkpoint):
             **(config["rope_scaling"] or {}),
             "rope_theta": config["rope_theta"],
         }
+        rotary = self._metadata.get(f"{self._arch_name}.rope.dimension_count")
+        if rotary is not None and int(rotary) != config["head_dim"]:
+            config["rope_parameters"]["partial_rotary_factor"] = int(rotary) / config["head_dim"]
         return config
 
     def _expert_config(self, config: dict) -> None:
@@ -306,9 +374,18 @@ class GGUFCheckpoint(Checkpoint):
     def _rope_scaling(self) -> dict | None:
         prefix = f"{self._arch_name}.rope.scaling."
         kind = self._metadata.get(prefix + "type")
+        if self._rope_tensors:
+            # LongRoPE's factors as tensors (llama.cpp's Phi-3), its attention factor as metadata.
+            if set(self._rope_tensors) != set(self.arch.rope_tensors.values()):
+                raise CheckpointError(f"{self.path}: LongRoPE needs both tensors "
+                                      f"{' and '.join(self.arch.rope_tensors)}; the file has one")
+            kind = "longrope"
         if kind in (None, "none"):
             return None
-        scaling = {"rope_type": kind}
+        scaling = {"rope_type": kind, **self._rope_tensors}
+        attention_factor = self._metadata.get(prefix + "attn_factor")
+        if attention_factor is not None:
+            scaling["attention_factor"] = float(attention_factor)
         factor = self._metadata.get(prefix + "factor")
         if factor is not None:
             scaling["factor"] = float(factor)

@@ -12,12 +12,15 @@ from decoders.families.llama import LlamaForSampling
 from decoders.families.mistral import MistralForSampling
 from decoders.families.mixtral import MixtralForSampling
 from decoders.families.opt import OPTForSampling
+from decoders.families.phi3 import Phi3ForSampling
 from decoders.families.qwen2 import Qwen2ForSampling
+from decoders.families.qwen3 import Qwen3ForSampling, Qwen3MoeForSampling
 from decoders.model import DecoderForSampling
 
 CLASSES: tuple[type[DecoderForSampling], ...] = (LlamaForSampling, GPTNeoXForSampling, BloomForSampling,
                                                  GPT2ForSampling, OPTForSampling, GPTJForSampling,
-                                                 MistralForSampling, Qwen2ForSampling, MixtralForSampling)
+                                                 MistralForSampling, Qwen2ForSampling, MixtralForSampling,
+                                                 Qwen3ForSampling, Qwen3MoeForSampling, Phi3ForSampling)
 
 
 def sampling_class(model_type: str | None) -> type[DecoderForSampling]:

@@ -2,7 +2,8 @@
 grouped-query attention; optional attention and MLP biases.
 
 `llama_layout` is the Llama description with the options its relatives change (Mistral,
-Qwen2, Mixtral): attention biases, one sliding window on every layer, another MLP piece.
+Qwen2, Qwen3, Mixtral): attention biases, one sliding window on every layer, per-head q and k
+norms, another MLP piece.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ LAYER = "model.layers.{i}."
 
 def llama_layout(config: ConfigReader, fuse_qkv: bool, *, qkv_bias: bool, out_bias: bool,
                  window: int | None = None, mlp: MLP | MoE | None = None,
-                 default_theta: float = 10000.0) -> Decoder:
-    """A Llama-shaped decoder; `mlp` None: the gated MLP (with biases when config's mlp_bias)."""
+                 default_theta: float = 10000.0, head_norms: bool = False) -> Decoder:
+    """A Llama-shaped decoder; `mlp` None: the gated MLP (with biases when config's mlp_bias);
+    `head_norms`: RMS norms of each head's queries and keys (self_attn.q_norm, k_norm)."""
     hidden = int(config.get("hidden_size"))
     n_heads = int(config.get("num_attention_heads"))
     head_dim = int(config.get("head_dim", default=hidden // n_heads))
@@ -25,8 +27,8 @@ def llama_layout(config: ConfigReader, fuse_qkv: bool, *, qkv_bias: bool, out_bi
     rope = config.rope()
     theta = float(rope.get("rope_theta") or config.get("rope_theta", default=default_theta))
 
-    def norm(name: str) -> Norm:
-        return Norm(name, hidden, "rms", eps=eps)
+    def norm(name: str, width: int = hidden) -> Norm:
+        return Norm(name, width, "rms", eps=eps)
 
     attention = Attention(
         out=LAYER + "self_attn.o_proj", q=LAYER + "self_attn.q_proj", k=LAYER + "self_attn.k_proj",
@@ -34,7 +36,9 @@ def llama_layout(config: ConfigReader, fuse_qkv: bool, *, qkv_bias: bool, out_bi
         n_kv_heads=int(config.get("num_key_value_heads", default=n_heads)), head_dim=head_dim,
         qkv_bias=qkv_bias, out_bias=out_bias,
         positions=Rotary(rope_inverse_frequencies(rope, theta, head_dim)),
-        window=None if window is None else int(window), fused=fuse_qkv)
+        window=None if window is None else int(window), fused=fuse_qkv,
+        q_norm=norm(LAYER + "self_attn.q_norm", head_dim) if head_norms else None,
+        k_norm=norm(LAYER + "self_attn.k_norm", head_dim) if head_norms else None)
     if mlp is None:
         mlp = MLP(up=LAYER + "mlp.up_proj", down=LAYER + "mlp.down_proj", gate=LAYER + "mlp.gate_proj",
                   hidden=hidden, intermediate=int(config.get("intermediate_size")),

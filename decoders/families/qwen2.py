@@ -21,7 +21,7 @@ def sliding_window(config: ConfigReader) -> int | None:
     sliding = {kind == "sliding_attention" for kind in kinds}
     if sliding == {True, False}:
         # One block program serves every layer, so every layer has the same attention.
-        raise NotSupportedYet("qwen2: a sliding window on only some layers "
+        raise NotSupportedYet(f"{config.family}: a sliding window on only some layers "
                               f"({kinds.count('sliding_attention')} of {len(kinds)}) is not supported yet; "
                               "every layer or none is")
     window = config.config.get("sliding_window", 4096)    # HF's default; an explicit null is no window
