@@ -74,7 +74,17 @@ class _QueueStreamer(TextStreamer):
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         if text:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, text)
+            _hand_over(self.loop, self.queue, text)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: str | None) -> None:
+    """Put item on an event loop's queue from the engine thread; nothing when that loop is
+    closed (the server exited at once, on a second signal: nobody reads it)."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 class Engine:
@@ -204,7 +214,7 @@ class Engine:
                              label or f"request-{request.id}", len(request.prompt), request.reused,
                              len(request.tokens), time.perf_counter() - arrived,
                              self._ended_by.pop(request.id, request.finish_reason))
-            loop.call_soon_threadsafe(queue.put_nowait, None)
+            _hand_over(loop, queue, None)
 
         greedy = sampling.temperature == 0
         options = dict(do_sample=not greedy, temperature=sampling.temperature if not greedy else 1.0,

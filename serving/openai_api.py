@@ -61,7 +61,7 @@ class _Common(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**63)     # a 64-bit seed, as vLLM takes
 
 
 class CompletionRequest(_Common):
