@@ -13,6 +13,13 @@ A request that fails ends alone with finish_reason "error" (the batcher draws th
 ContinuousBatcher.step). Should the thread itself stop on an error, every request it held or
 was sent ends with an error, `alive` turns false (the API's /health answers 503) and submit()
 raises EngineStopped.
+
+Its gauges (waiting and running requests, busy lines, KV-cache use) are read when /metrics is
+scraped, so they are true at every moment, idle included. The running and waiting requests
+and the KV-cache use are the three reads of the Kubernetes Gateway API inference extension's
+model-server protocol (vLLM's num_requests_running, num_requests_waiting, kv_cache_usage_perc).
+At most max_waiting requests wait for a line (QueueFull past that); stop_accepting() refuses
+new requests while the running ones finish (a graceful shutdown, serving/shutdown.py).
 """
 from __future__ import annotations
 
@@ -40,7 +47,11 @@ def show_request_log(shown: bool = True) -> None:
 
 
 class EngineStopped(RuntimeError):
-    """The engine thread is not running: no request can be served."""
+    """The engine thread is not running, or takes no new request: no request can be served."""
+
+
+class QueueFull(RuntimeError):
+    """max_waiting requests already wait for a batch line: try again later."""
 
 
 @dataclass
@@ -63,7 +74,17 @@ class _QueueStreamer(TextStreamer):
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         if text:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, text)
+            _hand_over(self.loop, self.queue, text)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: str | None) -> None:
+    """Put item on an event loop's queue from the engine thread; nothing when that loop is
+    closed (the server exited at once, on a second signal: nobody reads it)."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 class Engine:
@@ -75,8 +96,11 @@ class Engine:
     the thread: `failure` says what it was.
     """
 
-    def __init__(self, model: Any, name: str):
+    def __init__(self, model: Any, name: str, max_waiting: int | None = None):
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 (or None: no bound), got {max_waiting}")
         self.model = model
+        self.max_waiting = max_waiting
         self.name = name
         self.tokenizer = model.tokenizer
         self.batcher = ContinuousBatcher(model)
@@ -86,6 +110,10 @@ class Engine:
         self._ended_by: dict[int, str] = {}          # request id -> why it was cancelled (engine thread)
         self._thread = threading.Thread(target=self._run, name="pyhlo-engine", daemon=True)
         self.failure: str | None = None               # why the thread stopped, if an error stopped it
+        self.refusal: str | None = None               # why new requests are refused (stop_accepting)
+        # Requests submitted and not finished, by id: the event loop adds, the engine thread removes.
+        self._open: dict[int, Request] = {}
+        self._open_lock = threading.Lock()
         self.registry = CollectorRegistry()
         self.requests = Counter("pyhlo_requests", "Requests by how they ended", ["finish_reason"],
                                 registry=self.registry)
@@ -93,11 +121,22 @@ class Engine:
         self.cached_tokens = Counter("pyhlo_prompt_tokens_cached",
                                      "Prompt tokens found in a line's cached prefix", registry=self.registry)
         self.generated_tokens = Counter("pyhlo_generated_tokens", "Tokens generated", registry=self.registry)
+        # Gauges read at scrape time (set_function): never stale, idle or not.
         self.waiting = Gauge("pyhlo_waiting_requests", "Requests waiting for a batch line",
                              registry=self.registry)
+        self.waiting.set_function(self.waiting_requests)
+        self.running = Gauge("pyhlo_running_requests", "Requests in a batch line (being computed)",
+                             registry=self.registry)
+        self.running.set_function(lambda: self.batcher.active)
         self.busy_lines = Gauge("pyhlo_busy_lines", "Batch lines holding a request", registry=self.registry)
+        self.busy_lines.set_function(lambda: self.batcher.active)
         self.lines = Gauge("pyhlo_lines", "Batch lines (KV cache lines)", registry=self.registry)
         self.lines.set(model.batch_size)
+        # A request holds a whole line's cache (n_positions slots) from its admission to its end.
+        self.kv_cache_usage = Gauge("pyhlo_kv_cache_usage_ratio",
+                                    "Fraction of the KV cache held by running requests (0 to 1)",
+                                    registry=self.registry)
+        self.kv_cache_usage.set_function(lambda: self.batcher.active / len(self.batcher.lines))
         self.ttft = Histogram("pyhlo_time_to_first_token_seconds", "From arrival to the first token",
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
                               registry=self.registry)
@@ -112,13 +151,32 @@ class Engine:
         """The thread runs and serves requests."""
         return self._thread.is_alive() and self.failure is None
 
+    def waiting_requests(self) -> int:
+        """Requests submitted that no batch line holds yet (queued, or on their way in)."""
+        with self._open_lock:
+            return sum(1 for r in self._open.values() if r.line is None)
+
     def start(self) -> Engine:
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """End the thread; requests it still holds end with an error."""
         self._inbox.put(("stop", None, None))
         self._thread.join(timeout=30)
+
+    def stop_accepting(self, reason: str) -> None:
+        """Refuse new requests from now on (submit raises EngineStopped(reason)); running and
+        waiting ones go on."""
+        self.refusal = reason
+
+    def fail_waiting(self, error: str) -> None:
+        """End every request no line holds yet with this error (the running ones go on)."""
+        self._inbox.put(("fail_waiting", None, error))
+
+    def fail_running(self, error: str) -> None:
+        """End every request, running or waiting, with this error."""
+        self._inbox.put(("fail_all", None, error))
 
     # -- requests (from the event loop) ----------------------------------------------------
     def submit(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop,
@@ -128,6 +186,11 @@ class Engine:
         EngineStopped when the thread is not running, ValueError for a bad request."""
         if not self.alive:
             raise EngineStopped(self.failure or "the engine is not running")
+        if self.refusal is not None:
+            raise EngineStopped(self.refusal)
+        if self.max_waiting is not None and self.waiting_requests() >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests already wait for a batch line (the server's "
+                            f"--max-waiting); try again shortly")
         queue: asyncio.Queue = asyncio.Queue()
         streamer = _QueueStreamer(self.tokenizer, loop, queue)
         arrived = time.perf_counter()
@@ -143,13 +206,15 @@ class Engine:
                 streamer.put(torch.tensor([token]))
 
         def on_finish(request: Request) -> None:
+            with self._open_lock:
+                self._open.pop(request.id, None)
             streamer.end()
             self.requests.labels(request.finish_reason).inc()
             request_log.info("%s prompt_tokens=%d cached=%d completion_tokens=%d time=%.2fs finish_reason=%s",
                              label or f"request-{request.id}", len(request.prompt), request.reused,
                              len(request.tokens), time.perf_counter() - arrived,
                              self._ended_by.pop(request.id, request.finish_reason))
-            loop.call_soon_threadsafe(queue.put_nowait, None)
+            _hand_over(loop, queue, None)
 
         greedy = sampling.temperature == 0
         options = dict(do_sample=not greedy, temperature=sampling.temperature if not greedy else 1.0,
@@ -157,6 +222,8 @@ class Engine:
                        eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish)
         request = self.batcher.request(prompt, sampling.max_tokens, **options)     # a ValueError: bad request
         self.prompt_tokens.inc(len(prompt))
+        with self._open_lock:
+            self._open[request.id] = request
         self._inbox.put(("add", request, None))
         return request, queue
 
@@ -191,8 +258,6 @@ class Engine:
                 break
             if kind == "add":
                 self.batcher.fail(request, error)
-        self.waiting.set(0)
-        self.busy_lines.set(0)
 
     def _loop(self) -> None:
         batcher = self.batcher
@@ -204,14 +269,19 @@ class Engine:
                 except queues.Empty:
                     break
                 if kind == "stop":
+                    self._fail_everything("the server stopped before this request finished")
                     return
                 if kind == "add":
                     batcher.add(request)
+                elif kind == "fail_waiting":
+                    for waiting in list(batcher.waiting):
+                        batcher.fail(waiting, reason)
+                elif kind == "fail_all":
+                    batcher.fail_all(reason)
                 else:
                     if not request.done:
                         self._ended_by[request.id] = reason
                     batcher.cancel(request)
-            self.waiting.set(len(batcher.waiting))
             if batcher.busy:
                 try:
                     batcher.step()
@@ -221,4 +291,3 @@ class Engine:
                     log.exception("a batch step failed; ending its requests")
                     batcher.fail_all(f"a batch step failed: {type(error).__name__}: {error}")
                 self.steps.inc()
-            self.busy_lines.set(batcher.active)

@@ -11,6 +11,13 @@ fails while it runs is a 500 in that shape (an error event, then the end, in a s
 a finish_reason; its neighbours go on. A stopped engine is a 503, and /health says so. A
 client that goes away, streaming or not, has its request cancelled within a step, which frees
 its batch line.
+
+Guards before the app (create_app's settings): a body over max_request_bytes is a 413; with
+an api_key, every route but /health wants it as a Bearer token (401); a full waiting queue
+is a 429 with Retry-After; /docs and /openapi.json are served only with docs=True. Prompts
+are tokenized and chat templates rendered off the event loop, so streams go on meanwhile.
+A stream never shows any part of a stop string: text that may begin one is held back until
+the following text settles it.
 """
 from __future__ import annotations
 
@@ -25,14 +32,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from serving.engine import Engine, EngineStopped, Sampling
-from serving.stop_strings import cut_at_stop
+from serving.auth import BearerAuth
+from serving.engine import Engine, EngineStopped, QueueFull, Sampling
+from serving.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
+from serving.stop_strings import cut_at_stop, held_back
+from serving.text_checks import invalid_text
 
 # How often a handler waiting for text checks that its client is still there and the engine
 # still runs: well under a decode step, so a request whose client left ends within a step.
 POLL_S = 0.02
+# What a 429 (the waiting queue is full) tells a client to wait before it tries again.
+RETRY_AFTER_S = 1
 
 
 class _Common(BaseModel):
@@ -48,7 +61,7 @@ class _Common(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**63)     # a 64-bit seed, as vLLM takes
 
 
 class CompletionRequest(_Common):
@@ -93,9 +106,23 @@ def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text, False) if cut is None else (text[:cut], True)
 
 
-def create_app(engine: Engine) -> FastAPI:
-    app = FastAPI(title="pyhlo", description="OpenAI-compatible completions over a pyhlo model")
+def create_app(engine: Engine, *, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, docs: bool = False) -> FastAPI:
+    """The API over a started engine. api_key: wanted as a Bearer token on every route but
+    /health (None: open); max_request_bytes: larger bodies get a 413; docs: serve /docs and
+    /openapi.json. The waiting queue's bound is the engine's (Engine(max_waiting=...))."""
+    shown = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pyhlo", description="OpenAI-compatible completions over a pyhlo model", **shown)
     app.state.engine = engine
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)        # added last: runs first
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, error: QueueFull) -> JSONResponse:
+        response = _error(429, str(error), code="queue_full")
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -154,6 +181,19 @@ def create_app(engine: Engine) -> FastAPI:
                                             add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    async def tokenized(make_prompt, body: _Common) -> list[int]:
+        """make_prompt(body) in a worker thread (tokenizing a long prompt takes long), once every
+        string of the body is known to be valid Unicode."""
+        bad = invalid_text(body.model_dump())
+        if bad is not None:
+            raise ApiError(400, bad[1], bad[0] or None, "invalid_unicode")
+        return await run_in_threadpool(make_prompt, body)
+
+    def failure_status() -> int:
+        """A request the engine ended with an error: 503 while the server shuts down (a client
+        may try another replica), 500 otherwise."""
+        return 503 if engine.refusal is not None else 500
+
     async def run(http: Request, body: _Common, prompt: list[int], chat: bool):
         check_model(body.model)
         if not prompt:
@@ -187,7 +227,7 @@ def create_app(engine: Engine) -> FastAPI:
         except EngineStopped as error:
             raise ApiError(503, str(error)) from None
         if not stopped and request.finish_reason == "error":
-            raise ApiError(500, request.error or "the request failed")
+            raise ApiError(failure_status(), request.error or "the request failed")
         reason = "stop" if stopped else _reason(request.finish_reason)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(request.tokens),
                  "total_tokens": len(prompt) + len(request.tokens),
@@ -238,16 +278,19 @@ def create_app(engine: Engine) -> FastAPI:
                      "choices": [choice]}
             return f"data: {json.dumps(chunk)}\n\n"
 
-        sent, stopped = "", False
+        # text: everything received, up to a stop string once one is found; sent: what the
+        # client has. The end of text that may begin a stop string waits for what follows.
+        text, sent, stopped = "", 0, False
         try:
             if chat:
                 yield event(None, None, first=True)
             try:
                 async for piece in _pieces(None, request, pieces):
-                    text, stopped = _cut_at_stop(sent + piece, stops)
-                    if len(text) > len(sent):
-                        yield event(text[len(sent):], None)
-                        sent = text
+                    text, stopped = _cut_at_stop(text + piece, stops)
+                    ready = len(text) if stopped else len(text) - held_back(text, stops)
+                    if ready > sent:
+                        yield event(text[sent:ready], None)
+                        sent = ready
                     if stopped:
                         engine.cancel(request, "stop")
                         break
@@ -255,10 +298,14 @@ def create_app(engine: Engine) -> FastAPI:
                 failed = _error_body(503, str(error))
             else:
                 failed = None if stopped or request.finish_reason != "error" else \
-                    _error_body(500, request.error or "the request failed")
-            if failed is not None:           # an error event (as OpenAI's clients read it), then the end
+                    _error_body(failure_status(), request.error or "the request failed")
+            if failed is not None:
+                # An error event (OpenAI's clients raise it), then the end, as vLLM ends a stream.
                 yield f"data: {json.dumps(failed)}\n\n"
+                yield "data: [DONE]\n\n"
                 return
+            if len(text) > sent:              # held back, and no stop string came: it is text
+                yield event(text[sent:], None)
             yield event(None, "stop" if stopped else _reason(request.finish_reason))
             yield "data: [DONE]\n\n"
         finally:
@@ -268,11 +315,11 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(http: Request, body: CompletionRequest):
-        return await run(http, body, completion_prompt(body), chat=False)
+        return await run(http, body, await tokenized(completion_prompt, body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request, body: ChatRequest):
-        return await run(http, body, chat_prompt(body), chat=True)
+        return await run(http, body, await tokenized(chat_prompt, body), chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -281,8 +328,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not engine.alive:
-            return _error(503, engine.failure or "the engine is not running")
+        if not engine.alive or engine.refusal is not None:
+            return _error(503, engine.failure or engine.refusal or "the engine is not running")
         return {"status": "ok"}
 
     @app.get("/metrics")

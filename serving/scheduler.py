@@ -208,8 +208,7 @@ class ContinuousBatcher:
         except Exception as error:
             self._program_failed([r], error)
             return
-        r.written += len(part)
-        self.prompt_tokens_written += len(part)
+        self._wrote(r, len(part))
         if r.written == len(r.prompt):
             self._give(r, row)
 
@@ -232,15 +231,15 @@ class ContinuousBatcher:
         slots = np.full(b, session.n_positions, np.int32)
         last_index = np.zeros(b, np.int32)
         choosing = []                       # requests whose next token this step gives
+        parts = {}                          # request id -> prompt tokens this step writes
         for r in active:
             if r.written < len(r.prompt):
                 part = r.prompt[r.written:r.written + width]
                 tokens[r.line, :len(part)] = part
                 slots[r.line] = r.written
                 last_index[r.line] = len(part) - 1
-                r.written += len(part)
-                self.prompt_tokens_written += len(part)
-                if r.written == len(r.prompt):
+                parts[r.id] = len(part)
+                if r.written + len(part) == len(r.prompt):
                     choosing.append(r)
             else:
                 tokens[r.line, 0] = r.tokens[-1]
@@ -252,6 +251,9 @@ class ContinuousBatcher:
         except Exception as error:
             self._program_failed(active, error)
             return
+        # Only now are these tokens in the cache.
+        for r in active:
+            self._wrote(r, parts.get(r.id, 0))
         for r in choosing:
             self._give(r, rows[r.line])
 
@@ -260,11 +262,10 @@ class ContinuousBatcher:
         session = self.session
         tokens = np.zeros(len(active), np.int32)
         slots = np.zeros(len(active), np.int32)
+        prompting = [r.written < len(r.prompt) for r in active]     # the prompt's last token
         for i, r in enumerate(active):
-            if r.written < len(r.prompt):                  # the prompt's last token
+            if prompting[i]:
                 tokens[i], slots[i] = r.prompt[r.written], r.written
-                r.written += 1
-                self.prompt_tokens_written += 1
             else:
                 tokens[i], slots[i] = r.tokens[-1], r.length - 1
         lines = np.array([r.line for r in active], np.int32)
@@ -273,8 +274,15 @@ class ContinuousBatcher:
         except Exception as error:
             self._program_failed(active, error)
             return
+        for r, prompted in zip(active, prompting):
+            self._wrote(r, int(prompted))
         for i, r in enumerate(active):
             self._give(r, logits[i])
+
+    def _wrote(self, r: Request, n: int) -> None:
+        """n more of r's prompt tokens are in its line's cache (a program that wrote them succeeded)."""
+        r.written += n
+        self.prompt_tokens_written += n
 
     def _admit(self) -> None:
         """Waiting requests, first come first served, each into the free line that holds the

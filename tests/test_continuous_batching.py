@@ -259,6 +259,40 @@ def test_a_failing_shared_step_ends_the_requests_in_it_and_the_batcher_goes_on(t
     assert again.reused == 0 and again.tokens == hf_greedy(hf, [5, 6, 7], 8)
 
 
+def test_a_failed_step_leaves_no_prefix_claims(tiny_llama):
+    """A prompt token counts as written (and may be kept as a line's prefix) only once the
+    program that writes it has succeeded: after a failed step, in the program over every line
+    or in the one for a few rows, no request claims tokens in the cache and no line keeps any."""
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    model = batched_model(path, lines=2)
+    batcher = ContinuousBatcher(model)
+    session = model.session
+    programs = {"decode_lines": session.decode_lines, "step_every_line": session.step_every_line}
+
+    def failing(*args):
+        raise RuntimeError("the device step failed")
+
+    session.decode_lines = session.step_every_line = failing
+    # One-token prompts: their only token goes into the decode step. Two lines: the program
+    # over every line; then one line alone: the program for one row.
+    both = [batcher.submit([5], max_new_tokens=4), batcher.submit([9], max_new_tokens=4)]
+    batcher.step()
+    alone = batcher.submit([7], max_new_tokens=4)
+    batcher.step()
+    for request in [*both, alone]:
+        assert request.finish_reason == "error" and "the device step failed" in request.error
+        assert request.written == 0 and request.tokens == []
+    assert batcher.prompt_tokens_written == 0 and batcher.kept == [[], []] and not batcher.busy
+    session.decode_lines, session.step_every_line = programs["decode_lines"], programs["step_every_line"]
+    again = batcher.submit([5, 6, 7], max_new_tokens=6)
+    for _ in range(50):
+        if not batcher.busy:
+            break
+        batcher.step()
+    assert again.reused == 0 and again.tokens == hf_greedy(hf, [5, 6, 7], 6)
+    assert batcher.prompt_tokens_written == 3
+
+
 def test_extreme_sampling_values_choose_tokens_without_raising(tiny_llama):
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
     batcher = ContinuousBatcher(batched_model(path))

@@ -10,6 +10,13 @@ endpoints:
 
 A request that fails ends alone, as a 500 in OpenAI's error shape (an error event in a stream).
 
+Among other servers: --api-key (or PYHLO_API_KEY) wants a Bearer key on every route but
+/health; --max-waiting bounds the queue (429 with Retry-After past it); bodies over
+--max-request-bytes get a 413; /metrics serves the waiting and running requests and the
+KV-cache use an inference gateway balances replicas by. SIGTERM or Ctrl-C: no new requests
+(503), the waiting ones fail, the running ones get --shutdown-timeout seconds to finish; a
+second signal exits at once. /docs only with --enable-docs.
+
 While it starts, a line on stderr names each step (reading the model, compiling, placing
 the weights, loading the tokenizer); once it serves, a line per finished request (its id,
 prompt and completion tokens, time, finish reason) unless --no-request-log.
@@ -24,6 +31,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import time
@@ -59,7 +67,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's name in the API (default: the file or folder name)")
     parser.add_argument("--no-request-log", action="store_true",
                         help="no line on stderr per finished request (id, tokens, time, finish reason)")
+    _add_guard_arguments(parser)
     add_quant_argument(parser)
+
+
+def _add_guard_arguments(parser: argparse.ArgumentParser) -> None:
+    """What keeps the server whole among other servers and clients."""
+    from serving.limits import DEFAULT_MAX_REQUEST_BYTES
+    from serving.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+    parser.add_argument("--api-key", default=os.environ.get("PYHLO_API_KEY") or None,
+                        help="clients must send 'Authorization: Bearer KEY' (the openai client's api_key) on "
+                             "every route but /health (default: $PYHLO_API_KEY; unset: no key)")
+    parser.add_argument("--max-waiting", type=int, metavar="N",
+                        help="at most N requests wait for a batch line; more get a 429 with Retry-After "
+                             "(default: no bound)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                        help=f"larger request bodies get a 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 8 MiB)")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+                        help="on SIGTERM or Ctrl-C, how long running requests may still take before they "
+                             f"are ended (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g} s); a second signal exits "
+                             "at once")
+    parser.add_argument("--enable-docs", action="store_true",
+                        help="serve the API's /docs and /openapi.json (off by default)")
 
 
 def _phase(what: str) -> None:
@@ -91,7 +121,8 @@ def build_engine(args: argparse.Namespace) -> Any:
     _phase("placing the weights")
     model.to_neuron()
     _phase("loading the tokenizer")
-    return Engine(model, args.served_model_name or pathlib.Path(path).name)      # reads the tokenizer
+    return Engine(model, args.served_model_name or pathlib.Path(path).name,         # reads the tokenizer
+                  max_waiting=args.max_waiting)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,14 +130,18 @@ def run(args: argparse.Namespace) -> int:
 
     from serving.engine import show_request_log
     from serving.openai_api import create_app
+    from serving.shutdown import GracefulServer
 
     started = time.perf_counter()
     show_request_log(not args.no_request_log)
     engine = build_engine(args).start()
     print(f"pyhlo serve: {engine.name} on http://{args.host}:{args.port}/v1 ({args.batch_size} lines, "
           f"context {engine.n_positions}; ready in {time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    app = create_app(engine, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                     docs=args.enable_docs)
     try:
-        uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+        GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"), engine,
+                       shutdown_timeout=args.shutdown_timeout).run()
     finally:
         engine.stop()
     return 0
