@@ -4,7 +4,7 @@
     engine.py       Engine: the thread that steps the batcher, with Prometheus metrics
     openai_api.py   create_app(engine): the OpenAI-compatible HTTP API (FastAPI)
     limits.py       BodySizeLimit: a body over the bound is a 413 before it is parsed
-    auth.py         BearerAuth: the API key on every route but /health
+    auth.py         BearerAuth: the API key on every route but /health and /metrics
     text_checks.py  invalid_text: strings that are not valid Unicode (lone surrogates)
     shutdown.py     GracefulServer: uvicorn that drains the engine on SIGTERM
     stop_strings.py where a stop string begins, and how much text may still begin one

@@ -1,13 +1,15 @@
-"""API keys: with a key set, every route but /health wants `Authorization: Bearer <key>`, as
-OpenAI's clients send their api_key; anything else is a 401 in OpenAI's error shape. /health
-stays open so that a load balancer's probe needs no key."""
+"""API keys: with a key set, every route but /health and /metrics wants `Authorization: Bearer
+<key>`, as OpenAI's clients send their api_key; anything else is a 401 in OpenAI's error shape.
+/health stays open so that a load balancer's probe needs no key, and /metrics so that
+Prometheus and an inference gateway's endpoint picker, which scrape without one, can read the
+load (vLLM guards only its /v1 routes for the same reason)."""
 from __future__ import annotations
 
 import secrets
 
 from serving.limits import ASGIApp, Receive, Scope, Send, send_error
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/metrics")
 
 
 class BearerAuth:

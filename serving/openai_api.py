@@ -13,7 +13,7 @@ client that goes away, streaming or not, has its request cancelled within a step
 its batch line.
 
 Guards before the app (create_app's settings): a body over max_request_bytes is a 413; with
-an api_key, every route but /health wants it as a Bearer token (401); a full waiting queue
+an api_key, every route but /health and /metrics wants it as a Bearer token (401); a full waiting queue
 is a 429 with Retry-After; /docs and /openapi.json are served only with docs=True. Prompts
 are tokenized and chat templates rendered off the event loop, so streams go on meanwhile.
 A stream never shows any part of a stop string: text that may begin one is held back until

@@ -189,11 +189,11 @@ def bad_requests() -> list[tuple[str, str, dict, int]]:
               ("GET", "/v1/nothing", {}, 404),
               ("POST", "/v1/engines/smollm2/completions", {"json": COMPLETION}, 404),
               ("GET", "/docs", {}, 404), ("GET", "/openapi.json", {}, 404), ("GET", "/redoc", {}, 404)]
-    for path in ("/v1/completions", "/v1/models", "/metrics"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
         for header in (None, "Bearer wrong-key", f"Basic {KEY}", "Bearer", f"Bearer {KEY}x", f"Token {KEY}",
                        f"Bearer {KEY[:-1]}"):
             headers = {"Authorization": header} if header is not None else {}
-            cases.append(("POST" if path == "/v1/completions" else "GET", path,
+            cases.append(("GET" if path == "/v1/models" else "POST", path,
                           {"json": COMPLETION, "headers": headers, "auth_given": True}, 401))
     return cases
 
@@ -272,7 +272,7 @@ def test_a_body_over_the_limit_is_a_413_declared_or_chunked_and_the_server_keeps
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
-def test_the_api_key_guards_every_route_but_health(served):
+def test_the_api_key_guards_every_route_but_health_and_metrics(served):
     import openai
 
     with pytest.raises(openai.AuthenticationError):
@@ -282,6 +282,7 @@ def test_the_api_key_guards_every_route_but_health(served):
     lower = httpx.get(served.base + "/v1/models", headers={"Authorization": f"bearer {KEY}"}, timeout=30)
     assert lower.status_code == 200                                 # the scheme is case-insensitive
     assert httpx.get(served.base + "/metrics", headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(served.base + "/metrics", timeout=30).status_code == 200   # scrapers send no key
 
 
 def test_docs_are_served_only_when_asked(served):

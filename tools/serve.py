@@ -78,7 +78,7 @@ def _add_guard_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--api-key", default=os.environ.get("PYHLO_API_KEY") or None,
                         help="clients must send 'Authorization: Bearer KEY' (the openai client's api_key) on "
-                             "every route but /health (default: $PYHLO_API_KEY; unset: no key)")
+                             "every route but /health and /metrics (default: $PYHLO_API_KEY; unset: no key)")
     parser.add_argument("--max-waiting", type=int, metavar="N",
                         help="at most N requests wait for a batch line; more get a 429 with Retry-After "
                              "(default: no bound)")
