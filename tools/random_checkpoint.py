@@ -72,6 +72,7 @@ def random_checkpoint(shape: str, cache_dir: pathlib.Path | None = None) -> path
     partial = pathlib.Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{target.name}."))
     try:
         write_random_llama(SHAPES[shape], partial)
+        os.chmod(partial, 0o755)  # mkdtemp's folder is private; the cache's folders are readable
         try:
             os.rename(partial, target)
         except OSError:  # another process finished first: keep its copy

@@ -74,6 +74,7 @@ def _write_atomically(target: pathlib.Path, write) -> None:
     os.close(fd)
     try:
         write(pathlib.Path(partial))
+        os.chmod(partial, 0o644)  # mkstemp's file is private; the cache's files are readable
         os.replace(partial, target)
     except BaseException:
         pathlib.Path(partial).unlink(missing_ok=True)

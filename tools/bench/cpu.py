@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from tools.bench import peers, report
-from tools.bench.machine import OtherLoad, machine_info, measure_bandwidth
+from tools.bench.machine import OtherLoad, machine_info, measure_bandwidth, measure_matmul_rate
 from tools.bench.pyhlo_runner import pyhlo_options
 from tools.bench.rounds import measure_config, new_row
 from tools.bench.settings import default_or_given_model, resolve_engines, resolve_settings
@@ -52,6 +52,24 @@ def weight_bytes(model_path: pathlib.Path, amp: str, n_positions: int) -> int:
     declared += [(p, 1) for p in builder.shared_params()]
     return sum(math.prod(spec.dims) * byte_size(spec.dtype) * n
                for p, n in declared if p.kind is not Kind.TABLE or p.part_of for spec in [builder.spec(p)])
+
+
+def layer_flops_per_token(model_path: pathlib.Path) -> float:
+    """2 x the decoder layers' weight elements: the multiply-adds of one prompt token's pass
+    through the layers (attention's own products and the LM head, run for the last token only,
+    left out)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from decoders.checkpoints import open_checkpoint
+
+    with open_checkpoint(model_path) as checkpoint:
+        config = dict(checkpoint.config)
+    config = AutoConfig.for_model(config.pop("model_type"), **config)
+    with torch.device("meta"):  # shapes only, no memory
+        model = AutoModelForCausalLM.from_config(config)
+    layers = model.get_decoder().layers
+    return 2.0 * sum(p.numel() for p in layers.parameters() if p.dim() >= 2)
 
 
 def make_prompts(model_path: pathlib.Path, batch: int, length: int) -> list[list[int]]:
@@ -92,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
     print("measuring memory bandwidth ...", file=sys.stderr)
     probes: list[dict] = []
     probe_bandwidth()
+    print("measuring the f32 matrix-product rate ...", file=sys.stderr)
+    load.wait()
+    prefill = {"flops_per_token": layer_flops_per_token(model_path),
+               "matmul": measure_matmul_rate(settings["threads"])}
     prompts_all = make_prompts(model_path, max(settings["batches"]), settings["prompt_tokens"])
 
     results: list[dict] = []
@@ -132,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                 "engines": engines, "amps": settings["amps"], "batches": settings["batches"],
                 "quick": bool(args.quick)}
     full_report = report.assemble(report.SCHEMA, machine_info(), workload, bandwidth, sizes, results, busy,
-                                  settings, notes, buckets)
+                                  settings, notes, buckets, prefill)
     paths = report.write_all(full_report, out)
     print(report.markdown(full_report))
     print(f"wrote {paths['json']}, {paths['md']}, {paths['png']}", file=sys.stderr)

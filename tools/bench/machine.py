@@ -91,6 +91,26 @@ def measure_bandwidth(array_mb: int, threads: int, repeats: int = 7) -> dict:
             "probes_gb_per_s": medians, "array_mb": array_mb, "threads": threads}
 
 
+def measure_matmul_rate(threads: int, size: int = 2048, repeats: int = 5) -> dict:
+    """The f32 FLOP rate of a large matrix product (torch's, over `threads` threads): what the
+    CPU reaches on dense f32 work, against which a prefill's rate is given."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        samples = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            torch.mm(a, b)
+            samples.append(2 * size**3 / (time.perf_counter() - started) / 1e9)
+    finally:
+        torch.set_num_threads(before)
+    return {"gflop_per_s": float(np.median(samples[1:])), "method": f"torch f32 matmul {size}x{size}x{size}",
+            "samples_gflop_per_s": samples[1:], "threads": threads}
+
+
 # -- a device: CUDA for torch and jax, its name and copy rate --------------------------
 DEVICES = ("cpu", "cuda")
 TORCH_CUDA_HINT = ("install torch with CUDA from PyTorch's own wheels, e.g. pip install torch --index-url "

@@ -27,7 +27,7 @@ import pathlib
 from typing import Any, Callable, Sequence
 
 from tools.bench.machine import DISTURBED, RETRIES, machine_info
-from tools.bench.stats import median_of, ratio, roofline_fraction, roofline_ms
+from tools.bench.stats import median_of, prefill_rate, ratio, roofline_fraction, roofline_ms
 
 SCHEMA = "pyhlo-bench/1"
 DEVICE_SCHEMA = "pyhlo-bench-device/1"
@@ -35,8 +35,8 @@ ENGINE_LABELS = {"pyhlo": "pyhlo", "hf": "HF transformers", "hf-compiled": "HF s
                  "llamacpp": "llama.cpp"}
 PEERS = ("hf", "hf-compiled", "llamacpp")
 TABLE_COLUMNS = (
-    "engine", "amp", "batch", "TTFT ms", "decode tok/s", "ms/step", "roofline",
-    "vs HF", "vs llama.cpp", "load s", "peak RSS MB", "same tokens",
+    "engine", "amp", "batch", "TTFT ms", "prefill tok/s", "prefill % of f32 GEMM", "decode tok/s", "ms/step",
+    "roofline", "vs HF", "vs llama.cpp", "load s", "peak RSS MB", "same tokens",
 )
 DEVICE_TABLE_COLUMNS = ("engine", "amp", "batch", "TTFT ms", "decode tok/s", "ms/step", "% of floor",
                         "compile s", "same tokens")
@@ -72,6 +72,20 @@ def add_roofline_fractions(rows: list[dict], weight_bytes: dict[str, float],
         if row["status"] == "ok":
             row["roofline_fraction"] = roofline_fraction(weight_bytes[row["amp"]], bandwidth_bytes_per_s,
                                                          median_of(row["ms_per_step"]))
+
+
+def add_prefill_rates(rows: list[dict], prompt_tokens: int, flops_per_token: dict[str, float],
+                      matmul_gflop_per_s: float | None) -> None:
+    """Fill each ok row's `prefill_tokens_per_s` (from its TTFT) and `prefill_gemm_fraction`:
+    its FLOP rate (flops_per_token[amp] per prompt token) over the measured f32 GEMM rate."""
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        row["prefill_tokens_per_s"] = prefill_rate(row["ttft_ms"], prompt_tokens, row["batch"])
+        rate = median_of(row["prefill_tokens_per_s"])
+        flops = flops_per_token.get(row["amp"])
+        row["prefill_gemm_fraction"] = (rate * flops / (matmul_gflop_per_s * 1e9)
+                                        if rate and flops and matmul_gflop_per_s else None)
 
 
 def add_comparisons(rows: list[dict]) -> None:
@@ -110,14 +124,18 @@ WEIGHT_SECTIONS: dict[str, tuple[str, Callable[[int, float], dict]]] = {
 
 def assemble(schema: str, machine: dict, workload: dict, bandwidth: dict, weight_bytes: dict[str, int],
              results: list[dict], other_load: list[dict], settings: dict, notes: Sequence[str] = (),
-             buckets: list[dict] | None = None) -> dict:
+             buckets: list[dict] | None = None, prefill: dict | None = None) -> dict:
     """A run's report: each ok row's share of the bandwidth floor and its ratios to the peers filled
     in, the weight section of `schema`, and the notes a reader should not miss after `notes`.
-    `weight_bytes[amp]`: bytes a decode step reads; `buckets`: the CPU run's bucket rows."""
+    `weight_bytes[amp]`: bytes a decode step reads; `buckets`: the CPU run's bucket rows;
+    `prefill`: {"flops_per_token", "matmul"} for the prefill columns (add_prefill_rates)."""
     bytes_per_s = bandwidth["gb_per_s"] * 1e9
     section, entry = WEIGHT_SECTIONS[schema]
     add_roofline_fractions(results, weight_bytes, bytes_per_s)
     add_comparisons(results)
+    if prefill is not None:
+        flops = {amp: prefill["flops_per_token"] for amp in weight_bytes}
+        add_prefill_rates(results, workload["prompt_tokens"], flops, prefill["matmul"]["gflop_per_s"])
     report = {
         "schema": schema,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -129,6 +147,8 @@ def assemble(schema: str, machine: dict, workload: dict, bandwidth: dict, weight
     }
     if buckets is not None:
         report["buckets"] = buckets
+    if prefill is not None:
+        report["prefill"] = prefill
     report["other_load"] = other_load
     report["notes"] = [*notes, *notes_for(results, settings), *busy_notes(other_load)]
     return report
@@ -258,7 +278,8 @@ def rows_table(columns: Sequence[str], rows: Sequence[dict], cells: Callable[[di
 def results_table(rows: Sequence[dict]) -> str:
     """The CPU report's table: speed, roofline share, ratios to HF and llama.cpp, load, memory."""
     return rows_table(TABLE_COLUMNS, rows, lambda row: [
-        spread(row["ttft_ms"]), spread(row["decode_tokens_per_s"]),
+        spread(row["ttft_ms"]), spread(row.get("prefill_tokens_per_s")),
+        _percent(row.get("prefill_gemm_fraction")), spread(row["decode_tokens_per_s"]),
         spread(row["ms_per_step"], 2), _percent(row.get("roofline_fraction")),
         _times(row["vs"].get("hf")), _times(row["vs"].get("llamacpp")), _num(row.get("load_s")),
         _num(row.get("peak_rss_mb"), 0), agreement_cell(row),
@@ -320,6 +341,13 @@ def report_markdown(report: dict) -> str:
             out.append(f"- roofline {amp}: {_num(roof['weight_bytes'] / 1e6, 1)} MB of weights per step -> "
                        f"at least {roof['min_ms_per_step']:.2f} ms per step "
                        f"(at most {roof['max_tokens_per_s_batch1']:.0f} tokens/s at batch 1)")
+    prefill = report.get("prefill")
+    if prefill:
+        matmul = prefill["matmul"]
+        out.append(f"- prefill: {prefill['flops_per_token'] / 1e9:.2f} GFLOP per prompt token in the layers' "
+                   f"products; the f32 GEMM rate measured here: {matmul['gflop_per_s']:.0f} GFLOP/s "
+                   f"({matmul['method']}, {matmul['threads']} threads); \"prefill % of f32 GEMM\" is a "
+                   "row's prefill FLOP rate over that")
     paths = sorted({(r["amp"], r["batch"], json.dumps(r["info"]["kernel_rows"])) for r in report["results"]
                     if r.get("status") == "ok" and r.get("info", {}).get("kernel_rows")})
     if paths:

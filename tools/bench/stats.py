@@ -59,6 +59,14 @@ def roofline_ms(weight_bytes: float, bandwidth_bytes_per_s: float) -> float:
     return weight_bytes / bandwidth_bytes_per_s * 1e3
 
 
+def prefill_rate(ttft_ms: dict | None, prompt_tokens: int, batch: int) -> dict | None:
+    """Prompt tokens per second over the time to the first token (the prefill of every line's
+    prompt and the first token), from each sample of the TTFT summary."""
+    if ttft_ms is None:
+        return None
+    return summarize(batch * prompt_tokens / (ms / 1e3) for ms in ttft_ms["samples"])
+
+
 def roofline_fraction(weight_bytes: float, bandwidth_bytes_per_s: float | None,
                       ms_per_step: float | None) -> float | None:
     """Share of the memory-bandwidth bound reached: roofline ms / measured ms per step."""
