@@ -82,10 +82,10 @@ def _linear(x, weight, bias=None):
 
 # -- references -------------------------------------------------------------------------
 
-def ref_norm(x, weight, bias, kind, eps):
+def ref_norm(x, weight, bias, kind, eps, weight_offset=0.0):
     if kind == "rms":
         x = x.astype(np.float64)
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (weight_offset + weight)
     t = F.layer_norm(torch.from_numpy(x.astype(np.float64)), (x.shape[-1],),
                      torch.from_numpy(weight.astype(np.float64)),
                      None if bias is None else torch.from_numpy(bias.astype(np.float64)), eps)
@@ -140,6 +140,10 @@ def ref_attention(att: Attention, t: dict[str, np.ndarray], x, positions, slot, 
     q = _linear(x, t["q.weight"], bias("q")).reshape(b, n, h, d)
     k = _linear(x, t["k.weight"], bias("k")).reshape(b, n, kvh, d)
     v = _linear(x, t["v.weight"], bias("v")).reshape(b, n, kvh, d)
+    if att.q_norm is not None:
+        q = ref_norm(q, t["q_norm.weight"], None, "rms", att.q_norm.eps, att.q_norm.weight_offset)
+    if att.k_norm is not None:
+        k = ref_norm(k, t["k_norm.weight"], None, "rms", att.k_norm.eps, att.k_norm.weight_offset)
     if isinstance(att.positions, Rotary):
         q = ref_rotary(q, positions, att.positions.inv_freq, att.positions.style)
         k = ref_rotary(k, positions, att.positions.inv_freq, att.positions.style)
@@ -186,11 +190,27 @@ def test_norm(lead, width, kind_bias, seed):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=2e-5)
 
 
+def test_rms_norm_with_gemmas_weight_offset_scales_by_one_plus_weight():
+    rng = np.random.default_rng(11)
+    norm = Norm("model.norm", width=8, eps=1e-6, weight_offset=1.0)
+    params = norm.params("ln")
+    weight = _randn(rng, 8, scale=0.1)          # Gemma's weights sit near 0: the scale near 1
+    x = _randn(rng, 2, 3, 8, scale=2.0)
+    weights = _weights(params, FakeCheckpoint({"model.norm.weight": weight}), IN_OUT, layer=None)
+    (out,) = _run({"x": x, **weights}, lambda v: [norm(PieceValues(v, IN_OUT, "ln", params), v["x"])])
+    torch_x = torch.from_numpy(x.astype(np.float64))
+    expected = torch_x * torch.rsqrt(torch_x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + torch.from_numpy(
+        weight.astype(np.float64)))
+    np.testing.assert_allclose(out, expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_norm_rejects_bad_settings():
     with pytest.raises(ValueError, match="'rms' or 'layer'"):
         Norm("n", 4, kind="batch")
     with pytest.raises(ValueError, match="no bias"):
         Norm("n", 4, kind="rms", bias=True)
+    with pytest.raises(ValueError, match="weight_offset is for RMS norms"):
+        Norm("n", 4, kind="layer", weight_offset=1.0)
 
 
 # -- MLP ------------------------------------------------------------------------------------
@@ -377,6 +397,10 @@ def _attention_checkpoint(att: Attention, rng) -> tuple[dict[str, np.ndarray], F
                      for part in ("q", "k", "v")]
             stored[f"{att.qkv.format(i=0)}.{suffix}"] = np.concatenate(parts, 1).reshape(
                 3 * q_size, *t[f"q.{suffix}"].shape[1:])
+    for name in ("q_norm", "k_norm"):
+        if getattr(att, name) is not None:
+            t[f"{name}.weight"] = _randn(rng, att.head_dim, scale=0.5) + 1
+            stored[f"{getattr(att, name).checkpoint.format(i=0)}.weight"] = t[f"{name}.weight"]
     stored[f"{att.out.format(i=0)}.weight"] = t["out.weight"]
     if att.out_bias:
         stored[f"{att.out.format(i=0)}.bias"] = t["out.bias"]
@@ -475,6 +499,26 @@ def test_attention_fused_and_split_qkv_programs_agree():
         np.testing.assert_allclose(fused_out, split_out, rtol=1e-6, atol=1e-6)
 
 
+def _head_norms(weight_offset: float) -> dict[str, Norm]:
+    p = "model.layers.{i}.self_attn"
+    return {"q_norm": Norm(f"{p}.q_norm", 4, eps=1e-6, weight_offset=weight_offset),
+            "k_norm": Norm(f"{p}.k_norm", 4, eps=1e-6, weight_offset=weight_offset)}
+
+
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_per_head_q_and_k_norms_before_rotary(weight_offset, fused):
+    # Qwen3 (plain weight) and Gemma 3 (1 + weight): each head's queries and keys normed.
+    att = _split_attention(hidden=8, n_heads=4, n_kv_heads=2, head_dim=4, positions=Rotary(_inv_freq(4)),
+                           fused=fused, **_head_norms(weight_offset))
+    params = {p.name: p for p in att.params("attn")}
+    for name in ("q_norm", "k_norm"):
+        norm = params[f"attn.{name}.weight"]
+        assert norm.shape == (4,) and norm.shard is Shard.REPLICATED
+        assert norm.source.names == (f"model.layers.{{i}}.self_attn.{name}.weight",)
+    _check_attention(att, IN_OUT, seed=12, pad=(0, 3))
+
+
 def test_attention_rotary_interleaved():
     # GPT-J: pairs (2i, 2i + 1), partial.
     att = _split_attention(hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, out_bias=True,
@@ -553,6 +597,8 @@ def test_attention_rejects_bad_settings():
         _fused_attention(hidden=4, n_heads=4, n_kv_heads=2, head_dim=2)
     with pytest.raises(ValueError, match="rotary dimension 6"):
         _split_attention(hidden=4, n_heads=2, n_kv_heads=2, head_dim=4, positions=Rotary(_inv_freq(6)))
+    with pytest.raises(ValueError, match="per-head q or k norm has width head_dim 4, got 8"):
+        _split_attention(hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, k_norm=Norm("k_norm", 8))
 
 
 # -- Embedding and Head -------------------------------------------------------------------------

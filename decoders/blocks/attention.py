@@ -1,6 +1,6 @@
-"""Attention piece: fused (per head or contiguous) or split QKV (optional biases), rotary
-(full, partial, interleaved) or ALiBi positions, optional sliding window, grouped-query
-heads, over an in-place KV cache.
+"""Attention piece: fused (per head or contiguous) or split QKV (optional biases), optional
+per-head norms of queries and keys (Qwen3, Gemma 3), rotary (full, partial, interleaved) or
+ALiBi positions, optional sliding window, grouped-query heads, over an in-place KV cache.
 
 Caches are [batch, kv_heads, n_positions, head_dim]; each step writes its new keys and
 values at `step.slot` (one in-place update for the whole batch) and attends over the first
@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from decoders.blocks.norm import Norm
 from decoders.blocks.params import Kind, Param, Shard, Source, Transform, per_head_qkv, rows, transposed
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
@@ -76,6 +77,10 @@ class Attention:
     out_bias: bool = False
     positions: Rotary | Alibi | None = None
     window: int | None = None
+    # Per-head norms of queries and keys (Qwen3, Gemma 3): Norms of width head_dim, each over
+    # every head's features, after the projection and before the rotary positions.
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
     # The program takes q, k and v as one fused weight (NeuronConfig.fuse_qkv) or three.
     fused: bool = True
     qkv_layout: str = "per_head"       # a fused checkpoint qkv: "per_head" | "contiguous"
@@ -109,6 +114,10 @@ class Attention:
         if self.stored_in_out and self.qkv is None and self.fused:
             # Source concatenates parts along axis 0, which is `in` for [in, out] tensors.
             raise ValueError("split q, k, v weights stored [in, out] cannot be fused; use fused=False")
+        for head_norm in (self.q_norm, self.k_norm):
+            if head_norm is not None and head_norm.width != self.head_dim:
+                raise ValueError(f"a per-head q or k norm has width head_dim {self.head_dim}, got "
+                                 f"{head_norm.width}")
         if isinstance(self.positions, Rotary) and not 0 < self.positions.rotary_dim <= self.head_dim:
             raise ValueError(f"rotary dimension {self.positions.rotary_dim} must be in 1..head_dim "
                              f"{self.head_dim}")
@@ -211,6 +220,9 @@ class Attention:
         declared = self._qkv_params(scope, "weight")
         if self.qkv_bias:
             declared += self._qkv_params(scope, "bias")
+        for name, head_norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
+            if head_norm is not None:
+                declared += head_norm.params(f"{scope}.{name}")
         declared.append(Param(f"{scope}.out.weight", Kind.LINEAR, (self.hidden, self.q_size), Shard.ROW,
                               Source((f"{self.out}.weight",), self._stored("weight")), unit=self.head_dim,
                               head_groups=self.n_kv_heads))
@@ -230,6 +242,10 @@ class Attention:
         q = reshape(q, (b, n, self.n_heads, self.head_dim))
         k = reshape(k, (b, n, self.n_kv_heads, self.head_dim))
         v = reshape(v, (b, n, self.n_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            q = self.q_norm(values.scoped("q_norm", self.q_norm), q)
+        if self.k_norm is not None:
+            k = self.k_norm(values.scoped("k_norm", self.k_norm), k)
         if isinstance(self.positions, Rotary):
             q, k = self._rotate(q, k, step.positions)
         q, k, v = (transpose(t, (0, 2, 1, 3)) for t in (q, k, v))     # [b, heads, n, d]

@@ -51,17 +51,22 @@ def softmax(x: HloValue, dim: int = -1) -> HloValue:
     return convert(divide(e, expand(reduce_sum(e, dim), e.dims, dim)), x.dtype)
 
 
-def rms_norm(x: HloValue, weight: HloValue, eps: float) -> HloValue:
+def rms_norm(x: HloValue, weight: HloValue, eps: float, weight_offset: float = 0.0) -> HloValue:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim (HF LlamaRMSNorm).
 
-    Normalized in f32, rounded to x's type, then scaled by the weight in x's type.
+    Normalized in f32, rounded to x's type, then scaled by the weight in x's type. With a
+    `weight_offset` (Gemma's 1.0) it scales by (weight_offset + weight) in f32 before the
+    rounding, as HF GemmaRMSNorm does.
     """
     last = len(x.dims) - 1
     xf = compute_in_f32(x)
     mean_square = divide(reduce_sum(multiply(xf, xf), last), float(x.dims[-1]))
     inv = rsqrt(add(mean_square, float(eps)))
-    normed = convert(multiply(xf, expand(inv, xf.dims, last)), x.dtype)
-    return multiply(normed, expand_last(convert(weight, x.dtype), x.dims))
+    normed = multiply(xf, expand(inv, xf.dims, last))
+    if weight_offset:
+        scale = add(convert(weight, normed.dtype), float(weight_offset))
+        return convert(multiply(normed, expand_last(scale, normed.dims)), x.dtype)
+    return multiply(convert(normed, x.dtype), expand_last(convert(weight, x.dtype), x.dims))
 
 
 def layer_norm(x: HloValue, weight: HloValue, bias: HloValue | None, eps: float) -> HloValue:
