@@ -32,6 +32,7 @@ from decoders.config import (
     QuantizationConfig,
 )
 from decoders.families.bloom import BloomForSampling
+from decoders.families.gemma2 import Gemma2ForSampling
 from decoders.families.gpt2 import GPT2ForSampling, GPT2ForSamplingWithContextBroadcasting
 from decoders.families.gpt_neox import GPTNeoXForSampling
 from decoders.families.gptj import GPTJForSampling
@@ -43,7 +44,8 @@ from decoders.families.qwen2 import Qwen2ForSampling
 from decoders.session.speculative import SpeculativeGenerator
 
 __all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",
-           "GPTNeoXForSampling", "GQA", "GenerationConfig", "HuggingFaceGenerationModelAdapter",
+           "GPTNeoXForSampling", "Gemma2ForSampling", "GQA", "GenerationConfig",
+           "HuggingFaceGenerationModelAdapter",
            "LlamaForSampling", "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM",
            "NeuronConfig", "ContinuousBatchingConfig", "NotSupportedYet", "OPTForSampling",
            "QuantizationConfig", "Qwen2ForSampling", "SpeculativeGenerator"]

@@ -10,6 +10,8 @@ from tiny_llama import as_reference
 from transformers import (
     BloomConfig,
     BloomForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GPTJConfig,
@@ -37,6 +39,10 @@ LLAMA_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hi
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                    rms_norm_eps=1e-5)
 WINDOW = 48                  # a 150-token sequence crosses it
+# Gemma: a head_dim apart from hidden / heads, scores scaled by a query_pre_attn_scalar apart
+# from head_dim, soft-capping tight enough to bite; HF's eager attention (the one that soft-caps).
+GEMMA_SHAPE = dict(LLAMA_SHAPE, num_hidden_layers=3, head_dim=24, query_pre_attn_scalar=20,
+                   sliding_window=WINDOW, attn_implementation="eager")
 
 VARIANTS = {
     # parallel residual, rotary on a quarter of each head, untied head
@@ -72,6 +78,9 @@ VARIANTS = {
     # 4 experts, top 2
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**LLAMA_SHAPE, num_local_experts=4,
                                                         num_experts_per_tok=2)),
+    # 3 layers: sliding window, global, sliding window (HF's default layer_types); tied head
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**GEMMA_SHAPE,
+                                                     attn_logit_softcapping=3.0, final_logit_softcapping=8.0)),
 }
 
 
@@ -83,6 +92,9 @@ def make_model(variant: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.copy_(torch.randn_like(p))
+            elif variant.startswith("gemma") and name.endswith("norm.weight"):
+                # Gemma's norms scale by 1 + weight, initialised to 0: random ones check the offset.
+                p.copy_(torch.randn_like(p) * 0.5)
     return model
 
 
