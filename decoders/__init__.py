@@ -33,6 +33,7 @@ from decoders.config import (
 )
 from decoders.families.bloom import BloomForSampling
 from decoders.families.gemma2 import Gemma2ForSampling
+from decoders.families.gemma3 import Gemma3ForSampling
 from decoders.families.gpt2 import GPT2ForSampling, GPT2ForSamplingWithContextBroadcasting
 from decoders.families.gpt_neox import GPTNeoXForSampling
 from decoders.families.gptj import GPTJForSampling
@@ -44,7 +45,7 @@ from decoders.families.qwen2 import Qwen2ForSampling
 from decoders.session.speculative import SpeculativeGenerator
 
 __all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",
-           "GPTNeoXForSampling", "Gemma2ForSampling", "GQA", "GenerationConfig",
+           "GPTNeoXForSampling", "Gemma2ForSampling", "Gemma3ForSampling", "GQA", "GenerationConfig",
            "HuggingFaceGenerationModelAdapter",
            "LlamaForSampling", "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM",
            "NeuronConfig", "ContinuousBatchingConfig", "NotSupportedYet", "OPTForSampling",

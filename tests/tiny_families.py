@@ -12,6 +12,8 @@ from transformers import (
     BloomForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     GPTJConfig,
@@ -79,8 +81,14 @@ VARIANTS = {
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**LLAMA_SHAPE, num_local_experts=4,
                                                         num_experts_per_tok=2)),
     # 3 layers: sliding window, global, sliding window (HF's default layer_types); tied head
-    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**GEMMA_SHAPE,
-                                                     attn_logit_softcapping=3.0, final_logit_softcapping=8.0)),
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**GEMMA_SHAPE, attn_logit_softcapping=3.0,
+                                                     final_logit_softcapping=8.0)),
+    # sliding window, sliding window, global (sliding_window_pattern 3); per-head q/k norms; the
+    # sliding-window layers' rotary base 10 000, the global layer's 1e6 with linear scaling
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **GEMMA_SHAPE, sliding_window_pattern=3, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}})),
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from decoders.families.bloom import BloomForSampling
 from decoders.families.gemma2 import Gemma2ForSampling
+from decoders.families.gemma3 import Gemma3ForSampling
 from decoders.families.gpt2 import GPT2ForSampling
 from decoders.families.gpt_neox import GPTNeoXForSampling
 from decoders.families.gptj import GPTJForSampling
@@ -19,7 +20,7 @@ from decoders.model import DecoderForSampling
 CLASSES: tuple[type[DecoderForSampling], ...] = (LlamaForSampling, GPTNeoXForSampling, BloomForSampling,
                                                  GPT2ForSampling, OPTForSampling, GPTJForSampling,
                                                  MistralForSampling, Qwen2ForSampling, MixtralForSampling,
-                                                 Gemma2ForSampling)
+                                                 Gemma2ForSampling, Gemma3ForSampling)
 
 
 def sampling_class(model_type: str | None) -> type[DecoderForSampling]:

@@ -4,7 +4,8 @@ and soft-capped, final logits soft-capped, sliding-window and global layers alte
 (layer_types), tied LM head.
 
 `gemma_layout` is the Gemma 2 description with what Gemma 3 changes: each kind of layer's
-rotary frequencies, per-head q/k norms, no attention soft-capping.
+rotary frequencies, per-head q/k norms, no attention soft-capping, another default pattern of
+sliding-window and global layers.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ LAYER = "model.layers.{i}."
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def _optional(config: ConfigReader, key: str, default: float | None) -> float | None:
+def optional(config: ConfigReader, key: str, default: float | None) -> float | None:
     """A setting whose explicit null means "none" (HF's default where the key is absent)."""
     value = config.config.get(key, default)
     return None if value is None else float(value)
@@ -37,7 +38,8 @@ def layer_types(config: ConfigReader, pattern: int) -> list[str]:
 
 
 def gemma_layout(config: ConfigReader, fuse_qkv: bool, *, pattern: int,
-                 rotary: Callable[[str, int], Rotary], attention_softcap: float | None) -> Decoder:
+                 rotary: Callable[[str, int], Rotary], attention_softcap: float | None,
+                 final_softcap: float | None, qk_norm: bool = False) -> Decoder:
     """A Gemma-shaped decoder; `rotary(layer_type, head_dim)` gives each kind of layer's positions."""
     hidden = int(config.get("hidden_size"))
     n_heads = int(config.get("num_attention_heads"))
@@ -59,7 +61,9 @@ def gemma_layout(config: ConfigReader, fuse_qkv: bool, *, pattern: int,
             qkv_bias=bias, out_bias=bias, positions=rotary(kind, head_dim),
             window=window if kind == SLIDING else None, fused=fuse_qkv,
             scores_scale=float(config.get("query_pre_attn_scalar", default=256)) ** -0.5,
-            softcap=attention_softcap)
+            softcap=attention_softcap,
+            q_norm=norm(LAYER + "self_attn.q_norm", head_dim) if qk_norm else None,
+            k_norm=norm(LAYER + "self_attn.k_norm", head_dim) if qk_norm else None)
         mlp = MLP(up=LAYER + "mlp.up_proj", down=LAYER + "mlp.down_proj", gate=LAYER + "mlp.gate_proj",
                   hidden=hidden, intermediate=int(config.get("intermediate_size")),
                   activation=config.get("hidden_activation", "hidden_act", default="gelu_pytorch_tanh"))
@@ -72,7 +76,7 @@ def gemma_layout(config: ConfigReader, fuse_qkv: bool, *, pattern: int,
     tied = bool(config.get("tie_word_embeddings", default=True))
     embedding = Embedding("model.embed_tokens.weight", vocab, hidden, scale=hidden ** 0.5)
     head = Head(norm("model.norm"), vocab, hidden, None if tied else "lm_head.weight",
-                tied_to=embedding.tokens, softcap=_optional(config, "final_logit_softcapping", 30.0))
+                tied_to=embedding.tokens, softcap=final_softcap)
     return Decoder.of_layers(embedding, [kinds[kind] for kind in layer_types(config, pattern)], head)
 
 
@@ -84,7 +88,8 @@ def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
         return Rotary(rope_inverse_frequencies(rope, theta, head_dim))
 
     return gemma_layout(config, fuse_qkv, pattern=2, rotary=rotary,
-                        attention_softcap=_optional(config, "attn_logit_softcapping", 50.0))
+                        attention_softcap=optional(config, "attn_logit_softcapping", 50.0),
+                        final_softcap=optional(config, "final_logit_softcapping", 30.0))
 
 
 GEMMA2 = Family("gemma2", ("gemma2",), describe)
