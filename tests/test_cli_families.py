@@ -10,7 +10,7 @@ from decoders import NeuronAutoModelForCausalLM
 from tools.cli import main
 
 
-@pytest.fixture(scope="module", params=["gpt_neox", "bloom"])
+@pytest.fixture(scope="module", params=["gpt_neox", "bloom", "gemma2", "gemma3"])
 def checkpoint(request, tmp_path_factory):
     directory = save(make_model(request.param), tmp_path_factory.mktemp(request.param))
     make_tokenizer().save_pretrained(directory)
@@ -35,6 +35,10 @@ def test_inspect_shows_the_family_and_its_pieces(checkpoint, capsys):
     out = capsys.readouterr().out
     assert f"({family})" in out
     pieces = {"gpt_neox": "layer norm, gelu MLP, rotary positions, parallel residual",
-              "bloom": "layer norm, gelu_tanh MLP, alibi positions, sequential residual, tied LM head"}
+              "bloom": "layer norm, gelu_tanh MLP, alibi positions, sequential residual, tied LM head",
+              "gemma2": "rms norm, gated gelu_pytorch_tanh MLP, rotary positions, sliding window 48 on 2 "
+                        "of 3 layers, sequential residual, tied LM head",
+              "gemma3": "sliding window 48 on 2 of 3 layers"}
     assert pieces[family] in out
-    assert "attn.qkv.weight" in out and "column" in out and "query_key_value" in out
+    fused_from = "q_proj" if family.startswith("gemma") else "query_key_value"
+    assert "attn.qkv.weight" in out and "column" in out and fused_from in out
