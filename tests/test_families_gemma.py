@@ -249,3 +249,28 @@ def test_serve_answers_what_hf_gives(family_checkpoint, tmp_path):
     new = new[:next((i for i, t in enumerate(new) if t in eos), len(new))]
     assert len(new) > 20
     assert reply.json()["choices"][0]["text"].split() == tokenizer.decode(new).split()
+
+
+def test_token_rows_scaled_by_sqrt_hidden_rounded_to_bf16_as_hf_rounds_it():
+    """A bf16 Gemma's sqrt(48) is 6.9375, not 6.928: HF multiplies by the scale in the table's type."""
+    from test_blocks import _run
+
+    from decoders.blocks import Embedding
+    from decoders.blocks.values import PieceValues
+    from decoders.lowering import XlaLowering
+
+    table = np.random.default_rng(0).standard_normal((11, 48)).astype(np.float32)
+    ids = np.array([[3, 7, 0]], np.int32)
+    emb = Embedding("tok", 11, 48, scale=48 ** 0.5)
+    lowering = XlaLowering("bf16")
+
+    def body(v):
+        rows = emb(PieceValues(v, lowering, "embed", []), v["table"], v["ids"], None, "bf16")
+        return [rows.scribe.f32[rows.dims].Convert(rows)]
+
+    (ours,) = _run({"table": table, "ids": ids}, body)
+    rows = torch.nn.functional.embedding(torch.from_numpy(ids).long(), torch.from_numpy(table).bfloat16())
+    hf = (rows * torch.tensor(48 ** 0.5).to(torch.bfloat16)).float().numpy()
+    np.testing.assert_allclose(ours, hf, rtol=2 ** -8)         # XLA may keep the product in f32
+    # The factor itself: 6.9375, where sqrt(48) = 6.928 would be 0.14 % lower.
+    assert np.median(ours / rows.float().numpy()) == pytest.approx(6.9375, rel=2e-4)
