@@ -32,6 +32,8 @@ from decoders.config import (
     QuantizationConfig,
 )
 from decoders.families.bloom import BloomForSampling
+from decoders.families.gemma2 import Gemma2ForSampling
+from decoders.families.gemma3 import Gemma3ForSampling
 from decoders.families.gpt2 import GPT2ForSampling, GPT2ForSamplingWithContextBroadcasting
 from decoders.families.gpt_neox import GPTNeoXForSampling
 from decoders.families.gptj import GPTJForSampling
@@ -45,7 +47,8 @@ from decoders.families.qwen3 import Qwen3ForSampling, Qwen3MoeForSampling
 from decoders.session.speculative import SpeculativeGenerator
 
 __all__ = ["BloomForSampling", "GPT2ForSampling", "GPT2ForSamplingWithContextBroadcasting", "GPTJForSampling",
-           "GPTNeoXForSampling", "GQA", "GenerationConfig", "HuggingFaceGenerationModelAdapter",
+           "GPTNeoXForSampling", "Gemma2ForSampling", "Gemma3ForSampling", "GQA", "GenerationConfig",
+           "HuggingFaceGenerationModelAdapter",
            "LlamaForSampling", "MistralForSampling", "MixtralForSampling", "NeuronAutoModelForCausalLM",
            "NeuronConfig", "ContinuousBatchingConfig", "NotSupportedYet", "OPTForSampling", "Phi3ForSampling",
            "QuantizationConfig", "Qwen2ForSampling", "Qwen3ForSampling", "Qwen3MoeForSampling",

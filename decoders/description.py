@@ -56,14 +56,16 @@ class Family:
 
 
 def rope_inverse_frequencies(scaling: dict, theta: float, dim: int) -> tuple[float, ...]:
-    """Rotary inverse frequencies over `dim` features, with llama3 scaling when asked for."""
+    """Rotary inverse frequencies over `dim` features, with linear or llama3 scaling when asked for."""
     inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return tuple(float(f) for f in inv_freq.astype(np.float32))
+    if rope_type == "linear":       # positions divided by the factor (Gemma 3's global layers)
+        return tuple(float(f) for f in (inv_freq / float(scaling["factor"])).astype(np.float32))
     if rope_type != "llama3":
-        raise NotSupportedYet(f"rope_scaling type {rope_type!r} is not supported yet (default and llama3 "
-                              "are)")
+        raise NotSupportedYet(f"rope_scaling type {rope_type!r} is not supported yet (default, linear and "
+                              "llama3 are)")
     factor = float(scaling["factor"])
     low_freq_factor = float(scaling["low_freq_factor"])
     high_freq_factor = float(scaling["high_freq_factor"])

@@ -216,8 +216,9 @@ class CpuKernelLowering(XlaLowering):
         return decode_attention_kernel(ew.convert(q, "f32"), cache_k, cache_v, slot, pad, scale)
 
     def decode_buckets(self, token_buckets: list[int], plain_attention: bool) -> list[int]:
-        # The kernel reads only the filled slots, so one program serves every length; attention
-        # with a bias or a window (which the kernel does not take) keeps one per bucket.
+        # The kernel reads only the filled slots (within a window, if any), so one program serves
+        # every length; attention with a bias or soft-capping (which the kernel does not take)
+        # keeps one per bucket.
         return [token_buckets[-1]] if plain_attention else list(token_buckets)
 
 

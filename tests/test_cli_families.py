@@ -10,7 +10,7 @@ from decoders import NeuronAutoModelForCausalLM
 from tools.cli import main
 
 
-@pytest.fixture(scope="module", params=["gpt_neox", "bloom", "qwen3", "phi3"])
+@pytest.fixture(scope="module", params=["gpt_neox", "bloom", "qwen3", "phi3", "gemma2", "gemma3"])
 def checkpoint(request, tmp_path_factory):
     directory = save(make_model(request.param), tmp_path_factory.mktemp(request.param))
     make_tokenizer().save_pretrained(directory)
@@ -37,10 +37,14 @@ def test_inspect_shows_the_family_and_its_pieces(checkpoint, capsys):
     pieces = {"gpt_neox": "layer norm, gelu MLP, rotary positions, parallel residual",
               "bloom": "layer norm, gelu_tanh MLP, alibi positions, sequential residual, tied LM head",
               "qwen3": "rms norm, gated silu MLP, rotary positions, sequential residual, tied LM head",
-              "phi3": "rms norm, gated silu MLP, rotary positions, sequential residual"}
+              "phi3": "rms norm, gated silu MLP, rotary positions, sliding window 48 on 2 of 2 layers, "
+                      "sequential residual",
+              "gemma2": "rms norm, gated gelu_pytorch_tanh MLP, rotary positions, sliding window 48 on 2 "
+                        "of 3 layers, sequential residual, tied LM head",
+              "gemma3": "sliding window 48 on 2 of 3 layers"}
     # The fused q|k|v weight and the checkpoint tensors it is read from.
     qkv_source = {"gpt_neox": "query_key_value", "bloom": "query_key_value", "qwen3": "self_attn.q_proj",
-                  "phi3": "self_attn.qkv_proj"}
+                  "phi3": "self_attn.qkv_proj", "gemma2": "q_proj", "gemma3": "q_proj"}
     assert pieces[family] in out
     assert "attn.qkv.weight" in out and "column" in out and qkv_source[family] in out
     if family == "qwen3":

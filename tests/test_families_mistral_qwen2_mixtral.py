@@ -32,6 +32,7 @@ from decoders.checkpoints import CheckpointError, open_checkpoint
 from decoders.config import NotSupportedYet
 from decoders.description import ConfigReader
 from decoders.families import mistral, qwen2
+from decoders.programs.keys import ModelStep
 from pyhlo.ops import nn
 
 CLASSES = {"mistral": MistralForSampling, "qwen2": Qwen2ForSampling, "qwen2_window": Qwen2ForSampling,
@@ -283,16 +284,16 @@ def test_gguf_quantized_stacked_experts_read_one_expert_each(tmp_path):
 
 
 @pytest.mark.cpu_only
-def test_a_window_wider_than_the_cache_keeps_the_decode_attention_kernel(family_checkpoint):
+def test_the_decode_attention_kernel_takes_a_window_narrower_than_the_cache(family_checkpoint):
     from decoders.lowering import CpuKernelLowering
 
     hf, path = family_checkpoint("mistral")                  # window 48
-    model = build(MistralForSampling, path, kernels=True, n_positions=48, context=(16,))
-    assert isinstance(model.lowering, CpuKernelLowering) and model.decode_buckets() == [48]
-    narrow = MistralForSampling.from_pretrained(path, n_positions=256,
-                                                neuron_config=NeuronConfig(cpu_kernels=True))
-    assert narrow.decode_buckets() == [128, 256]      # a window narrower than the cache: one program per
-                                                      # bucket
+    model = build(MistralForSampling, path, kernels=True, n_positions=128, context=(16,))
+    # The kernel reads each line's slots within the window: one decode program for every length.
+    assert isinstance(model.lowering, CpuKernelLowering) and model.decode_buckets() == [128]
+    module = model.session.programs.build(ModelStep(1, 128)).module
+    targets = {i.custom_call_target for c in module.computations for i in c.instructions}
+    assert "pyhlo_decode_attention" in targets
     prompt = torch.randint(0, 320, (1, 10), generator=torch.Generator().manual_seed(5))
-    expected, _ = hf_greedy(hf, prompt, 48)
-    assert torch.equal(model.sample(prompt, sequence_length=48, top_k=1, eos_token_id=[]), expected)
+    expected, _ = hf_greedy(hf, prompt, 100)                 # decode runs 50 tokens past the window
+    assert torch.equal(model.sample(prompt, sequence_length=100, top_k=1, eos_token_id=[]), expected)

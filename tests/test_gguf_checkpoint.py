@@ -222,7 +222,7 @@ def test_directory_with_one_gguf_opens_it(tiny_gguf):
 
 def test_unsupported_architecture_is_named(tmp_path):
     path = write_tiny_gguf(tmp_path / "gpt2.gguf", {}, arch="gpt2")
-    with pytest.raises(CheckpointError, match="architecture 'gpt2' is not supported; supported: llama"):
+    with pytest.raises(CheckpointError, match="architecture 'gpt2' is not supported; supported: .*llama"):
         open_checkpoint(path)
 
 

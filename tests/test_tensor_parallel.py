@@ -22,9 +22,10 @@ TESTS = Path(__file__).resolve().parent
 # over 4 devices they are padded to 8.
 # Over 3 devices the tiny Llama pads everything: 2 KV heads to 3, the MLP's 160 rows to 162, the
 # vocabulary's 320 rows to 321.
-DEGREES: dict = {"llama_gqa": (1, 2, 3, 4)}
+# Gemma 2 and 3 (layers of two kinds, per-head q/k norms replicated) at tp 2.
+DEGREES: dict = {"llama_gqa": (1, 2, 3, 4), "gemma2": (1, 2), "gemma3": (1, 2)}
 VARIANTS = ["llama_mha", "llama_gqa", "gpt_neox", "bloom", "gpt2", "opt", "opt_post_norm", "gptj", "mistral",
-            "qwen2", "mixtral", "qwen3", "qwen3_moe", "phi3", "phi3_longrope"]
+            "qwen2", "mixtral", "qwen3", "qwen3_moe", "phi3", "phi3_longrope", "gemma2", "gemma3"]
 
 RUN = textwrap.dedent("""
     import json, sys, tempfile, pathlib

@@ -10,6 +10,10 @@ from tiny_llama import as_reference
 from transformers import (
     BloomConfig,
     BloomForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     GPTJConfig,
@@ -54,6 +58,10 @@ def longrope_scaling(original: int) -> dict:
             "short_factor": (1 + torch.rand(ROTARY_PAIRS, generator=gen)).tolist(),
             "long_factor": (1 + 10 * torch.rand(ROTARY_PAIRS, generator=gen)).tolist()}
 
+# Gemma: a head_dim apart from hidden / heads, scores scaled by a query_pre_attn_scalar apart
+# from head_dim, soft-capping tight enough to bite; HF's eager attention (the one that soft-caps).
+GEMMA_SHAPE = dict(LLAMA_SHAPE, num_hidden_layers=3, head_dim=24, query_pre_attn_scalar=20,
+                   sliding_window=WINDOW, attn_implementation="eager")
 
 VARIANTS = {
     # parallel residual, rotary on a quarter of each head, untied head
@@ -106,6 +114,15 @@ VARIANTS = {
         **{**LLAMA_SHAPE, "max_position_embeddings": 4096}, original_max_position_embeddings=512,
         rope_parameters=longrope_scaling(512), tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
         eos_token_id=2)),
+    # 3 layers: sliding window, global, sliding window (HF's default layer_types); tied head
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**GEMMA_SHAPE, attn_logit_softcapping=3.0,
+                                                     final_logit_softcapping=8.0)),
+    # sliding window, sliding window, global (sliding_window_pattern 3); per-head q/k norms; the
+    # sliding-window layers' rotary base 10 000, the global layer's 1e6 with linear scaling
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **GEMMA_SHAPE, sliding_window_pattern=3, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}})),
 }
 
 
@@ -117,6 +134,9 @@ def make_model(variant: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.copy_(torch.randn_like(p))
+            elif variant.startswith("gemma") and name.endswith("norm.weight"):
+                # Gemma's norms scale by 1 + weight, initialised to 0: random ones check the offset.
+                p.copy_(torch.randn_like(p) * 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(1 + 0.5 * torch.randn_like(p))
     return model

@@ -417,13 +417,18 @@ def format_model(model: Any, reports: Sequence[ModuleReport]) -> str:
     decoder = model.decoder
     attention, mlp = decoder.layer.attention, decoder.layer.mlp
     positions = type(attention.positions).__name__.lower() if attention.positions is not None else "none"
+    windows = [decoder.kinds[decoder.kind_of(i)].attention.window for i in range(decoder.n_layers)]
+    windowed = [w for w in windows if w is not None]
+    window = (f", sliding window {windowed[0]} on {len(windowed)} of {decoder.n_layers} layers" if windowed
+              else "")
     parts = [
         _header(f"model {model.checkpoint_path} ({model.family.name})"),
         f"layers {decoder.n_layers}, hidden {attention.hidden}, heads {attention.n_heads} (kv "
         f"{attention.n_kv_heads}) x head_dim {attention.head_dim}, intermediate {mlp.intermediate}, "
         f"vocab {decoder.head.vocab_size}",
         f"{decoder.layer.input_norm.kind} norm, {'gated ' if mlp.gated else ''}{mlp.activation} MLP, "
-        f"{positions} positions, {decoder.layer.residual} residual{', tied LM head' if decoder.tied else ''}",
+        f"{positions} positions{window}, {decoder.layer.residual} residual"
+        f"{', tied LM head' if decoder.tied else ''}",
         f"amp {model.amp}, batch {model.batch_size}, n_positions {model.n_positions}; token buckets "
         f"{', '.join(map(str, model.token_buckets))}; context buckets "
         f"{', '.join(map(str, model.context_buckets))}; lowering {model.lowering.name}",

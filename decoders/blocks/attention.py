@@ -1,6 +1,7 @@
 """Attention piece: fused (per head or contiguous) or split QKV (optional biases), optional
 per-head norms of queries and keys (Qwen3, Gemma 3), rotary (full, partial, interleaved) or
-ALiBi positions, optional sliding window, grouped-query heads, over an in-place KV cache.
+ALiBi positions, optional sliding window, grouped-query heads, optional score scale and
+soft-capping (Gemma), over an in-place KV cache.
 
 Caches are [batch, kv_heads, n_positions, head_dim]; each step writes its new keys and
 values at `step.slot` (one in-place update for the whole batch) and attends over the first
@@ -121,6 +122,10 @@ class Attention:
     kv_sharding: KVSharding = KVSharding.HEADS
     # KV caches of packed int8 rows, one scale per line, head and slot (NeuronConfig.kv_cache_quant).
     kv_quant: bool = False
+    # Scores q.k times this; None: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5).
+    scores_scale: float | None = None
+    # Scaled scores soft-capped, softcap * tanh(scores / softcap) (Gemma 2's attn_logit_softcapping).
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if (self.qkv is None) == (self.q is None or self.k is None or self.v is None):
@@ -192,12 +197,21 @@ class Attention:
 
     @property
     def scale(self) -> float:
-        return 1.0 / float(np.sqrt(self.head_dim))
+        return 1.0 / float(np.sqrt(self.head_dim)) if self.scores_scale is None else self.scores_scale
 
-    def plain(self, cache_len: int) -> bool:
-        """Softmax(q k) v over a cache of `cache_len` slots with only the causal and padding
-        masks: no bias, and no window narrower than the cache."""
-        return not isinstance(self.positions, Alibi) and (self.window is None or self.window >= cache_len)
+    @property
+    def plain(self) -> bool:
+        """Softmax(scale q k) v with only the causal, padding and window masks (no bias, no
+        soft-capping): what a lowering's decode attention takes, a window narrowing the slots
+        each line reads (window_pad)."""
+        return not isinstance(self.positions, Alibi) and self.softcap is None
+
+    def window_pad(self, slot: HloValue, pad: HloValue) -> HloValue:
+        """s32[b]: the first slot a decode step's query at slot[i] sees, pad[i] or, with a
+        window, the oldest slot within it (slot - window + 1), whichever is later."""
+        if self.window is None:
+            return pad
+        return ew.maximum(pad, ew.subtract(slot, self.window - 1))
 
     # -- parameters -----------------------------------------------------------------
     def _stored(self, suffix: str) -> tuple[Transform, ...]:
@@ -295,9 +309,10 @@ class Attention:
         cache_k = self._write(cache_k, self._to_cache(k), step)
         cache_v = self._write(cache_v, self._to_cache(v), step)
         context = None
-        if step.n_tokens == 1 and step.lines is None and self.plain(cache_k.dims[2]):
-            context = values.lowering.decode_attention(q, cache_k, cache_v, step.line_slots(), step.pad,
-                                                       self.scale)
+        if step.n_tokens == 1 and step.lines is None and self.plain:
+            slots = step.line_slots()
+            context = values.lowering.decode_attention(q, cache_k, cache_v, slots,
+                                                       self.window_pad(slots, step.pad), self.scale)
         if context is None:
             context = self._attend(q, cache_k, cache_v, step, values.lowering.attention_in_conditional)
         return context, cache_k, cache_v
@@ -325,7 +340,8 @@ class Attention:
         cache_v = replica.write_stretch(cache_v, self._to_cache(v), step.slot, first)
         bias = self._alibi(step, first, length) if isinstance(self.positions, Alibi) else None
         keys, values = self._from_cache(cache_k, q.dtype), self._from_cache(cache_v, q.dtype)
-        parts = partial_attention(q, keys, values, self._mask(step, first, length), self.scale, bias)
+        parts = partial_attention(q, keys, values, self._mask(step, first, length), self.scale, bias,
+                                  self.softcap)
         context = combine_attention_parts(*parts, replica.group(tp))
         return replica.own_block(ew.convert(context, q.dtype), 1, self.n_heads), cache_k, cache_v
 
@@ -452,7 +468,8 @@ class Attention:
                 k_, v_ = slice_along(k_, 2, 0, n_attend), slice_along(v_, 2, 0, n_attend)
             bias = rest
             k_, v_ = self._from_cache(k_, q_.dtype), self._from_cache(v_, q_.dtype)
-            return attention(q_, k_, v_, mask_, self.scale, bias=bias[0] if bias else None)
+            return attention(q_, k_, v_, mask_, self.scale, bias=bias[0] if bias else None,
+                             softcap=self.softcap)
 
         if not in_conditional:
             return attend_prefix(*operands)

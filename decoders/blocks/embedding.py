@@ -21,6 +21,7 @@ from decoders.blocks.params import Kind, Param, Shard, Source
 from decoders.blocks.values import PieceValues
 from decoders.parallel import replica
 from pyhlo.ops import elementwise as ew
+from pyhlo.ops import nn
 from pyhlo.ops.quantized import dequantize_blocks
 from pyhlo.ops.shape_ops import concatenate, dynamic_slice, iota, reshape, transpose
 from pyhlo.scribe import HloValue
@@ -42,6 +43,9 @@ class Embedding:
     # (OPT's project_in); None: the table is `hidden` wide.
     projection: str | None = None
     width: int | None = None
+    # Token rows multiplied by this (Gemma: sqrt(hidden)), the factor rounded to the amp type as
+    # HF rounds it to the table's type (a bf16 Gemma 2B's sqrt(2048) is 45.25).
+    scale: float | None = None
 
     def __post_init__(self) -> None:
         if (self.projection is None) != (self.width is None):
@@ -76,6 +80,8 @@ class Embedding:
             hidden = ew.convert(_rows(table, ids, self.table_width), dtype)
         else:
             hidden = _block_rows(ids, self.table_width, dtype, table, table_scales, table_mins)
+        if self.scale is not None:
+            hidden = ew.multiply(hidden, self.scale)
         if self.projection is not None:
             hidden = values.linear(hidden, "project")
         if self.positions is not None:
@@ -123,6 +129,8 @@ class Head:
     bias: str | None = None
     projection: str | None = None
     width: int | None = None
+    # Logits soft-capped to (-softcap, softcap): softcap * tanh(logits / softcap) (Gemma 2).
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if (self.projection is None) != (self.width is None):
@@ -171,6 +179,8 @@ class Head:
         if self.projection is not None:
             rows = values.linear(rows, "project_out")
         logits = values.linear(rows, "lm_head", out_dtype="f32")
+        if self.softcap is not None:
+            logits = nn.soft_cap(logits, self.softcap)
         width = logits.dims[1]
         if width * values.lowering.tp_degree > self.vocab_size:
             # A zero padding row's logit 0 would beat negative real ones: it can never be chosen.

@@ -11,6 +11,8 @@ A GGUF file differs from a Hugging Face checkpoint in five ways, each undone her
 5. Experts: a mixture of experts (Mixtral, written as "llama") stacks each expert weight
    into one tensor [n_expert, ...] (``blk.N.ffn_gate_exps``); it is read as one tensor per
    expert, with the names of HF's Mixtral checkpoints.
+6. Gemma's norms: HF stores w - 1 and scales by 1 + w; llama.cpp's converter stores 1 + w,
+   from which 1 is taken again on reading.
 
 The config is rebuilt from the file's metadata with the keys Hugging Face's LlamaConfig uses.
 Architectures are rows of ``ARCHITECTURES``; adding one is mostly adding data.
@@ -55,6 +57,11 @@ class GGUFArchitecture:
     # Global tensors that are rotary settings, not weights (Phi-3's LongRoPE factors) -> their
     # key in HF's rope_parameters.
     rope_tensors: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Added by llama.cpp's converter to every norm weight (Gemma's 1 + w); taken off on reading.
+    norm_offset: float = 0.0
+    # Gemma: the file stores no query_pre_attn_scalar; llama.cpp scales scores by 1/sqrt(head_dim),
+    # or by 1/sqrt(hidden / heads) for the models of these block counts (the 27B ones). None: not Gemma.
+    wide_query_scale_layers: tuple[int, ...] | None = None
 
 
 LLAMA = GGUFArchitecture(
@@ -176,8 +183,57 @@ PHI3 = dataclasses.replace(
     rope_tensors={"rope_factors_long": "long_factor", "rope_factors_short": "short_factor"},
 )
 
+GEMMA_BLOCKS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GEMMA_CONFIG = {
+    **{k: v for k, v in LLAMA.config_keys.items() if k not in ("num_local_experts", "num_experts_per_tok")},
+    "sliding_window": ("attention.sliding_window",),
+    "sliding_window_pattern": ("attention.sliding_window_pattern",),
+    "final_logit_softcapping": ("final_logit_softcapping",),
+}
+# Gemma 2 and 3: q and k rows as HF has them (no rotary reordering), tied LM head, norms stored 1 + w.
+GEMMA2 = GGUFArchitecture(
+    model_type="gemma2",
+    hf_architecture="Gemma2ForCausalLM",
+    global_tensors={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+    block_tensors=GEMMA_BLOCKS,
+    config_keys={**GEMMA_CONFIG, "attn_logit_softcapping": ("attn_logit_softcapping",)},
+    required_config=LLAMA.required_config,
+    config_defaults={"hidden_activation": "gelu_pytorch_tanh", "rope_theta": 10000.0,
+                     "max_position_embeddings": 8192},
+    rope_permuted={},
+    unsupported_tensors={},
+    norm_offset=1.0,
+    wide_query_scale_layers=(46,),
+)
+# llama.cpp runs Gemma 3's sliding-window layers at rotary base 10 000, five to each global layer,
+# unless the file says otherwise (rope.freq_base_swa, attention.sliding_window_pattern).
+GEMMA3 = dataclasses.replace(
+    GEMMA2,
+    model_type="gemma3_text",
+    hf_architecture="Gemma3ForCausalLM",
+    block_tensors={**GEMMA_BLOCKS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    config_keys={**GEMMA_CONFIG, "rope_local_base_freq": ("rope.freq_base_swa",)},
+    config_defaults={"hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1_000_000.0,
+                     "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
+                     "max_position_embeddings": 131072},
+    wide_query_scale_layers=(62,),
+)
+
 ARCHITECTURES: dict[str, GGUFArchitecture] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3,
-                                              "qwen3moe": QWEN3_MOE, "phi3": PHI3}
+                                              "qwen3moe": QWEN3_MOE, "phi3": PHI3, "gemma2": GEMMA2,
+                                              "gemma3": GEMMA3}
 
 # tokenizer.ggml.<key> -> HF config key
 TOKEN_ID_KEYS = {
@@ -339,6 +395,7 @@ class GGUFCheckpoint(Checkpoint):
 
         if not config.get("sliding_window"):
             config.pop("sliding_window", None)     # llama.cpp writes 0 for none
+        self._gemma_config(config)
         config["rope_scaling"] = self._rope_scaling()
         # transformers 5 keeps theta and scaling together under one key.
         config["rope_parameters"] = {
@@ -350,6 +407,19 @@ class GGUFCheckpoint(Checkpoint):
         if rotary is not None and int(rotary) != config["head_dim"]:
             config["rope_parameters"]["partial_rotary_factor"] = int(rotary) / config["head_dim"]
         return config
+
+    def _gemma_config(self, config: dict) -> None:
+        """Gemma's attention scale as llama.cpp takes it, and a sliding-window pattern stored as
+        one flag per layer (true: a sliding-window layer) as HF's layer_types."""
+        if self.arch.wide_query_scale_layers is None:
+            return
+        wide = config["num_hidden_layers"] in self.arch.wide_query_scale_layers
+        config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if wide
+                                           else config["head_dim"])
+        pattern = config.get("sliding_window_pattern")
+        if isinstance(pattern, list):
+            del config["sliding_window_pattern"]
+            config["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
 
     def _expert_config(self, config: dict) -> None:
         """A file with stacked expert tensors is a mixture of experts: its model type, and the
@@ -462,6 +532,8 @@ class GGUFCheckpoint(Checkpoint):
             array = _dequantize(data, kind, shape)
         if rope_heads is not None:
             array = unpermute_rope_rows(array, self.config[rope_heads])
+        if self.arch.norm_offset and name.endswith("norm.weight"):
+            array = array.astype(np.float32) - np.float32(self.arch.norm_offset)
         return array
 
     def tokenizer(self):

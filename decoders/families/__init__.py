@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 from decoders.families.bloom import BloomForSampling
+from decoders.families.gemma2 import Gemma2ForSampling
+from decoders.families.gemma3 import Gemma3ForSampling
 from decoders.families.gpt2 import GPT2ForSampling
 from decoders.families.gpt_neox import GPTNeoXForSampling
 from decoders.families.gptj import GPTJForSampling
@@ -20,7 +22,8 @@ from decoders.model import DecoderForSampling
 CLASSES: tuple[type[DecoderForSampling], ...] = (LlamaForSampling, GPTNeoXForSampling, BloomForSampling,
                                                  GPT2ForSampling, OPTForSampling, GPTJForSampling,
                                                  MistralForSampling, Qwen2ForSampling, MixtralForSampling,
-                                                 Qwen3ForSampling, Qwen3MoeForSampling, Phi3ForSampling)
+                                                 Qwen3ForSampling, Qwen3MoeForSampling, Phi3ForSampling,
+                                                 Gemma2ForSampling, Gemma3ForSampling)
 
 
 def sampling_class(model_type: str | None) -> type[DecoderForSampling]:

@@ -6,7 +6,7 @@ hand. Parameter specs of weights come from the pieces' declarations (`Param`), l
 and typed by the lowering.
 
 - embed:      token ids (and positions) -> hidden states
-- block:      one decoder layer (reused by every layer with that layer's weights); writes
+- block:      one decoder layer (reused by every layer of its kind with that layer's weights); writes
               the new keys and values into the KV caches in place (aliased) and attends over
               the first `n_attend` slots
 - lm_head:    final norm + vocabulary projection of one position per line -> f32 logits
@@ -185,10 +185,11 @@ class ProgramBuilder:
         parts = [p[f"{table}.{part}"] for part in ("scale", "min") if f"{table}.{part}" in p]
         return embedding(values, p[table], p["token_ids"], p.get("positions"), self.dtype, *parts)
 
-    def _layer(self, p: dict[str, HloValue], n_tokens: int, n_attend: int) -> dict[str, HloValue]:
+    def _layer(self, p: dict[str, HloValue], n_tokens: int, n_attend: int,
+               kind: int = 0) -> dict[str, HloValue]:
         step = Step(p["positions"], p["slot"], p["pad"], n_tokens, n_attend, p.get("lines"))
-        hidden, cache_k, cache_v = self.device_decoder.layer(p, self.lowering, p["hidden"], step,
-                                                             p["cache_k"], p["cache_v"])
+        layer = self.device_decoder.kinds[kind]
+        hidden, cache_k, cache_v = layer(p, self.lowering, p["hidden"], step, p["cache_k"], p["cache_v"])
         cache_k.set_alias_to(p["cache_k"], must=True)
         cache_v.set_alias_to(p["cache_v"], must=True)
         return {"hidden": hidden, "cache_k": cache_k, "cache_v": cache_v}
@@ -208,15 +209,16 @@ class ProgramBuilder:
         return self._program(f"embed_n{n_tokens}{self._rows_suffix(rows)}", self._embed_specs(n_tokens, rows),
                              ["hidden"], lambda p: {"hidden": self._embed(p)})
 
-    def block(self, n_tokens: int, n_attend: int, rows: int | None = None) -> Program:
-        """One layer over n_tokens of every line, or of `rows` lines named by the `lines`
-        input (whose caches are still every line's)."""
+    def block(self, n_tokens: int, n_attend: int, rows: int | None = None, kind: int = 0) -> Program:
+        """One layer of kind `kind` (Decoder.kinds) over n_tokens of every line, or of `rows`
+        lines named by the `lines` input (whose caches are still every line's)."""
         d, b = self.decoder, self._rows(rows)
         specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, d.embedding.hidden)),
                  *self._step_specs(n_tokens, rows), self.cache_spec("cache_k"), self.cache_spec("cache_v"),
                  *(self.spec(p) for p in self.layer_params())]
-        return self._program(f"block_n{n_tokens}_s{n_attend}{self._rows_suffix(rows)}", specs,
-                             ["hidden", "cache_k", "cache_v"], lambda p: self._layer(p, n_tokens, n_attend))
+        name = f"block_n{n_tokens}_s{n_attend}{self._rows_suffix(rows)}" + (f"_k{kind}" if kind else "")
+        return self._program(name, specs, ["hidden", "cache_k", "cache_v"],
+                             lambda p: self._layer(p, n_tokens, n_attend, kind))
 
     def lm_head(self, n_tokens: int, rows: int | None = None) -> Program:
         b = self._rows(rows)
@@ -266,7 +268,7 @@ class ProgramBuilder:
             for i in range(d.n_layers):
                 prefix = layer_prefix(i)
                 layer = {s.name: p[prefix + s.name] for s in per_layer}
-                out = self._layer({**p, **layer, "hidden": hidden}, n_tokens, n_attend)
+                out = self._layer({**p, **layer, "hidden": hidden}, n_tokens, n_attend, d.kind_of(i))
                 hidden = out["hidden"]
                 results[prefix + "cache_k"], results[prefix + "cache_v"] = out["cache_k"], out["cache_v"]
             results["logits"] = self._head({**p, "hidden": hidden})

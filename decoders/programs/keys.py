@@ -25,15 +25,16 @@ class Embed:
 @dataclass(frozen=True)
 class Block:
     """One decoder layer over n_tokens per line, attending to n_attend cache slots; every
-    layer runs it with its own weights and caches. With `rows`, continuous batching's program
-    for that many lines, each row naming its cache line."""
+    layer of kind `kind` (Decoder.kinds) runs it with its own weights and caches. With `rows`,
+    continuous batching's program for that many lines, each row naming its cache line."""
 
     n_tokens: int
     n_attend: int
     rows: int | None = None
+    kind: int = 0
 
     def build(self, builder: ProgramBuilder) -> Program:
-        return builder.block(self.n_tokens, self.n_attend, self.rows)
+        return builder.block(self.n_tokens, self.n_attend, self.rows, self.kind)
 
 
 @dataclass(frozen=True)

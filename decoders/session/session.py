@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -101,7 +102,7 @@ class Session:
     # -- programs -----------------------------------------------------------------------
     def decode_buckets(self) -> list[int]:
         """The cache lengths decode programs are built for."""
-        plain = self.builder.decoder.layer.attention.plain(self.n_positions)
+        plain = all(kind.attention.plain for kind in self.builder.decoder.kinds)
         return self.lowering.decode_buckets(self.token_buckets, plain)
 
     def eager_programs(self) -> list[ProgramKey]:
@@ -127,7 +128,10 @@ class Session:
         if self.speculation_length is not None:
             n = self.speculation_length + 1
             keys += [Embed(n), LMHeadAll(n)] + [Block(n, s) for s in self.token_buckets]
-        return keys
+        # A block program for each kind of layer (Gemma's sliding-window and global layers).
+        kinds = range(len(self.builder.decoder.kinds))
+        return [replace(key, kind=kind) if isinstance(key, Block) else key for key in keys
+                for kind in (kinds if isinstance(key, Block) else (0,))]
 
     @property
     def per_line(self) -> bool:
@@ -529,16 +533,21 @@ class Session:
 
     def _run_layers(self, hidden: Any, step: dict[str, Any], n_tokens: int, n_attend: int,
                     rows: int | None = None) -> Any:
-        block = self.programs.get(Block(n_tokens, n_attend, rows))
+        decoder = self.builder.decoder
+        blocks = [self.programs.get(Block(n_tokens, n_attend, rows, kind))
+                  for kind in range(len(decoder.kinds))]
+        block = blocks[0]
         cache = self.kv_cache
-        # Checked once through the named path; the other layers reuse the same order.
-        first = block.run({**self.layers[0], **step, "hidden": hidden,
-                           "cache_k": cache.keys[0], "cache_v": cache.values[0]})
+        # Checked once through the named path; the other layers, of any kind (whose programs
+        # take the same parameters), reuse the same order.
+        first = blocks[decoder.kind_of(0)].run({**self.layers[0], **step, "hidden": hidden,
+                                              "cache_k": cache.keys[0], "cache_v": cache.values[0]})
         hidden, cache.keys[0], cache.values[0] = first["hidden"], first["cache_k"], first["cache_v"]
         names = block.program.param_names
         at_hidden, at_k, at_v = names.index("hidden"), names.index("cache_k"), names.index("cache_v")
         out_hidden, out_k, out_v = (block.program.outputs.index(n) for n in ("hidden", "cache_k", "cache_v"))
         for layer in range(1, len(self.layers)):
+            block = blocks[decoder.kind_of(layer)]
             weights = self.layers[layer]
             args = [weights[name] if name in weights else step.get(name) for name in names]
             args[at_hidden], args[at_k], args[at_v] = hidden, cache.keys[layer], cache.values[layer]

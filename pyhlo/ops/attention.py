@@ -10,7 +10,7 @@ from pyhlo.ops.collectives import all_gather, all_reduce_sum
 from pyhlo.ops.custom_call import ffi_call
 from pyhlo.ops.elementwise import add, constant, convert, divide, exp, maximum, multiply, select, subtract
 from pyhlo.ops.linalg import dot_general
-from pyhlo.ops.nn import softmax
+from pyhlo.ops.nn import soft_cap, softmax
 from pyhlo.ops.reductions import reduce_max, reduce_sum
 from pyhlo.ops.shape_ops import broadcast, reshape
 from pyhlo.scribe import HloValue
@@ -23,15 +23,16 @@ def lowest(dtype: str) -> float:
 
 
 def attention(q: HloValue, k: HloValue, v: HloValue, mask: HloValue | None, scale: float,
-              bias: HloValue | None = None) -> HloValue:
-    """softmax(scale * q k^T + bias, masked) v, per batch line and head.
+              bias: HloValue | None = None, softcap: float | None = None) -> HloValue:
+    """softmax(scale * q k^T + bias, masked) v, per batch line and head; with `softcap`
+    the scaled scores are soft-capped first, cap * tanh(scores / cap) (Gemma 2).
 
     q [b, h, nq, d]; k, v [b, kvh, s, d] with h a multiple of kvh: query head j
     reads kv head j // (h // kvh), as HF's repeat_kv. mask pred [b, nq, s] (true =
     attend) or None; bias f32 [h, s] (ALiBi) or [b, h, nq, s]. Returns q's shape and type.
     """
     _check(q, k, v)
-    scores = _scores(q, k, mask, scale, bias)
+    scores = _scores(q, k, mask, scale, bias, softcap)
     probs = convert(softmax(scores, -1), v.dtype)
     return convert(_weighted_values(probs, v), q.dtype)
 
@@ -46,8 +47,9 @@ def _check(q: HloValue, k: HloValue, v: HloValue) -> None:
         raise ValueError(f"attention: {h} query heads are not a multiple of {kvh} kv heads")
 
 
-def _scores(q: HloValue, k: HloValue, mask: HloValue | None, scale: float, bias: HloValue | None) -> HloValue:
-    """f32 [b, h, nq, s]: scale * q k^T + bias, masked keys at the lowest f32.
+def _scores(q: HloValue, k: HloValue, mask: HloValue | None, scale: float, bias: HloValue | None,
+            softcap: float | None = None) -> HloValue:
+    """f32 [b, h, nq, s]: scale * q k^T (soft-capped) + bias, masked keys at the lowest f32.
 
     The g = h // kvh query heads sharing a kv head are folded into the query axis
     ([b, kvh, g * nq, d]), so one batched dot over (b, kvh) reads the cache as laid out,
@@ -60,6 +62,8 @@ def _scores(q: HloValue, k: HloValue, mask: HloValue | None, scale: float, bias:
     grouped = reshape(q, (b, kvh, g * nq, d))
     scores = dot_general(grouped, k, ([3], [3]), ([0, 1], [0, 1]), out_dtype="f32")
     scores = multiply(reshape(scores, (b, h, nq, s)), float(scale))
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
     if bias is not None:
         bias = convert(bias, "f32")
         if bias.dims == (h, s):
@@ -85,7 +89,8 @@ def _weighted_values(probs: HloValue, v: HloValue) -> HloValue:
 
 
 def partial_attention(q: HloValue, k: HloValue, v: HloValue, mask: HloValue, scale: float,
-                      bias: HloValue | None = None) -> tuple[HloValue, HloValue, HloValue]:
+                      bias: HloValue | None = None,
+                      softcap: float | None = None) -> tuple[HloValue, HloValue, HloValue]:
     """attention() over one part of the keys, left unnormalised so that parts held apart
     (flash decoding: the cache split along the sequence) combine exactly.
 
@@ -96,7 +101,7 @@ def partial_attention(q: HloValue, k: HloValue, v: HloValue, mask: HloValue, sca
     softmax over all parts = sum_r out_r e^(top_r - T) / sum_r total_r e^(top_r - T), T = max_r top_r.
     """
     _check(q, k, v)
-    scores = _scores(q, k, mask, scale, bias)
+    scores = _scores(q, k, mask, scale, bias, softcap)
     dims = scores.dims
     top = reduce_max(scores, 3)
     weights = exp(subtract(scores, broadcast(top, dims, [0, 1, 2])))

@@ -69,6 +69,11 @@ def rms_norm(x: HloValue, weight: HloValue, eps: float, weight_offset: float = 0
     return multiply(convert(normed, x.dtype), expand_last(convert(weight, x.dtype), x.dims))
 
 
+def soft_cap(x: HloValue, cap: float) -> HloValue:
+    """cap * tanh(x / cap): values squashed into (-cap, cap) (Gemma 2's attention scores and logits)."""
+    return multiply(tanh(divide(x, float(cap))), float(cap))
+
+
 def layer_norm(x: HloValue, weight: HloValue, bias: HloValue | None, eps: float) -> HloValue:
     """(x - mean) * rsqrt(var + eps) * weight + bias over the last dim; biased variance, f32 math."""
     last = len(x.dims) - 1
