@@ -542,26 +542,6 @@ def test_attention_per_head_q_and_k_norms_before_rotary(weight_offset, fused):
     _check_attention(att, IN_OUT, seed=12, pad=(0, 3))
 
 
-def _head_norms(weight_offset: float) -> dict[str, Norm]:
-    p = "model.layers.{i}.self_attn"
-    return {"q_norm": Norm(f"{p}.q_norm", 4, eps=1e-6, weight_offset=weight_offset),
-            "k_norm": Norm(f"{p}.k_norm", 4, eps=1e-6, weight_offset=weight_offset)}
-
-
-@pytest.mark.parametrize("weight_offset", [0.0, 1.0], ids=["qwen3", "gemma3"])
-@pytest.mark.parametrize("fused", [True, False])
-def test_attention_per_head_q_and_k_norms_before_rotary(weight_offset, fused):
-    # Qwen3 (plain weight) and Gemma 3 (1 + weight): each head's queries and keys normed.
-    att = _split_attention(hidden=8, n_heads=4, n_kv_heads=2, head_dim=4, positions=Rotary(_inv_freq(4)),
-                           fused=fused, **_head_norms(weight_offset))
-    params = {p.name: p for p in att.params("attn")}
-    for name in ("q_norm", "k_norm"):
-        norm = params[f"attn.{name}.weight"]
-        assert norm.shape == (4,) and norm.shard is Shard.REPLICATED
-        assert norm.source.names == (f"model.layers.{{i}}.self_attn.{name}.weight",)
-    _check_attention(att, IN_OUT, seed=12, pad=(0, 3))
-
-
 def test_attention_rotary_interleaved():
     # GPT-J: pairs (2i, 2i + 1), partial.
     att = _split_attention(hidden=8, n_heads=2, n_kv_heads=2, head_dim=4, out_bias=True,
