@@ -34,10 +34,11 @@ from decoders.session.inputs import check_sampling, parse_prompts, per_line
 from decoders.session.lines import run_sequences
 from decoders.session.session import Session
 from pyhlo.dtypes import element_type_of_amp
+from runtime.atomic_directory import damaged_files, file_list, interrupted_replacements, replaced_directory
 
 log = logging.getLogger("pyhlo")
 
-SAVE_FORMAT = 2
+SAVE_FORMAT = 3
 # transformers-neuronx's n_positions when the caller gives none (lowered to what a learned
 # position table holds).
 DEFAULT_N_POSITIONS = 2048
@@ -404,23 +405,38 @@ class DecoderForSampling:
     def save(self, directory: str | os.PathLike, sharded_weights: bool = False) -> None:
         """Write every compiled program and the configuration to `directory`. sharded_weights:
         also each replica's weights as it holds them (directory/weights/rank{r}.safetensors),
-        which load() then places with no checkpoint reading and no sharding."""
+        which load() then places with no checkpoint reading and no sharding.
+
+        Everything is written into a new directory beside `directory` and renamed into place,
+        the description (with each file's size, and the programs' hashes) last: a kill at any
+        moment leaves the earlier save or none, never a mix. Across several processes each
+        writes its own replicas' files into `directory` itself (no one process can swap in
+        the whole)."""
         directory = pathlib.Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        if self.session.placement.local != list(range(self.tp_degree)):
+            directory.mkdir(parents=True, exist_ok=True)
+            self._write_saved(directory, sharded_weights, list_files=False)
+            return
+        _check_replaceable(directory)
+        with replaced_directory(directory) as staging:
+            self._write_saved(staging, sharded_weights, list_files=True)
+
+    def _write_saved(self, directory: pathlib.Path, sharded_weights: bool, list_files: bool) -> None:
         self.programs.save(directory)
         description = self.saved_settings()
         if sharded_weights:
             description["sharded_weights"] = {**self.session.save_weights(directory), "amp": self.amp}
-        (directory / "pyhlo_model.json").write_text(json.dumps(description, indent=2))
+        if list_files:
+            # Programs are hashed (a wrong one fails inside XLA, naming nothing); weights are
+            # sized only, since hashing them would read every byte again at each load.
+            description["files"] = file_list(directory, hashed=lambda name: name.startswith("programs/"))
+        (directory / SAVED_DESCRIPTION).write_text(json.dumps(description, indent=2))
 
     def load(self, directory: str | os.PathLike) -> DecoderForSampling:
         """Use the programs saved by save(), and its presharded weights if it wrote them;
         to_neuron() then compiles nothing."""
         directory = pathlib.Path(directory)
-        manifest = directory / "pyhlo_model.json"
-        if not manifest.exists():
-            raise ValueError(f"{directory} has no pyhlo_model.json: it was not written by model.save()")
-        saved = json.loads(manifest.read_text())
+        saved = _read_saved(directory)
         mine = self.saved_settings()
         for key in ("class", "amp", "batch_size", "n_positions", "tp_degree"):
             if saved.get(key) != mine[key]:
@@ -432,3 +448,45 @@ class DecoderForSampling:
         self.programs.load(directory)
         self._presharded = directory if weights is not None else None
         return self
+
+
+SAVED_DESCRIPTION = "pyhlo_model.json"
+# What save() writes: a directory holding anything else is not replaced by it.
+_SAVED_NAMES = {SAVED_DESCRIPTION, "programs", "weights"}
+
+
+def _check_replaceable(directory: pathlib.Path) -> None:
+    """save() replaces the whole directory: refuse one that holds files save() did not write."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"cannot save into {directory}: it is a file")
+    foreign = sorted(p.name for p in directory.iterdir() if p.name not in _SAVED_NAMES) \
+        if directory.is_dir() else []
+    if foreign:
+        raise ValueError(f"cannot save into {directory}: save() replaces the whole directory, and it holds "
+                         f"{', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which save() "
+                         "did not write; choose a new or empty directory")
+
+
+def _read_saved(directory: pathlib.Path) -> dict:
+    """The description save() wrote in directory, its files checked; a ValueError naming the
+    directory (and saying to save again) when it is missing, partial or mixed."""
+    again = "save the model again (model.save())"
+    if not directory.is_dir():
+        aside = interrupted_replacements(directory)
+        hint = (f"; a save into it was interrupted before it finished: the earlier save is in {aside[-1]}"
+                if aside else "")
+        raise ValueError(f"{directory} does not exist{hint}")
+    path = directory / SAVED_DESCRIPTION
+    if not path.exists():
+        raise ValueError(f"{directory} has no {SAVED_DESCRIPTION}: it was not written by model.save(), or "
+                         f"a save into it did not finish; {again}")
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is damaged ({err}); {again}") from None
+    problems = damaged_files(directory, saved.get("files", {}))
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ValueError(f"{directory} is not what model.save() wrote: {'; '.join(problems[:3])}{more}; "
+                         f"{again}")
+    return saved
