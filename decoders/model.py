@@ -29,6 +29,7 @@ from decoders.platform_choice import choose_lowering
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder
 from decoders.programs.keys import ProgramKey
+from decoders.programs.memory import check_fits, planned_memory
 from decoders.session.generation import Generation, sampler_bound
 from decoders.session.inputs import check_sampling, parse_prompts, per_line
 from decoders.session.lines import run_sequences
@@ -87,6 +88,8 @@ class DecoderForSampling:
         builder.check_sharding()                 # heads or rows that do not split fail here, naming the fix
         self.session = Session(builder, backend, self.token_buckets, self.context_buckets,
                                workers=self.neuron_config.compilation_worker_count)
+        # Before anything is compiled or placed: a request the machine cannot hold fails now.
+        check_fits(planned_memory(builder), replicas=len(self.session.placement.local), backend=backend)
         self._tokenizer = None
         # A directory of presharded weights chosen by load(): to_neuron() places those instead.
         self._presharded: pathlib.Path | None = None
