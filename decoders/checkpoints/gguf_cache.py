@@ -99,7 +99,9 @@ def convert(checkpoint: GGUFCheckpoint, target: pathlib.Path) -> None:
         # Each tensor is read from the file's mapping, whose pages are dropped as it goes:
         # a pass over the whole file would otherwise leave all of it resident.
         def widened():
-            for name in checkpoint.names():
+            from tqdm.auto import tqdm
+
+            for name in tqdm(checkpoint.names(), desc="converting", unit="tensor", disable=None):
                 yield name, checkpoint.get(name, keep_dtype=True)
                 checkpoint.release_pages()
 
