@@ -64,3 +64,17 @@ def test_the_estimate_is_what_loading_places(checkpoint, settings):
     model.to_neuron()
     assert model.session.device_bytes() == [planned.total_bytes]
     assert model.kv_cache.byte_size == planned.kv_cache_bytes
+
+
+def test_a_gpu_is_bounded_by_its_free_memory_where_pjrt_reports_it():
+    planned = memory.PlannedMemory(n_layers=2, layer_weight_bytes=3 << 30, shared_weight_bytes=1 << 30,
+                                   kv_cache_bytes=2 << 30)          # 9 GiB
+
+    def gpu(limit, in_use):
+        device = SimpleNamespace(memory_stats=lambda: {"bytes_limit": limit, "bytes_in_use": in_use})
+        return SimpleNamespace(platform="cuda", local_devices=[device])
+
+    with pytest.raises(ModelTooLarge, match="needs 9.0 GiB on each device .* cuda device has 8.0 GiB free"):
+        memory.check_fits(planned, replicas=1, backend=gpu(10 << 30, 2 << 30))
+    memory.check_fits(planned, replicas=1, backend=gpu(12 << 30, 2 << 30))
+    memory.check_fits(planned, replicas=1, backend=gpu(0, 0))      # nothing reported: no check

@@ -67,7 +67,7 @@ def _device_free_bytes(backend: Any) -> int | None:
             stats = device.memory_stats() or {}
         except Exception:       # a plugin without memory statistics: nothing to check against
             return None
-        if "bytes_limit" not in stats:
+        if stats.get("bytes_limit", 0) <= 0:      # not reported: nothing to check against
             return None
         free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
     return min(free) if free else None
