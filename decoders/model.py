@@ -10,7 +10,6 @@ of that Session.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import pathlib
@@ -30,12 +29,13 @@ from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder
 from decoders.programs.keys import ProgramKey
 from decoders.programs.memory import check_fits, planned_memory
+from decoders.saved_directory import check_replaceable, read_description, write_description
 from decoders.session.generation import Generation, sampler_bound
 from decoders.session.inputs import check_sampling, parse_prompts, per_line
 from decoders.session.lines import run_sequences
 from decoders.session.session import Session
 from pyhlo.dtypes import element_type_of_amp
-from runtime.atomic_directory import damaged_files, file_list, interrupted_replacements, replaced_directory
+from runtime.atomic_directory import replaced_directory
 
 log = logging.getLogger("pyhlo")
 
@@ -420,7 +420,7 @@ class DecoderForSampling:
             directory.mkdir(parents=True, exist_ok=True)
             self._write_saved(directory, sharded_weights, list_files=False)
             return
-        _check_replaceable(directory)
+        check_replaceable(directory)
         with replaced_directory(directory) as staging:
             self._write_saved(staging, sharded_weights, list_files=True)
 
@@ -429,17 +429,13 @@ class DecoderForSampling:
         description = self.saved_settings()
         if sharded_weights:
             description["sharded_weights"] = {**self.session.save_weights(directory), "amp": self.amp}
-        if list_files:
-            # Programs are hashed (a wrong one fails inside XLA, naming nothing); weights are
-            # sized only, since hashing them would read every byte again at each load.
-            description["files"] = file_list(directory, hashed=lambda name: name.startswith("programs/"))
-        (directory / SAVED_DESCRIPTION).write_text(json.dumps(description, indent=2))
+        write_description(directory, description, list_files=list_files)
 
     def load(self, directory: str | os.PathLike) -> DecoderForSampling:
         """Use the programs saved by save(), and its presharded weights if it wrote them;
         to_neuron() then compiles nothing."""
         directory = pathlib.Path(directory)
-        saved = _read_saved(directory)
+        saved = read_description(directory)
         mine = self.saved_settings()
         for key in ("class", "amp", "batch_size", "n_positions", "tp_degree"):
             if saved.get(key) != mine[key]:
@@ -452,44 +448,3 @@ class DecoderForSampling:
         self._presharded = directory if weights is not None else None
         return self
 
-
-SAVED_DESCRIPTION = "pyhlo_model.json"
-# What save() writes: a directory holding anything else is not replaced by it.
-_SAVED_NAMES = {SAVED_DESCRIPTION, "programs", "weights"}
-
-
-def _check_replaceable(directory: pathlib.Path) -> None:
-    """save() replaces the whole directory: refuse one that holds files save() did not write."""
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"cannot save into {directory}: it is a file")
-    foreign = sorted(p.name for p in directory.iterdir() if p.name not in _SAVED_NAMES) \
-        if directory.is_dir() else []
-    if foreign:
-        raise ValueError(f"cannot save into {directory}: save() replaces the whole directory, and it holds "
-                         f"{', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which save() "
-                         "did not write; choose a new or empty directory")
-
-
-def _read_saved(directory: pathlib.Path) -> dict:
-    """The description save() wrote in directory, its files checked; a ValueError naming the
-    directory (and saying to save again) when it is missing, partial or mixed."""
-    again = "save the model again (model.save())"
-    if not directory.is_dir():
-        aside = interrupted_replacements(directory)
-        hint = (f"; a save into it was interrupted before it finished: the earlier save is in {aside[-1]}"
-                if aside else "")
-        raise ValueError(f"{directory} does not exist{hint}")
-    path = directory / SAVED_DESCRIPTION
-    if not path.exists():
-        raise ValueError(f"{directory} has no {SAVED_DESCRIPTION}: it was not written by model.save(), or "
-                         f"a save into it did not finish; {again}")
-    try:
-        saved = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is damaged ({err}); {again}") from None
-    problems = damaged_files(directory, saved.get("files", {}))
-    if problems:
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise ValueError(f"{directory} is not what model.save() wrote: {'; '.join(problems[:3])}{more}; "
-                         f"{again}")
-    return saved
