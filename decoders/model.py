@@ -10,7 +10,6 @@ of that Session.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import pathlib
@@ -29,15 +28,18 @@ from decoders.platform_choice import choose_lowering
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder
 from decoders.programs.keys import ProgramKey
+from decoders.programs.memory import check_fits, planned_memory
+from decoders.saved_directory import check_replaceable, read_description, write_description
 from decoders.session.generation import Generation, sampler_bound
 from decoders.session.inputs import check_sampling, parse_prompts, per_line
 from decoders.session.lines import run_sequences
 from decoders.session.session import Session
 from pyhlo.dtypes import element_type_of_amp
+from runtime.atomic_directory import replaced_directory
 
 log = logging.getLogger("pyhlo")
 
-SAVE_FORMAT = 2
+SAVE_FORMAT = 3
 # transformers-neuronx's n_positions when the caller gives none (lowered to what a learned
 # position table holds).
 DEFAULT_N_POSITIONS = 2048
@@ -87,6 +89,8 @@ class DecoderForSampling:
         builder.check_sharding()                 # heads or rows that do not split fail here, naming the fix
         self.session = Session(builder, backend, self.token_buckets, self.context_buckets,
                                workers=self.neuron_config.compilation_worker_count)
+        # Before anything is compiled or placed: a request the machine cannot hold fails now.
+        check_fits(planned_memory(builder), replicas=len(self.session.placement.local), backend=backend)
         self._tokenizer = None
         # A directory of presharded weights chosen by load(): to_neuron() places those instead.
         self._presharded: pathlib.Path | None = None
@@ -405,23 +409,34 @@ class DecoderForSampling:
     def save(self, directory: str | os.PathLike, sharded_weights: bool = False) -> None:
         """Write every compiled program and the configuration to `directory`. sharded_weights:
         also each replica's weights as it holds them (directory/weights/rank{r}.safetensors),
-        which load() then places with no checkpoint reading and no sharding."""
+        which load() then places with no checkpoint reading and no sharding.
+
+        Everything is written into a new directory beside `directory` and renamed into place,
+        the description (with each file's size, and the programs' hashes) last: a kill at any
+        moment leaves the earlier save or none, never a mix. Across several processes each
+        writes its own replicas' files into `directory` itself (no one process can swap in
+        the whole)."""
         directory = pathlib.Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        if self.session.placement.local != list(range(self.tp_degree)):
+            directory.mkdir(parents=True, exist_ok=True)
+            self._write_saved(directory, sharded_weights, list_files=False)
+            return
+        check_replaceable(directory)
+        with replaced_directory(directory) as staging:
+            self._write_saved(staging, sharded_weights, list_files=True)
+
+    def _write_saved(self, directory: pathlib.Path, sharded_weights: bool, list_files: bool) -> None:
         self.programs.save(directory)
         description = self.saved_settings()
         if sharded_weights:
             description["sharded_weights"] = {**self.session.save_weights(directory), "amp": self.amp}
-        (directory / "pyhlo_model.json").write_text(json.dumps(description, indent=2))
+        write_description(directory, description, list_files=list_files)
 
     def load(self, directory: str | os.PathLike) -> DecoderForSampling:
         """Use the programs saved by save(), and its presharded weights if it wrote them;
         to_neuron() then compiles nothing."""
         directory = pathlib.Path(directory)
-        manifest = directory / "pyhlo_model.json"
-        if not manifest.exists():
-            raise ValueError(f"{directory} has no pyhlo_model.json: it was not written by model.save()")
-        saved = json.loads(manifest.read_text())
+        saved = read_description(directory)
         mine = self.saved_settings()
         for key in ("class", "amp", "batch_size", "n_positions", "tp_degree"):
             if saved.get(key) != mine[key]:
@@ -433,3 +448,4 @@ class DecoderForSampling:
         self.programs.load(directory)
         self._presharded = directory if weights is not None else None
         return self
+

@@ -5,7 +5,9 @@
 
 The key is a sha256 over the HLO bytes, the backend's cache_key_parts() (backend,
 platform, compiler version, flags) and the replica count. An entry is a header (magic,
-format version, payload length, payload sha256) and the serialized executable. Entries
+format version, its own key, payload length, payload sha256) and the serialized
+executable; an entry whose key is not the one it is stored under (a file copied or
+renamed over another) is another program's executable, so it is rebuilt, never run. Entries
 are written to a temporary file in the cache directory and renamed into place, so
 readers and concurrent writers see a whole entry or none. A damaged entry is reported,
 deleted and rebuilt. PYHLO_CACHE=0 turns the cache off.
@@ -23,8 +25,8 @@ import warnings
 from typing import Any
 
 MAGIC = b"PYHLOEXE"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sIQ32s")  # magic, format version, payload length, payload sha256
+FORMAT_VERSION = 2
+_HEADER = struct.Struct("<8sI32sQ32s")  # magic, format version, key (sha256), payload length, payload sha256
 SUFFIX = ".exe"
 
 
@@ -60,19 +62,25 @@ def cache_key(backend: Any, hlo_bytes: bytes, num_replicas: int = 1) -> str:
     return digest.hexdigest()
 
 
-def pack_entry(payload: bytes) -> bytes:
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), hashlib.sha256(payload).digest()) + payload
+def pack_entry(payload: bytes, key: str) -> bytes:
+    """An entry holding `payload`, the executable of cache key `key` (hex)."""
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, bytes.fromhex(key), len(payload),
+                        hashlib.sha256(payload).digest()) + payload
 
 
-def unpack_entry(data: bytes) -> bytes:
-    """The payload of an entry; CorruptEntry if the header or checksum does not match."""
+def unpack_entry(data: bytes, key: str) -> bytes:
+    """The payload of an entry stored under cache key `key`; CorruptEntry if the header, the
+    checksum or the entry's own key does not match."""
     if len(data) < _HEADER.size:
         raise CorruptEntry(f"{len(data)} bytes is shorter than the {_HEADER.size}-byte header")
-    magic, version, length, checksum = _HEADER.unpack_from(data)
+    magic, version, own_key, length, checksum = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise CorruptEntry("bad magic")
     if version != FORMAT_VERSION:
         raise CorruptEntry(f"format version {version}, expected {FORMAT_VERSION}")
+    if own_key.hex() != key:
+        raise CorruptEntry(f"it holds the executable of key {own_key.hex()[:16]}..., not of the key "
+                           f"it is stored under")
     payload = data[_HEADER.size:]
     if len(payload) != length:
         raise CorruptEntry(f"payload is {len(payload)} bytes, header says {length}")
@@ -130,14 +138,15 @@ class CompileCache:
         """The executable of hlo_bytes on backend, and whether it came from the cache."""
         if not self.enabled:
             return self._compile(backend, hlo_bytes, num_replicas), False
-        path = self.path_of(cache_key(backend, hlo_bytes, num_replicas))
-        executable = self._load(backend, hlo_bytes, num_replicas, path)
+        key = cache_key(backend, hlo_bytes, num_replicas)
+        path = self.path_of(key)
+        executable = self._load(backend, hlo_bytes, num_replicas, key)
         if executable is not None:
             self.stats.hits += 1
             return executable, True
         executable = self._compile(backend, hlo_bytes, num_replicas)
         os.makedirs(self.dir, exist_ok=True)
-        write_atomically(path, pack_entry(executable.serialize()))
+        write_atomically(path, pack_entry(executable.serialize(), key))
         return executable, False
 
     def _compile(self, backend: Any, hlo_bytes: bytes, num_replicas: int) -> Any:
@@ -147,15 +156,16 @@ class CompileCache:
         self.stats.compile_seconds += time.perf_counter() - start
         return executable
 
-    def _load(self, backend: Any, hlo_bytes: bytes, num_replicas: int, path: str) -> Any | None:
+    def _load(self, backend: Any, hlo_bytes: bytes, num_replicas: int, key: str) -> Any | None:
         start = time.perf_counter()
+        path = self.path_of(key)
         try:
             with open(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
             return None
         try:
-            payload = unpack_entry(data)
+            payload = unpack_entry(data, key)
             executable = backend.deserialize(payload, hlo_bytes, num_replicas=num_replicas)
         except Exception as err:  # a damaged entry, whatever the failure: rebuild it
             warnings.warn(f"compile cache entry {path} is damaged ({err}); deleting and recompiling",

@@ -92,6 +92,28 @@ def test_damaged_entry_is_reported_deleted_and_rebuilt(backend, tmp_path, damage
     assert CompileCache(tmp_path).get_or_compile(backend, HLO)[1]  # the rebuilt entry is whole
 
 
+def doubled_difference(scribe):
+    x = scribe.f32[16].Parameter(parameter_number=0, name="x")
+    y = scribe.f32[16].Parameter(parameter_number=1, name="y")
+    return scribe.f32[16].Subtract(scribe.f32[16].Add(x, x), y)
+
+
+def test_an_entry_stored_under_another_programs_key_is_rebuilt_not_run(backend, tmp_path):
+    """Same parameters, same output shape: the swapped executable would run and give 2x - y."""
+    other_hlo = compile_py_func(doubled_difference).SerializeToString()
+    cache = CompileCache(tmp_path)
+    cache.get_or_compile(backend, HLO)
+    cache.get_or_compile(backend, other_hlo)
+    mine, other = (Path(cache.path_of(cache_key(backend, hlo))) for hlo in (HLO, other_hlo))
+    mine.write_bytes(other.read_bytes())
+
+    with pytest.warns(RuntimeWarning, match="not of the key it is stored under"):
+        exe, hit = cache.get_or_compile(backend, HLO)
+    assert not hit and backend.compile_calls == 3 and cache.stats.rebuilt == 1
+    check_runs(backend, exe)
+    assert CompileCache(tmp_path).get_or_compile(backend, HLO)[1]
+
+
 def test_cache_dir_and_switch_from_environment(backend, tmp_path, monkeypatch):
     monkeypatch.setenv("PYHLO_CACHE_DIR", str(tmp_path / "from-env"))
     assert CompileCache().dir == str(tmp_path / "from-env")

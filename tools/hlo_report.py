@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import importlib.util
-import math
 import pathlib
 import re
 import shutil
@@ -366,22 +365,19 @@ class ModelTotals:
         return self.layer_weight_bytes * self.n_layers + self.shared_weight_bytes
 
 
-def _spec_bytes(spec: Any) -> int:
-    return math.prod(spec.dims) * dtypes.byte_size(spec.dtype)
-
-
 def model_totals(model: Any) -> ModelTotals:
     """Device memory of the declared weights (layers + shared) and of the KV caches of every layer."""
+    from decoders.programs.memory import planned_memory
+
     builder = model.session.builder
-    n_layers = builder.decoder.n_layers
-    layer = sum(_spec_bytes(builder.spec(p)) for p in builder.layer_params())
-    shared = sum(_spec_bytes(builder.spec(p)) for p in builder.shared_params())
+    planned = planned_memory(builder)
+    n_layers = planned.n_layers
     cache = builder.cache_spec("cache")   # (batch, kv_heads, n_positions, head_dim)
     size = dtypes.byte_size(cache.dtype)
-    kv = 2 * n_layers * math.prod(cache.dims) * size
     formula = (f"2 x {n_layers} layers x batch {cache.dims[0]} x {cache.dims[1]} kv heads x "
                f"{cache.dims[2]} positions x head_dim {cache.dims[3]} x {size} B")
-    return ModelTotals(n_layers, layer, shared, kv, formula)
+    return ModelTotals(n_layers, planned.layer_weight_bytes, planned.shared_weight_bytes,
+                       planned.kv_cache_bytes, formula)
 
 
 def format_weights(model: Any) -> str:

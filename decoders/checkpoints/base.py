@@ -76,6 +76,10 @@ class Checkpoint:
     def chat_template(self) -> str | None:
         return None
 
+    def release_pages(self) -> None:
+        """Drop the pages of a mapped file that reading has made resident (a reader that maps
+        its file; arrays already returned own their memory). A no-op for plain reads."""
+
     def close(self) -> None:
         pass
 

@@ -21,6 +21,7 @@ Architectures are rows of ``ARCHITECTURES``; adding one is mostly adding data.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import pathlib
 
 import ml_dtypes
@@ -305,6 +306,7 @@ class GGUFCheckpoint(Checkpoint):
         except Exception as e:
             raise CheckpointError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
         self._metadata, self._long_arrays = _read_metadata(reader)
+        self._mapping = getattr(reader.data, "_mmap", None)      # numpy.memmap's mmap.mmap
         arch_name = self._metadata.get("general.architecture")
         self.arch = ARCHITECTURES.get(arch_name)
         if self.arch is None:
@@ -578,9 +580,15 @@ class GGUFCheckpoint(Checkpoint):
         are not kept (the tokenizer reads them from the file)."""
         return self._metadata.get(key, default)
 
+    def release_pages(self) -> None:
+        # A read-only shared mapping: its pages stay in the page cache, a later read maps them again.
+        if self._mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._mapping.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         # Drop the file mapping; arrays already returned own their memory.
         self._tensors = None
+        self._mapping = None
 
 
 def _cache_key(path: pathlib.Path) -> str:

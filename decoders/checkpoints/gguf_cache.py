@@ -18,7 +18,8 @@ import tempfile
 
 from decoders.checkpoints.base import Checkpoint
 from decoders.checkpoints.gguf import GGUFCheckpoint, _cache_key, load_cached_tokenizer
-from decoders.checkpoints.hf import HFCheckpoint
+from decoders.checkpoints.hf import HFCheckpoint, _SafetensorsShard
+from decoders.checkpoints.streamed_safetensors import write_streamed
 from decoders.weights.stored import BLOCK_FORMS, BlockWeight
 
 
@@ -42,10 +43,10 @@ class ConvertedGGUF(HFCheckpoint):
         self._source_checkpoint: GGUFCheckpoint | None = None
         self._blocks = None
         super().__init__(folder)
-        from safetensors import safe_open
-
-        self._blocks = safe_open(str(folder / BLOCKS), framework="numpy")
-        metadata = self._blocks.metadata() or {}
+        # Plain reads, as model.safetensors: a mapping's pages would stay resident beside the
+        # copies placed on the device.
+        self._blocks = _SafetensorsShard(folder / BLOCKS)
+        metadata = self._blocks.metadata()
         self._forms = json.loads(metadata.get("forms", "{}"))
         self._types = json.loads(metadata.get("types", "{}"))
 
@@ -70,8 +71,8 @@ class ConvertedGGUF(HFCheckpoint):
         form = self.block_form(name)
         if form is None:
             return self._gguf().blocks(name)     # names the GGML type it has instead
-        parts = [self._blocks.get_tensor(f"{name}:{part}") for part in ("values", "scales")]
-        mins = self._blocks.get_tensor(f"{name}:mins") if BLOCK_FORMS[form].has_mins else None
+        parts = [self._blocks.read(f"{name}:{part}") for part in ("values", "scales")]
+        mins = self._blocks.read(f"{name}:mins") if BLOCK_FORMS[form].has_mins else None
         return BlockWeight(form, *parts, mins)
 
     def close(self) -> None:
@@ -90,26 +91,34 @@ class ConvertedGGUF(HFCheckpoint):
 
 
 def convert(checkpoint: GGUFCheckpoint, target: pathlib.Path) -> None:
-    """Write checkpoint's tensors (f32) and config into `target`, atomically."""
-    from safetensors.numpy import save_file
-
+    """Write checkpoint's tensors (f32) and config into `target`, atomically, one tensor in
+    memory at a time."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
-        tensors = {name: checkpoint.get(name, keep_dtype=True) for name in checkpoint.names()}
-        save_file(tensors, str(staging / "model.safetensors"))
-        del tensors
+        # Each tensor is read from the file's mapping, whose pages are dropped as it goes:
+        # a pass over the whole file would otherwise leave all of it resident.
+        def widened():
+            from tqdm.auto import tqdm
+
+            for name in tqdm(checkpoint.names(), desc="converting", unit="tensor", disable=None):
+                yield name, checkpoint.get(name, keep_dtype=True)
+                checkpoint.release_pages()
+
+        write_streamed(staging / "model.safetensors", widened())
         forms = {name: checkpoint.block_form(name) for name in checkpoint.names()
                  if checkpoint.block_form(name)}
-        blocks = {}
-        for name in forms:
-            weight = checkpoint.blocks(name)
-            blocks.update({f"{name}:values": weight.values, f"{name}:scales": weight.scales})
-            if weight.mins is not None:
-                blocks[f"{name}:mins"] = weight.mins
+
+        def blocks():
+            for name in forms:
+                weight = checkpoint.blocks(name)
+                yield from ((f"{name}:{part}", getattr(weight, part)) for part in ("values", "scales", "mins")
+                            if getattr(weight, part) is not None)
+                checkpoint.release_pages()
+
         types = {name: checkpoint.quant_type(name) for name in checkpoint.names()}
-        save_file(blocks, str(staging / BLOCKS),
-                  metadata={"forms": json.dumps(forms), "types": json.dumps(types)})
+        write_streamed(staging / BLOCKS, blocks(),
+                       metadata={"forms": json.dumps(forms), "types": json.dumps(types)})
         (staging / "config.json").write_text(json.dumps(checkpoint.config, indent=2))
         template = checkpoint.chat_template()
         if template:
@@ -131,4 +140,8 @@ def open_gguf(path: pathlib.Path) -> Checkpoint:
     checkpoint = GGUFCheckpoint(path)
     if target is not None:
         convert(checkpoint, target)
+        if (target / "model.safetensors").is_file():
+            # Read as later opens read it: plain reads, not the GGUF mapping the conversion touched.
+            checkpoint.close()
+            return ConvertedGGUF(target, path)
     return checkpoint

@@ -37,9 +37,12 @@ class _SafetensorsShard:
         with open(path, "rb") as f:
             (length,) = np.frombuffer(f.read(8), dtype="<u8")
             header = json.loads(f.read(int(length)))
-        header.pop("__metadata__", None)
+        self._metadata = header.pop("__metadata__", None) or {}
         self._data_start = 8 + int(length)
         self._entries = header
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self._metadata)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(entry["shape"]) for name, entry in self._entries.items()}

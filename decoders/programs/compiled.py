@@ -120,8 +120,12 @@ class ProgramSet:
         module_bytes = program.module.SerializeToString()
         saved_file = self._saved_file(program)
         if saved_file is not None:
-            executable = self.backend.deserialize(saved_file.read_bytes(), module_bytes,
-                                                  num_replicas=self.replicas)
+            try:
+                executable = self.backend.deserialize(saved_file.read_bytes(), module_bytes,
+                                                      num_replicas=self.replicas)
+            except Exception as err:     # XLA's own message names no file
+                raise ValueError(f"{saved_file} could not be loaded ({type(err).__name__}: {err}); the saved "
+                                 f"directory is damaged: save the model again (model.save())") from err
             self.loaded_from_save += 1
             return CompiledProgram(program, executable, time.perf_counter() - started, True)
         executable, hit = self.cache.get_or_compile(self.backend, module_bytes, num_replicas=self.replicas)
@@ -178,5 +182,8 @@ class ProgramSet:
 
     def load(self, directory: pathlib.Path) -> None:
         folder = directory / "programs"
+        if not (folder / "manifest.json").exists():
+            raise ValueError(f"{directory} has no programs/manifest.json: its save did not finish; save the "
+                             f"model again (model.save())")
         manifest = json.loads((folder / "manifest.json").read_text())
         self.saved = {name: (digest, folder / f"{name}.exe") for name, digest in manifest.items()}

@@ -194,10 +194,11 @@ class Session:
         self.shared = {p.name: place(p, None) for p in self.builder.shared_params()}
         declared = self.builder.layer_params()
         n_layers = self.builder.decoder.n_layers
-        self.layers = [
-            {p.name: place(p, i) for p in declared}
-            for i in tqdm(range(n_layers), total=n_layers, desc="loading weights", unit="layer", disable=None)
-        ]
+        self.layers = []
+        for i in tqdm(range(n_layers), total=n_layers, desc="loading weights", unit="layer", disable=None):
+            self.layers.append({p.name: place(p, i) for p in declared})
+            # A mapped checkpoint's pages of this layer: the device holds the weights now.
+            checkpoint.release_pages()
         cache = self.builder.cache_spec("cache")
         self.kv_cache = KVCache(self.placement, n_layers, cache.dims, cache.dtype)
         # Weights never change once placed: named for the unrolled program once, not every step.
