@@ -12,6 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from child_env import python_path
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
@@ -76,7 +77,7 @@ def _resettable_peak() -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _resettable_peak(),
                     reason="needs Linux's resettable peak RSS (/proc/self/clear_refs)")
 def test_placing_a_gguf_takes_about_what_the_device_holds_at_first_and_later_opens(smollm2_gguf, tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+    env = dict(os.environ, PYTHONPATH=python_path(TESTS.parent, TESTS),
                PYHLO_GGUF_CACHE=str(tmp_path / "converted"))
     for open_ in ("first", "later"):
         done = subprocess.run([sys.executable, "-c", PLACE, str(smollm2_gguf)], env=env, capture_output=True,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_env import python_path
 
 import runtime.atomic_directory as atomic_directory
 from decoders import LlamaForSampling
@@ -69,7 +70,7 @@ KILLED_SAVE = textwrap.dedent("""
 def test_a_save_killed_midway_leaves_the_earlier_save_whole(model, checkpoint, expected, tmp_path):
     directory = tmp_path / "saved"
     model.save(directory, sharded_weights=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+    env = dict(os.environ, PYTHONPATH=python_path(TESTS.parent, TESTS))
     done = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(checkpoint), str(directory)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
