@@ -667,3 +667,28 @@ def test_pyhlo_serve_drains_on_a_real_sigterm_and_exits(smollm2_gguf, served):
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
     assert chunks[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in chunks[:-1])
     assert len("".join(c["text"] for c in chunks)) > 0
+
+
+def test_pyhlo_serve_compiles_short_prompt_chunks_unless_told(monkeypatch):
+    """A chat request past the prefix its line keeps is often a few dozen tokens: it runs as a
+    16- or 32-token chunk, not as half the smallest token bucket."""
+    from test_server import serve_args
+
+    from tools import serve
+
+    built = {}
+
+    class Stop(Exception):
+        pass
+
+    def from_pretrained(path, **options):
+        built.update(options)
+        raise Stop
+
+    monkeypatch.setattr("decoders.NeuronAutoModelForCausalLM.from_pretrained", from_pretrained)
+    for argv, chunks in ((("--n-positions", "1024"), [16, 32, 64, 128, 256, 512]),
+                         (("--n-positions", "128"), [16, 32, 64]),
+                         (("--n-positions", "1024", "--context-length-estimate", "64,256"), [64, 256])):
+        with pytest.raises(Stop):
+            serve.build_engine(serve_args("some-model-dir", *argv))
+        assert built["context_length_estimate"] == chunks, argv

@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "queue")
     add_n_positions_argument(parser, help="context length: prompt + answer tokens of one request")
     parser.add_argument("--context-length-estimate", type=int_list, metavar="N[,N]",
-                        help="prompt chunk sizes, e.g. 64,256 (default: half of each token bucket)")
+                        help="prompt chunk sizes, e.g. 64,256 (default: 16, 32 and half of each token "
+                             "bucket)")
     add_amp_argument(parser, help="weights type")
     add_tp_degree_argument(parser)
     parser.add_argument("--served-model-name",
@@ -92,6 +93,20 @@ def _add_guard_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve the API's /docs and /openapi.json (off by default)")
 
 
+# What a chat request computes is often a few dozen tokens (the rest of its prompt a line kept
+# from an earlier request): chunks of 16 and 32 keep it from running as a chunk of 64 or more.
+SHORT_CHUNKS = (16, 32)
+
+
+def serving_chunks(n_positions: int) -> list[int]:
+    """The prompt chunk sizes pyhlo serve compiles by default: SHORT_CHUNKS and half of each token
+    bucket, as far as the context allows."""
+    from decoders.programs.buckets import context_buckets, token_buckets
+
+    usual = context_buckets(token_buckets(n_positions))
+    return sorted({c for c in SHORT_CHUNKS if c < usual[0]} | set(usual))
+
+
 def _phase(what: str) -> None:
     """One line on stderr as a start-up step that can take seconds begins."""
     print(f"pyhlo serve: {what} ...", file=sys.stderr, flush=True)
@@ -110,10 +125,11 @@ def build_engine(args: argparse.Namespace) -> Any:
         continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=args.batch_size),
         **weight_options(args))
     _phase(f"reading {path}")
+    chunks = args.context_length_estimate or serving_chunks(args.n_positions)
     model = NeuronAutoModelForCausalLM.from_pretrained(path, batch_size=args.batch_size,
                                                        n_positions=args.n_positions,
                                                        tp_degree=args.tp_degree, amp=args.amp,
-                                                       context_length_estimate=args.context_length_estimate,
+                                                       context_length_estimate=chunks,
                                                        neuron_config=config)
     _phase(f"compiling {len(model.eager_programs())} programs (from the compile cache when built before)")
     # Compiled here so that its line comes before the weights'; to_neuron() then compiles nothing.
