@@ -52,6 +52,11 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None            # each token's logprob and this many top ones (None: none)
 
 
 class _QueueStreamer(TextStreamer):
@@ -154,6 +159,10 @@ class Engine:
         greedy = sampling.temperature == 0
         options = dict(do_sample=not greedy, temperature=sampling.temperature if not greedy else 1.0,
                        top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+                       repetition_penalty=sampling.repetition_penalty,
+                       presence_penalty=sampling.presence_penalty,
+                       frequency_penalty=sampling.frequency_penalty, logit_bias=sampling.logit_bias,
+                       logprobs=sampling.logprobs,
                        eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish)
         request = self.batcher.request(prompt, sampling.max_tokens, **options)     # a ValueError: bad request
         self.prompt_tokens.inc(len(prompt))

@@ -18,50 +18,23 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from serving.engine import Engine, EngineStopped, Sampling
+from serving.logprobs import ChoiceLogprobs
+from serving.request_fields import BODIES, ChatRequest, Common, CompletionRequest, describe
 from serving.stop_strings import cut_at_stop
+from serving.tokenizer_routes import tokenizer_routes
 
 # How often a handler waiting for text checks that its client is still there and the engine
 # still runs: well under a decode step, so a request whose client left ends within a step.
 POLL_S = 0.02
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")          # fields we do not use (user, logit_bias...) are ignored
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    # Any finite temperature >= 0, as vLLM takes it (OpenAI's own API stops at 2).
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1, le=1)
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
-
-
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatRequest(_Common):
-    messages: list[Message] = Field(min_length=1)
 
 
 class ApiError(Exception):
@@ -102,13 +75,9 @@ def create_app(engine: Engine) -> FastAPI:
         return _error(error.status, error.message, error.param, error.code)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
-        return _error(400, f"{where}: {message}" if where else message, where or None)
+    async def invalid(http: Request, error: RequestValidationError) -> JSONResponse:
+        body = BODIES.get(http.url.path, CompletionRequest)
+        return _error(400, *describe(list(error.errors()), set(body.model_fields)))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
@@ -119,7 +88,7 @@ def create_app(engine: Engine) -> FastAPI:
             raise ApiError(404, f"the model {name!r} does not exist; this server has {engine.name!r}",
                            "model", "model_not_found")
 
-    def sampling(body: _Common, prompt_tokens: int) -> Sampling:
+    def sampling(body: Common, prompt_tokens: int) -> Sampling:
         room = engine.n_positions - prompt_tokens
         if room < 1:
             raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this model's context is "
@@ -131,13 +100,23 @@ def create_app(engine: Engine) -> FastAPI:
             raise ApiError(400, f"max_tokens {wanted} + the prompt's {prompt_tokens} tokens exceed the "
                                 f"context of {engine.n_positions} tokens", "max_tokens",
                            "context_length_exceeded")
+        vocab = engine.model.decoder.head.vocab_size
+        if any(not 0 <= token < vocab for token in body.logit_bias or {}):
+            raise ApiError(400, f"logit_bias: token ids must lie in 0..{vocab - 1}", "logit_bias")
+        if body.n != 1:
+            raise ApiError(400, "n: pyhlo gives one choice per request (n: 1)", "n")
         default = 16 if isinstance(body, CompletionRequest) else room
-        return Sampling(max_tokens=wanted or min(default, room), temperature=body.temperature,
-                        top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+        return Sampling(max_tokens=wanted or min(default, room),
+                        temperature=1.0 if body.temperature is None else body.temperature,
+                        top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), seed=body.seed,
+                        repetition_penalty=body.repetition_penalty or 1.0,
+                        presence_penalty=body.presence_penalty or 0.0,
+                        frequency_penalty=body.frequency_penalty or 0.0, logit_bias=body.logit_bias,
+                        logprobs=body.top_logprobs_wanted)
 
     def completion_prompt(body: CompletionRequest) -> list[int]:
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise ApiError(400, "one prompt per request (n=1 and a single prompt)", "prompt")
             prompt = prompt[0]
@@ -150,11 +129,11 @@ def create_app(engine: Engine) -> FastAPI:
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions",
                            "messages")
-        ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
+        ids = tokenizer.apply_chat_template([m.for_template() for m in body.messages],
                                             add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    async def run(http: Request, body: _Common, prompt: list[int], chat: bool):
+    async def run(http: Request, body: Common, prompt: list[int], chat: bool):
         check_model(body.model)
         if not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
@@ -169,9 +148,11 @@ def create_app(engine: Engine) -> FastAPI:
             raise ApiError(503, str(error)) from None
         created = int(time.time())
         stops = _stops(body.stop)
+        reported = None if settings.logprobs is None else ChoiceLogprobs(engine.tokenizer, request, chat)
         if body.stream:
-            return StreamingResponse(_stream(http, request, pieces, ident, created, chat, stops),
-                                     media_type="text/event-stream")
+            usage = (lambda: _usage(prompt, request)) if body.include_usage else None
+            events = _stream(http, request, pieces, ident, created, chat, stops, reported, usage)
+            return StreamingResponse(events, media_type="text/event-stream")
         text, stopped = "", False
         try:
             async for piece in _pieces(http, request, pieces):
@@ -189,15 +170,14 @@ def create_app(engine: Engine) -> FastAPI:
         if not stopped and request.finish_reason == "error":
             raise ApiError(500, request.error or "the request failed")
         reason = "stop" if stopped else _reason(request.finish_reason)
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(request.tokens),
-                 "total_tokens": len(prompt) + len(request.tokens),
-                 "prompt_tokens_details": {"cached_tokens": request.reused}}
+        usage = _usage(prompt, request)
+        logprobs = reported.upto(len(text)) if reported else None
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                      "logprobs": None}
+                      "logprobs": logprobs}
             return {"id": ident, "object": "chat.completion", "created": created, "model": engine.name,
                     "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
         return {"id": ident, "object": "text_completion", "created": created, "model": engine.name,
                 "choices": [choice], "usage": usage}
 
@@ -225,17 +205,19 @@ def create_app(engine: Engine) -> FastAPI:
                 getter.cancel()
 
     async def _stream(http: Request, request, pieces: asyncio.Queue, ident: str, created: int, chat: bool,
-                      stops: list[str]):
+                      stops: list[str], reported: ChoiceLogprobs | None = None, usage=None):
+        """usage: a function giving the usage, for a last chunk with it (stream_options.include_usage)."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def event(text: str | None, reason: str | None, first: bool = False) -> str:
+        def event(text: str | None, reason: str | None, first: bool = False, sent: str = "") -> str:
+            logprobs = reported.upto(len(sent)) if reported and not first else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
             chunk = {"id": ident, "object": kind, "created": created, "model": engine.name,
-                     "choices": [choice]}
+                     "choices": [choice], **({"usage": None} if usage else {})}
             return f"data: {json.dumps(chunk)}\n\n"
 
         sent, stopped = "", False
@@ -246,7 +228,7 @@ def create_app(engine: Engine) -> FastAPI:
                 async for piece in _pieces(None, request, pieces):
                     text, stopped = _cut_at_stop(sent + piece, stops)
                     if len(text) > len(sent):
-                        yield event(text[len(sent):], None)
+                        yield event(text[len(sent):], None, sent=text)
                         sent = text
                     if stopped:
                         engine.cancel(request, "stop")
@@ -259,7 +241,11 @@ def create_app(engine: Engine) -> FastAPI:
             if failed is not None:           # an error event (as OpenAI's clients read it), then the end
                 yield f"data: {json.dumps(failed)}\n\n"
                 return
-            yield event(None, "stop" if stopped else _reason(request.finish_reason))
+            yield event(None, "stop" if stopped else _reason(request.finish_reason), sent=sent)
+            if usage is not None:               # OpenAI's last chunk: no choices, the usage
+                chunk = {"id": ident, "object": kind, "created": created, "model": engine.name, "choices": [],
+                         "usage": usage()}
+                yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             # The client went away (the generator is closed) or the answer is done: either way
@@ -273,6 +259,8 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request, body: ChatRequest):
         return await run(http, body, chat_prompt(body), chat=True)
+
+    app.include_router(tokenizer_routes(engine, check_model, ApiError))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -290,6 +278,12 @@ def create_app(engine: Engine) -> FastAPI:
         return Response(generate_latest(engine.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _usage(prompt: list[int], request) -> dict[str, Any]:
+    return {"prompt_tokens": len(prompt), "completion_tokens": len(request.tokens),
+            "total_tokens": len(prompt) + len(request.tokens),
+            "prompt_tokens_details": {"cached_tokens": request.reused}}
 
 
 def _reason(finish_reason: str | None) -> str:

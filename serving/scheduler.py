@@ -37,6 +37,7 @@ import numpy as np
 
 from decoders.programs import buckets as bucketing
 from decoders.session import choice
+from serving import logprobs
 
 log = logging.getLogger("pyhlo")
 
@@ -52,6 +53,12 @@ class Request:
     top_p: float = 1.0
     do_sample: bool = False
     seed: int | None = None
+    # Applied before the choice, greedy or sampled (choice.penalized): 1.0 / 0.0 / None are off.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None    # record each token's logprob and this many top ones (None: none)
     eos_token_ids: tuple[int, ...] = ()
     on_token: Callable[[Request, int], None] | None = None   # called with each new token
     on_finish: Callable[[Request], None] | None = None
@@ -62,6 +69,7 @@ class Request:
     line: int | None = None
     written: int = 0               # prompt tokens already in the cache
     reused: int = 0                # of those, taken from the line's kept prefix (not computed)
+    token_logprobs: list[logprobs.TokenLogprobs] = dataclasses.field(default_factory=list)  # per token
     _generator: Any = None
 
     @property
@@ -126,6 +134,8 @@ class ContinuousBatcher:
         vocab = self.model.decoder.head.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
+        if any(not 0 <= int(t) < vocab for t in options.get("logit_bias") or {}):
+            raise ValueError(f"logit_bias token ids must lie in 0..{vocab - 1}")
         request = Request(prompt, max_new_tokens, id=next(self._ids), **options)
         if request.do_sample:
             request._generator = choice.seeded_generator(request.seed)
@@ -302,12 +312,19 @@ class ContinuousBatcher:
     def _give(self, request: Request, logits: np.ndarray) -> None:
         """Choose the request's next token and hand it over; a failure there ends this request alone."""
         try:
-            self._accept(request, self._choose(request, logits))
+            token = self._choose(request, logits)
+            if request.logprobs is not None:
+                request.token_logprobs.append(logprobs.of_token(logits, token, request.logprobs))
+            self._accept(request, token)
         except Exception as error:
             log.error("request %d failed: %s: %s", request.id, type(error).__name__, error, exc_info=error)
             self.fail(request, f"choosing this request's token failed: {type(error).__name__}: {error}")
 
     def _choose(self, request: Request, logits: np.ndarray) -> int:
+        if request.repetition_penalty != 1.0 or request.presence_penalty or request.frequency_penalty \
+                or request.logit_bias:
+            logits = choice.penalized(logits, request.prompt, request.tokens, request.repetition_penalty,
+                                      request.presence_penalty, request.frequency_penalty, request.logit_bias)
         if not request.do_sample:
             return int(np.argmax(logits))
         return choice.draw(choice.probabilities(logits, request.temperature, request.top_k, request.top_p),
