@@ -57,6 +57,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None            # each token's logprob and this many top ones (None: none)
+    prompt_logprobs: int | None = None     # the same for the prompt's tokens
 
 
 class _QueueStreamer(TextStreamer):
@@ -162,7 +163,7 @@ class Engine:
                        repetition_penalty=sampling.repetition_penalty,
                        presence_penalty=sampling.presence_penalty,
                        frequency_penalty=sampling.frequency_penalty, logit_bias=sampling.logit_bias,
-                       logprobs=sampling.logprobs,
+                       logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
                        eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish)
         request = self.batcher.request(prompt, sampling.max_tokens, **options)     # a ValueError: bad request
         self.prompt_tokens.inc(len(prompt))

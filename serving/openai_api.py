@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from serving.engine import Engine, EngineStopped, Sampling
-from serving.logprobs import ChoiceLogprobs
+from serving.logprobs import ChoiceLogprobs, Offsets, completion_logprobs, joined
 from serving.request_fields import BODIES, ChatRequest, Common, CompletionRequest, describe
 from serving.stop_strings import cut_at_stop
 from serving.tokenizer_routes import tokenizer_routes
@@ -112,7 +112,8 @@ def create_app(engine: Engine) -> FastAPI:
                         repetition_penalty=body.repetition_penalty or 1.0,
                         presence_penalty=body.presence_penalty or 0.0,
                         frequency_penalty=body.frequency_penalty or 0.0, logit_bias=body.logit_bias,
-                        logprobs=body.top_logprobs_wanted)
+                        logprobs=body.top_logprobs_wanted,
+                        prompt_logprobs=getattr(body, "prompt_logprobs_wanted", None))
 
     def completion_prompt(body: CompletionRequest) -> list[int]:
         prompt = body.prompt
@@ -148,10 +149,13 @@ def create_app(engine: Engine) -> FastAPI:
             raise ApiError(503, str(error)) from None
         created = int(time.time())
         stops = _stops(body.stop)
-        reported = None if settings.logprobs is None else ChoiceLogprobs(engine.tokenizer, request, chat)
+        echoed = _echo(body, prompt) if not chat and body.echo else ""
+        reported = None if settings.logprobs is None else \
+            ChoiceLogprobs(engine.tokenizer, request, chat, text_start=len(echoed))
         if body.stream:
             usage = (lambda: _usage(prompt, request)) if body.include_usage else None
-            events = _stream(http, request, pieces, ident, created, chat, stops, reported, usage)
+            echo = (lambda: (echoed, prompt_logprobs(request, prompt, reported))) if echoed else None
+            events = _stream(http, request, pieces, ident, created, chat, stops, reported, usage, echo)
             return StreamingResponse(events, media_type="text/event-stream")
         text, stopped = "", False
         try:
@@ -172,6 +176,10 @@ def create_app(engine: Engine) -> FastAPI:
         reason = "stop" if stopped else _reason(request.finish_reason)
         usage = _usage(prompt, request)
         logprobs = reported.upto(len(text)) if reported else None
+        if echoed:
+            text = echoed + text
+            if logprobs is not None:
+                logprobs = joined(prompt_logprobs(request, prompt, reported), logprobs)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                       "logprobs": logprobs}
@@ -205,12 +213,20 @@ def create_app(engine: Engine) -> FastAPI:
                 getter.cancel()
 
     async def _stream(http: Request, request, pieces: asyncio.Queue, ident: str, created: int, chat: bool,
-                      stops: list[str], reported: ChoiceLogprobs | None = None, usage=None):
-        """usage: a function giving the usage, for a last chunk with it (stream_options.include_usage)."""
+                      stops: list[str], reported: ChoiceLogprobs | None = None, usage=None, echo=None):
+        """usage: a function giving the usage, for a last chunk with it (stream_options.include_usage);
+        echo: one giving the echoed prompt and its logprobs, for a first chunk with them."""
         kind = "chat.completion.chunk" if chat else "text_completion"
+        echoing = [echo] if echo is not None else []
 
-        def event(text: str | None, reason: str | None, first: bool = False, sent: str = "") -> str:
-            logprobs = reported.upto(len(sent)) if reported and not first else None
+        def event(text: str | None, reason: str | None, first: bool = False, sent: str = "",
+                  logprobs: dict | None = None) -> str:
+            if echoing:
+                # The echoed prompt first, once its logprobs are there: with the first token.
+                echoed, of_prompt = echoing.pop()()
+                return event(echoed, None, logprobs=of_prompt) + event(text, reason, first, sent)
+            if logprobs is None and reported and not first:
+                logprobs = reported.upto(len(sent))
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
@@ -261,6 +277,21 @@ def create_app(engine: Engine) -> FastAPI:
         return await run(http, body, chat_prompt(body), chat=True)
 
     app.include_router(tokenizer_routes(engine, check_model, ApiError))
+
+    def _echo(body: CompletionRequest, prompt: list[int]) -> str:
+        """The prompt as echoed: its text as sent, else its tokens decoded."""
+        sent = body.prompt[0] if isinstance(body.prompt, list) and body.prompt else body.prompt
+        return sent if isinstance(sent, str) else engine.tokenizer.decode(prompt, skip_special_tokens=True)
+
+    def prompt_logprobs(request, prompt: list[int], reported: ChoiceLogprobs | None) -> dict | None:
+        """The echoed prompt's logprobs (the answer's first token is there by now: so is the
+        whole prompt's)."""
+        if reported is None:
+            return None
+        entries = request.prompt_token_logprobs or [None]
+        offsets = Offsets(engine.tokenizer, prompt)
+        starts = [offsets.start(i) for i in range(len(prompt))]
+        return completion_logprobs(engine.tokenizer, entries, prompt, starts)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

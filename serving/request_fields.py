@@ -138,6 +138,11 @@ class CompletionRequest(Common):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The echoed prompt's logprobs: as many top tokens as the answer's."""
+        return self.logprobs if self.echo else None
+
 
 class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1)

@@ -59,6 +59,7 @@ class Request:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None    # record each token's logprob and this many top ones (None: none)
+    prompt_logprobs: int | None = None    # the same for the prompt's tokens (its every token computed)
     eos_token_ids: tuple[int, ...] = ()
     on_token: Callable[[Request, int], None] | None = None   # called with each new token
     on_finish: Callable[[Request], None] | None = None
@@ -70,6 +71,8 @@ class Request:
     written: int = 0               # prompt tokens already in the cache
     reused: int = 0                # of those, taken from the line's kept prefix (not computed)
     token_logprobs: list[logprobs.TokenLogprobs] = dataclasses.field(default_factory=list)  # per token
+    # Per prompt token where prompt_logprobs is set: the first has none (no context).
+    prompt_token_logprobs: list[logprobs.TokenLogprobs | None] = dataclasses.field(default_factory=list)
     _generator: Any = None
 
     @property
@@ -136,6 +139,9 @@ class ContinuousBatcher:
             raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
         if any(not 0 <= int(t) < vocab for t in options.get("logit_bias") or {}):
             raise ValueError(f"logit_bias token ids must lie in 0..{vocab - 1}")
+        if options.get("prompt_logprobs") is not None and not self.session.row_prefill:
+            raise ValueError("a prompt's logprobs need the one-line prefill programs (continuous batching "
+                             "over more than one line, caches not spread over replicas)")
         request = Request(prompt, max_new_tokens, id=next(self._ids), **options)
         if request.do_sample:
             request._generator = choice.seeded_generator(request.seed)
@@ -213,11 +219,19 @@ class ContinuousBatcher:
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :len(part)] = part
         try:
-            logits = session.prefill_line(tokens, r.line, r.written, len(part) - 1)
-            row = session.host_logits(logits)[0]
+            every = r.prompt_logprobs is not None
+            logits = session.host_logits(session.prefill_line(tokens, r.line, r.written, len(part) - 1,
+                                                              every_position=every))
+            row = logits[0, len(part) - 1] if every else logits[0]
         except Exception as error:
             self._program_failed([r], error)
             return
+        if every:
+            try:
+                self._prompt_logprobs(r, logits[0, :len(part)])
+            except Exception as error:            # this request's own part: it alone fails
+                self.fail(r, f"the prompt's logprobs failed: {type(error).__name__}: {error}")
+                return
         r.written += len(part)
         self.prompt_tokens_written += len(part)
         if r.written == len(r.prompt):
@@ -293,13 +307,26 @@ class ContinuousBatcher:
             request = self.waiting.popleft()
             free = [i for i, held in enumerate(self.lines) if held is None]
             # The prompt's last token always runs: its logits give the first new token.
-            shared = {i: _common_prefix(self.kept[i], request.prompt[:-1]) for i in free}
+            # A prompt whose logprobs are asked for is computed in full.
+            shared = {i: 0 if request.prompt_logprobs is not None else
+                      _common_prefix(self.kept[i], request.prompt[:-1]) for i in free}
             line = max(free, key=lambda i: (shared[i], -self.last_used[i]))
             request.line, request.written = line, shared[line]
             request.reused = shared[line]
             self.prompt_tokens_reused += shared[line]
             self.lines[line] = request
             self.kept[line] = []
+
+    def _prompt_logprobs(self, request: Request, rows: np.ndarray) -> None:
+        """The logprobs of the prompt tokens that a chunk's logits rows [n, vocab] predict
+        (the chunk's last row, past the prompt, predicts the first new token: not one of them)."""
+        start = request.written
+        if start == 0:
+            request.prompt_token_logprobs.append(None)
+        following = request.prompt[start + 1:start + 1 + len(rows)]
+        request.prompt_token_logprobs += logprobs.of_prompt(rows[:len(following) + 1],
+                                                           request.prompt[start:start + len(following) + 1],
+                                                           request.prompt_logprobs)[1:]
 
     def _program_failed(self, requests: list[Request], error: Exception) -> None:
         """A program failed: its requests end with an error, and no line's kept prefix is trusted."""

@@ -576,7 +576,9 @@ def test_chat_logprobs_equal_hf_log_softmax_streamed_or_not(tiny_server):
             if chunk.choices and chunk.choices[0].logprobs
             for c in chunk.choices[0].logprobs.content
         ]
-        assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+        # The same tokens; their logprobs as close as two runs of the model (one may reuse a prefix).
+        assert [c.token for c in streamed] == [c.token for c in content]
+        assert np.allclose([c.logprob for c in streamed], [c.logprob for c in content], atol=1e-5)
     plain = api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, logprobs=True)
     assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
 
@@ -601,7 +603,8 @@ def test_completion_logprobs_in_the_legacy_shape_equal_hf_log_softmax_streamed_o
         if chunk.choices[0].logprobs:
             for key in streamed:
                 streamed[key] += getattr(chunk.choices[0].logprobs, key)
-    assert streamed == {key: getattr(logprobs, key) for key in streamed}
+    assert streamed["tokens"] == logprobs.tokens and streamed["text_offset"] == logprobs.text_offset
+    assert np.allclose(streamed["token_logprobs"], logprobs.token_logprobs, atol=1e-5)
 
 
 def test_tokenize_and_detokenize_are_the_servers_tokenizer_as_vllm_serves_it(tiny_server, http):
@@ -625,3 +628,51 @@ def test_tokenize_and_detokenize_are_the_servers_tokenizer_as_vllm_serves_it(tin
     info = http.get("/tokenizer_info").json()
     assert info["chat_template"] == CHAT_TEMPLATE and info["model_max_length"] == 64
     assert info["unk_token"] == tokenizer.unk_token and info["eos_token"] == tokenizer.eos_token
+
+
+@pytest.mark.parametrize("length", [1, 7, 16, 17, 40])
+def test_echo_gives_the_prompts_logprobs_as_hf_computes_them(tiny_server, http, length):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs 1, one new token. The
+    prompt is one chunk, a chunk and one token, or several chunks; sent twice, the second
+    time its line's cache holds it (it is computed again all the same)."""
+    base, _, hf = tiny_server
+    prompt = [(7 * i + 3) % 320 for i in range(length)]
+    body = {
+        "model": "tiny",
+        "prompt": [prompt],
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": 1,
+        "echo": True,
+    }
+    for _ in range(2):
+        done = http.post("/v1/completions", json=body).json()["choices"][0]
+        logprobs = done["logprobs"]
+        # The prompt's text, then the answer's (this word-level tokenizer puts no space between).
+        assert done["text"] == words(prompt) + logprobs["tokens"][-1]
+        assert [int(t[1:]) for t in logprobs["tokens"][:length]] == prompt
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert all(
+            done["text"][o:].lstrip().startswith(t)
+            for o, t in zip(logprobs["text_offset"], logprobs["tokens"])
+        )
+        ids = [int(t[1:]) for t in logprobs["tokens"]]
+        reference = hf_logprobs(hf, ids)
+        for i in range(1, len(ids)):
+            assert abs(logprobs["token_logprobs"][i] - reference[i - 1, ids[i]]) < 1e-4, i
+            best = int(np.argmax(reference[i - 1]))
+            assert abs(logprobs["top_logprobs"][i][f"t{best}"] - reference[i - 1, best]) < 1e-4, i
+    api = openai_client(base)
+    stream = api.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=1, echo=True, stream=True
+    )
+    whole = api.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=1, echo=True
+    )
+    chunks = [chunk.choices[0] for chunk in stream]
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    streamed = [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs]
+    assert streamed[0] is None and whole.choices[0].logprobs.token_logprobs[0] is None
+    assert np.allclose(streamed[1:], whole.choices[0].logprobs.token_logprobs[1:], atol=1e-5)
+    plain = http.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
+    assert plain["text"] == done["text"] and plain["logprobs"] is None

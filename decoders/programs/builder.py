@@ -225,8 +225,8 @@ class ProgramBuilder:
         return self._program(f"lm_head_n{n_tokens}{self._rows_suffix(rows)}", specs, ["logits"],
                              lambda p: {"logits": self._head(p)})
 
-    def lm_head_all(self, n_tokens: int) -> Program:
-        b = self.batch_size
+    def lm_head_all(self, n_tokens: int, rows: int | None = None) -> Program:
+        b = self._rows(rows)
         specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, self.decoder.head.hidden)),
                  *(self.spec(p) for p in self.head_params())]
 
@@ -234,7 +234,7 @@ class ProgramBuilder:
             values = PieceValues(p, self.lowering, "", self.head_params())
             return {"logits": self.decoder.head.every_position(values, p["hidden"])}
 
-        return self._program(f"lm_head_all_n{n_tokens}", specs, ["logits"], body)
+        return self._program(f"lm_head_all_n{n_tokens}{self._rows_suffix(rows)}", specs, ["logits"], body)
 
     def model_step(self, n_tokens: int, n_attend: int) -> Program:
         """The whole model unrolled into one program: token ids -> logits and each line's most

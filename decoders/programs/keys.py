@@ -51,12 +51,13 @@ class LMHead:
 @dataclass(frozen=True)
 class LMHeadAll:
     """Final norm and vocabulary projection of every one of n_tokens positions -> f32 logits
-    [b, n_tokens, vocab] (speculative decoding)."""
+    [b, n_tokens, vocab] (speculative decoding; a prompt chunk's logprobs, for `rows` lines)."""
 
     n_tokens: int
+    rows: int | None = None
 
     def build(self, builder: ProgramBuilder) -> Program:
-        return builder.lm_head_all(self.n_tokens)
+        return builder.lm_head_all(self.n_tokens, self.rows)
 
 
 @dataclass(frozen=True)
