@@ -15,6 +15,7 @@ its batch line.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -35,6 +36,8 @@ from serving.tokenizer_routes import tokenizer_routes
 # How often a handler waiting for text checks that its client is still there and the engine
 # still runs: well under a decode step, so a request whose client left ends within a step.
 POLL_S = 0.02
+# Choices in one request (prompts x n): each takes a batch line or waits for one.
+MAX_CHOICES = 128
 
 
 class ApiError(Exception):
@@ -45,6 +48,26 @@ class ApiError(Exception):
 
 class _ClientLeft(Exception):
     """The client of a request closed its connection."""
+
+
+class _ChoiceFailed(Exception):
+    """A choice's request failed while it streamed: body is the error event to send."""
+
+    def __init__(self, body: dict[str, Any]):
+        super().__init__(body["error"]["message"])
+        self.body = body
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One choice of a response: its request in the engine and what its answer needs."""
+
+    index: int
+    prompt: list[int]
+    request: Any
+    pieces: asyncio.Queue
+    reported: ChoiceLogprobs | None        # its logprobs, where asked for
+    echoed: str = ""                       # the prompt's text before its answer (completions' echo)
 
 
 def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -103,8 +126,6 @@ def create_app(engine: Engine) -> FastAPI:
         vocab = engine.model.decoder.head.vocab_size
         if any(not 0 <= token < vocab for token in body.logit_bias or {}):
             raise ApiError(400, f"logit_bias: token ids must lie in 0..{vocab - 1}", "logit_bias")
-        if body.n != 1:
-            raise ApiError(400, "n: pyhlo gives one choice per request (n: 1)", "n")
         default = 16 if isinstance(body, CompletionRequest) else room
         return Sampling(max_tokens=wanted or min(default, room),
                         temperature=1.0 if body.temperature is None else body.temperature,
@@ -115,15 +136,11 @@ def create_app(engine: Engine) -> FastAPI:
                         logprobs=body.top_logprobs_wanted,
                         prompt_logprobs=getattr(body, "prompt_logprobs_wanted", None))
 
-    def completion_prompt(body: CompletionRequest) -> list[int]:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "one prompt per request (n=1 and a single prompt)", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return list(engine.tokenizer(prompt)["input_ids"])
-        return list(prompt)
+    def completion_prompts(body: CompletionRequest) -> list[list[int]]:
+        """The prompts of a completions request: one text or token list, or a list of them."""
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
+            isinstance(body.prompt[0], (str, list)) else [body.prompt]
+        return [list(engine.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
 
     def chat_prompt(body: ChatRequest) -> list[int]:
         tokenizer = engine.tokenizer
@@ -134,60 +151,91 @@ def create_app(engine: Engine) -> FastAPI:
                                             add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    async def run(http: Request, body: Common, prompt: list[int], chat: bool):
-        check_model(body.model)
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", "prompt")
-        settings = sampling(body, len(prompt))
+    def submit(body: Common, prompts: list[list[int]], chat: bool, ident: str) -> list[_Choice]:
+        """Every choice of a request queued: n for each prompt (index prompt * n + k), choice
+        k sampling with seed + k, so each is reproducible; none is queued if one is refused."""
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n {body.n} choices: at most {MAX_CHOICES} per "
+                                "request", "n")
+        planned = []
+        for p, prompt in enumerate(prompts):
+            if not prompt:
+                raise ApiError(400, "the prompt is empty", "prompt")
+            settings = sampling(body, len(prompt))
+            echoed = _echo(body, p, prompt) if not chat and body.echo else ""
+            for k in range(body.n):
+                seed = settings.seed if k == 0 or settings.seed is None else (settings.seed + k) % 2**63
+                planned.append((p * body.n + k, prompt, dataclasses.replace(settings, seed=seed), echoed))
         loop = asyncio.get_running_loop()
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        choices: list[_Choice] = []
         try:
-            request, pieces = engine.submit(prompt, settings, loop, label=ident)
-        except ValueError as error:
+            for index, prompt, settings, echoed in planned:
+                label = ident if len(planned) == 1 else f"{ident}-{index}"
+                request, pieces = engine.submit(prompt, settings, loop, label=label)
+                reported = None if settings.logprobs is None else \
+                    ChoiceLogprobs(engine.tokenizer, request, chat, text_start=len(echoed))
+                choices.append(_Choice(index, prompt, request, pieces, reported, echoed))
+        except (ValueError, EngineStopped) as error:
+            for choice in choices:
+                engine.cancel(choice.request)
+            if isinstance(error, EngineStopped):
+                raise ApiError(503, str(error)) from None
             raise ApiError(400, str(error), "prompt") from None
-        except EngineStopped as error:
-            raise ApiError(503, str(error)) from None
+        return choices
+
+    async def run(http: Request, body: Common, prompts: list[list[int]], chat: bool):
+        check_model(body.model)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        choices = submit(body, prompts, chat, ident)
         created = int(time.time())
         stops = _stops(body.stop)
-        echoed = _echo(body, prompt) if not chat and body.echo else ""
-        reported = None if settings.logprobs is None else \
-            ChoiceLogprobs(engine.tokenizer, request, chat, text_start=len(echoed))
         if body.stream:
-            usage = (lambda: _usage(prompt, request)) if body.include_usage else None
-            echo = (lambda: (echoed, prompt_logprobs(request, prompt, reported))) if echoed else None
-            events = _stream(http, request, pieces, ident, created, chat, stops, reported, usage, echo)
+            usage = (lambda: _usage(prompts, choices)) if body.include_usage else None
+            events = _stream(choices, ident, created, chat, stops, usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        text, stopped = "", False
+        # Only the first choice listens for the client leaving (one reader of the connection);
+        # when it leaves, every choice is cancelled.
+        waits = [asyncio.ensure_future(_collect(http if i == 0 else None, choice, chat, stops))
+                 for i, choice in enumerate(choices)]
         try:
-            async for piece in _pieces(http, request, pieces):
-                text, stopped = _cut_at_stop(text + piece, stops)
-                if stopped:
-                    engine.cancel(request, "stop")
-                    break
+            answers = await asyncio.gather(*waits)
         except (asyncio.CancelledError, _ClientLeft) as gone:
-            engine.cancel(request)
             if isinstance(gone, _ClientLeft):
                 return Response(status_code=499)              # nobody reads it
             raise
         except EngineStopped as error:
             raise ApiError(503, str(error)) from None
+        finally:
+            for wait in waits:
+                wait.cancel()
+            for choice in choices:
+                engine.cancel(choice.request)
+        if chat:
+            return {"id": ident, "object": "chat.completion", "created": created, "model": engine.name,
+                    "choices": answers, "usage": _usage(prompts, choices)}
+        return {"id": ident, "object": "text_completion", "created": created, "model": engine.name,
+                "choices": answers, "usage": _usage(prompts, choices)}
+
+    async def _collect(http: Request | None, choice: _Choice, chat: bool, stops: list[str]) -> dict[str, Any]:
+        """One choice's whole answer (ApiError 500 where its request failed)."""
+        request, text, stopped = choice.request, "", False
+        async for piece in _pieces(http, request, choice.pieces):
+            text, stopped = _cut_at_stop(text + piece, stops)
+            if stopped:
+                engine.cancel(request, "stop")
+                break
         if not stopped and request.finish_reason == "error":
             raise ApiError(500, request.error or "the request failed")
         reason = "stop" if stopped else _reason(request.finish_reason)
-        usage = _usage(prompt, request)
-        logprobs = reported.upto(len(text)) if reported else None
-        if echoed:
-            text = echoed + text
-            if logprobs is not None:
-                logprobs = joined(prompt_logprobs(request, prompt, reported), logprobs)
+        logprobs = choice.reported.upto(len(text)) if choice.reported else None
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                      "logprobs": logprobs}
-            return {"id": ident, "object": "chat.completion", "created": created, "model": engine.name,
-                    "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
-        return {"id": ident, "object": "text_completion", "created": created, "model": engine.name,
-                "choices": [choice], "usage": usage}
+            return {"index": choice.index, "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason, "logprobs": logprobs}
+        if choice.echoed:
+            text = choice.echoed + text
+            if logprobs is not None:
+                logprobs = joined(prompt_logprobs(choice), logprobs)
+        return {"index": choice.index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
     async def _pieces(http: Request | None, request, pieces: asyncio.Queue):
         """A request's text pieces as the engine sends them. While it waits, it checks every
@@ -212,83 +260,119 @@ def create_app(engine: Engine) -> FastAPI:
             if getter is not None:
                 getter.cancel()
 
-    async def _stream(http: Request, request, pieces: asyncio.Queue, ident: str, created: int, chat: bool,
-                      stops: list[str], reported: ChoiceLogprobs | None = None, usage=None, echo=None):
-        """usage: a function giving the usage, for a last chunk with it (stream_options.include_usage);
-        echo: one giving the echoed prompt and its logprobs, for a first chunk with them."""
+    async def _stream(choices: list[_Choice], ident: str, created: int, chat: bool, stops: list[str],
+                      usage=None):
+        """Server-sent events of every choice as its text comes, each chunk naming its choice's
+        index; usage: a function giving the usage, for a last chunk with it
+        (stream_options.include_usage). A choice that fails ends the stream with an error event."""
         kind = "chat.completion.chunk" if chat else "text_completion"
-        echoing = [echo] if echo is not None else []
 
-        def event(text: str | None, reason: str | None, first: bool = False, sent: str = "",
-                  logprobs: dict | None = None) -> str:
-            if echoing:
-                # The echoed prompt first, once its logprobs are there: with the first token.
-                echoed, of_prompt = echoing.pop()()
-                return event(echoed, None, logprobs=of_prompt) + event(text, reason, first, sent)
-            if logprobs is None and reported and not first:
-                logprobs = reported.upto(len(sent))
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
-            chunk = {"id": ident, "object": kind, "created": created, "model": engine.name,
+        def chunk(choice: dict[str, Any]) -> str:
+            whole = {"id": ident, "object": kind, "created": created, "model": engine.name,
                      "choices": [choice], **({"usage": None} if usage else {})}
-            return f"data: {json.dumps(chunk)}\n\n"
+            return f"data: {json.dumps(whole)}\n\n"
 
-        sent, stopped = "", False
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for event in _choice_events(choice, chat, stops):
+                    await events.put(("event", event))
+                await events.put(("done", None))
+            except EngineStopped as error:
+                await events.put(("error", _error_body(503, str(error))))
+            except _ChoiceFailed as failed:
+                await events.put(("error", failed.body))
+            except Exception as error:           # whatever it was, the stream ends with it said
+                await events.put(("error", _error_body(500, f"{type(error).__name__}: {error}")))
+
+        pumps = []
         try:
             if chat:
-                yield event(None, None, first=True)
-            try:
-                async for piece in _pieces(None, request, pieces):
-                    text, stopped = _cut_at_stop(sent + piece, stops)
-                    if len(text) > len(sent):
-                        yield event(text[len(sent):], None, sent=text)
-                        sent = text
-                    if stopped:
-                        engine.cancel(request, "stop")
-                        break
-            except EngineStopped as error:
-                failed = _error_body(503, str(error))
-            else:
-                failed = None if stopped or request.finish_reason != "error" else \
-                    _error_body(500, request.error or "the request failed")
-            if failed is not None:           # an error event (as OpenAI's clients read it), then the end
-                yield f"data: {json.dumps(failed)}\n\n"
-                return
-            yield event(None, "stop" if stopped else _reason(request.finish_reason), sent=sent)
+                for choice in choices:
+                    yield chunk({"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                 "finish_reason": None, "logprobs": None})
+            pumps = [asyncio.ensure_future(pump(choice)) for choice in choices]
+            running = len(pumps)
+            while running:
+                what, event = await events.get()
+                if what == "done":
+                    running -= 1
+                elif what == "error":        # an error event (as OpenAI's clients read it), then the end
+                    yield f"data: {json.dumps(event)}\n\n"
+                    return
+                else:
+                    yield chunk(event)
             if usage is not None:               # OpenAI's last chunk: no choices, the usage
-                chunk = {"id": ident, "object": kind, "created": created, "model": engine.name, "choices": [],
-                         "usage": usage()}
-                yield f"data: {json.dumps(chunk)}\n\n"
+                last = {"id": ident, "object": kind, "created": created, "model": engine.name, "choices": [],
+                        "usage": usage()}
+                yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             # The client went away (the generator is closed) or the answer is done: either way
-            # the request holds no batch line once this returns.
-            engine.cancel(request)
+            # no request holds a batch line once this returns.
+            for running_pump in pumps:
+                running_pump.cancel()
+            for choice in choices:
+                engine.cancel(choice.request)
+
+    async def _choice_events(choice: _Choice, chat: bool, stops: list[str]):
+        """One choice's stream: its choice objects, the echoed prompt first (with the first
+        token, when its logprobs are there), the finish_reason last. Raises _ChoiceFailed."""
+        request, reported = choice.request, choice.reported
+        echoing = [choice.echoed] if choice.echoed else []
+
+        def event(text: str | None, reason: str | None, sent: str = "") -> list[dict[str, Any]]:
+            before = []
+            if echoing:
+                before = [{"index": choice.index, "text": echoing.pop(), "finish_reason": None,
+                           "logprobs": prompt_logprobs(choice)}]
+            logprobs = reported.upto(len(sent)) if reported else None
+            if chat:
+                delta = {"content": text} if text else {}
+                return before + [{"index": choice.index, "delta": delta, "finish_reason": reason,
+                                  "logprobs": logprobs}]
+            return before + [{"index": choice.index, "text": text or "", "finish_reason": reason,
+                              "logprobs": logprobs}]
+
+        sent, stopped = "", False
+        async for piece in _pieces(None, request, choice.pieces):
+            text, stopped = _cut_at_stop(sent + piece, stops)
+            if len(text) > len(sent):
+                for one in event(text[len(sent):], None, sent=text):
+                    yield one
+                sent = text
+            if stopped:
+                engine.cancel(request, "stop")
+                break
+        if not stopped and request.finish_reason == "error":
+            raise _ChoiceFailed(_error_body(500, request.error or "the request failed"))
+        for one in event(None, "stop" if stopped else _reason(request.finish_reason), sent=sent):
+            yield one
 
     @app.post("/v1/completions")
     async def completions(http: Request, body: CompletionRequest):
-        return await run(http, body, completion_prompt(body), chat=False)
+        return await run(http, body, completion_prompts(body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request, body: ChatRequest):
-        return await run(http, body, chat_prompt(body), chat=True)
+        return await run(http, body, [chat_prompt(body)], chat=True)
 
     app.include_router(tokenizer_routes(engine, check_model, ApiError))
 
-    def _echo(body: CompletionRequest, prompt: list[int]) -> str:
-        """The prompt as echoed: its text as sent, else its tokens decoded."""
-        sent = body.prompt[0] if isinstance(body.prompt, list) and body.prompt else body.prompt
+    def _echo(body: CompletionRequest, index: int, prompt: list[int]) -> str:
+        """Prompt `index` as echoed: its text as sent, else its tokens decoded."""
+        several = isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list))
+        sent = body.prompt[index] if several else body.prompt
         return sent if isinstance(sent, str) else engine.tokenizer.decode(prompt, skip_special_tokens=True)
 
-    def prompt_logprobs(request, prompt: list[int], reported: ChoiceLogprobs | None) -> dict | None:
+    def prompt_logprobs(choice: _Choice) -> dict | None:
         """The echoed prompt's logprobs (the answer's first token is there by now: so is the
         whole prompt's)."""
-        if reported is None:
+        if choice.reported is None:
             return None
-        entries = request.prompt_token_logprobs or [None]
+        prompt = choice.prompt
+        entries = choice.request.prompt_token_logprobs or [None]
         offsets = Offsets(engine.tokenizer, prompt)
         starts = [offsets.start(i) for i in range(len(prompt))]
         return completion_logprobs(engine.tokenizer, entries, prompt, starts)
@@ -311,10 +395,13 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
-def _usage(prompt: list[int], request) -> dict[str, Any]:
-    return {"prompt_tokens": len(prompt), "completion_tokens": len(request.tokens),
-            "total_tokens": len(prompt) + len(request.tokens),
-            "prompt_tokens_details": {"cached_tokens": request.reused}}
+def _usage(prompts: list[list[int]], choices: list[_Choice]) -> dict[str, Any]:
+    """OpenAI's usage: each prompt counted once, however many choices it has."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(c.request.tokens) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(c.request.reused for c in choices)}}
 
 
 def _reason(finish_reason: str | None) -> str:

@@ -220,8 +220,10 @@ class ContinuousBatcher:
         tokens[0, :len(part)] = part
         try:
             every = r.prompt_logprobs is not None
-            logits = session.host_logits(session.prefill_line(tokens, r.line, r.written, len(part) - 1,
-                                                              every_position=every))
+            # Every position's logits only where the prompt's logprobs are asked for.
+            extra = {"every_position": True} if every else {}
+            logits = session.host_logits(
+                session.prefill_line(tokens, r.line, r.written, len(part) - 1, **extra))
             row = logits[0, len(part) - 1] if every else logits[0]
         except Exception as error:
             self._program_failed([r], error)

@@ -676,3 +676,43 @@ def test_echo_gives_the_prompts_logprobs_as_hf_computes_them(tiny_server, http, 
     assert np.allclose(streamed[1:], whole.choices[0].logprobs.token_logprobs[1:], atol=1e-5)
     plain = http.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
     assert plain["text"] == done["text"] and plain["logprobs"] is None
+
+
+def test_n_choices_each_reproducible_with_its_seed_streamed_or_not(tiny_server, http):
+    """Choice k of a request with seed s is what a request for one choice with seed s + k
+    gives; several prompts give n choices each, index prompt * n + k."""
+    base, _, _ = tiny_server
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.3, "top_k": 50}
+    done = http.post("/v1/completions", json={**body, "n": 3, "seed": 7}).json()
+    assert [c["index"] for c in done["choices"]] == [0, 1, 2]
+    alone = [http.post("/v1/completions", json={**body, "seed": 7 + k}).json() for k in range(3)]
+    assert [c["text"] for c in done["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert len({c["text"] for c in done["choices"]}) > 1
+    assert done["usage"]["prompt_tokens"] == 7
+    assert done["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+
+    api = openai_client(base)
+    stream = api.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=6, temperature=1.3, n=2, seed=4, stream=True, logprobs=True
+    )
+    texts, logprobs = {0: "", 1: ""}, {0: [], 1: []}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            logprobs[choice.index] += [c.token for c in choice.logprobs.content] if choice.logprobs else []
+    whole = api.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=6, temperature=1.3, n=2, seed=4, logprobs=True
+    )
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert [logprobs[0], logprobs[1]] == [[t.token for t in c.logprobs.content] for c in whole.choices]
+
+    prompts = [[5, 6, 7], [100, 101], [9]]
+    several = http.post(
+        "/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0}
+    )
+    several = several.json()
+    assert [c["index"] for c in several["choices"]] == list(range(6))
+    assert several["usage"]["prompt_tokens"] == 6
+    for p, prompt in enumerate(prompts):
+        one = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0}).json()
+        assert [c["text"] for c in several["choices"][2 * p : 2 * p + 2]] == [one["choices"][0]["text"]] * 2
