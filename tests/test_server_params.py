@@ -716,3 +716,108 @@ def test_n_choices_each_reproducible_with_its_seed_streamed_or_not(tiny_server, 
     for p, prompt in enumerate(prompts):
         one = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0}).json()
         assert [c["text"] for c in several["choices"][2 * p : 2 * p + 2]] == [one["choices"][0]["text"]] * 2
+
+
+def write_task(directory, name: str, docs: list[dict], settings: str) -> None:
+    """An lm-evaluation-harness task over local JSONL (read by the datasets package, offline)."""
+    (directory / f"{name}.jsonl").write_text("\n".join(json.dumps(doc) for doc in docs))
+    (directory / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {directory / name}.jsonl\ntest_split: test\n{settings}"
+    )
+
+
+def test_lm_eval_scores_the_served_model_as_hf_transformers_does(tiny_server, tmp_path, monkeypatch):
+    """lm-evaluation-harness's local-completions against the server, with the server's own
+    tokenizer (tokenizer_backend=remote: /tokenizer_info, /tokenize, /detokenize), offline:
+    loglikelihoods (echo + logprobs), rolling loglikelihoods over windows of a long text, and
+    greedy generation up to a stop string, each equal to HF transformers' on the same weights."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base, engine, hf = tiny_server
+    pairs = [("t5 t17 t42", " t99 t3"), ("t8", " t9"), (words(range(30, 70)), " t1 t2 t3")]
+    write_task(
+        tmp_path,
+        "pyhlo_ll",
+        [{"context": c, "continuation": t} for c, t in pairs],
+        'output_type: loglikelihood\ndoc_to_text: "{{context}}"\ndoc_to_target: "{{continuation}}"\n'
+        "metric_list:\n  - metric: acc\n",
+    )
+    texts = [words([(11 * i + 4) % 320 for i in range(150)]), words([9, 10, 11, 12])]
+    write_task(
+        tmp_path,
+        "pyhlo_rolling",
+        [{"text": t} for t in texts],
+        'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n",
+    )
+    questions = ["t5 t17 t42", "t100 t200", "t7"]
+    write_task(
+        tmp_path,
+        "pyhlo_gen",
+        [{"question": q, "answer": "t1"} for q in questions],
+        'output_type: generate_until\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
+        'generation_kwargs:\n  until: ["t3"]\n  max_gen_toks: 6\n  do_sample: false\n  temperature: 0\n'
+        "metric_list:\n  - metric: exact_match\n",
+    )
+    model_args = dict(
+        base_url=base + "/v1/completions",
+        model="tiny",
+        tokenizer_backend="remote",
+        tokenized_requests=True,
+        max_length=64,  # the server's n_positions
+        custom_prefix_token_id=1,
+        batch_size=2,
+        max_retries=1,
+    )
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=model_args,
+        tasks=["pyhlo_ll", "pyhlo_rolling", "pyhlo_gen"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True,
+    )
+    samples = {
+        task: sorted(results["samples"][task], key=lambda s: s["doc_id"]) for task in results["samples"]
+    }
+
+    def hf_sum(context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        reference = hf_logprobs(hf, context + continuation)[len(context) - 1 : -1]
+        picked = reference[np.arange(len(continuation)), continuation]
+        return float(picked.sum()), bool((reference.argmax(-1) == np.array(continuation)).all())
+
+    for sample, (context, continuation) in zip(samples["pyhlo_ll"], pairs):
+        loglikelihood, greedy = sample["resps"][0][0]
+        expected, expected_greedy = hf_sum(ids_of(context), ids_of(continuation))
+        assert abs(loglikelihood - expected) < 1e-3 and greedy == expected_greedy
+    # lm-eval's windows: max_length less one position for the generated token, less one for context.
+    window = model_args["max_length"] - 2
+    for sample, text in zip(samples["pyhlo_rolling"], texts):
+        windows = [
+            make_disjoint_window(w)
+            for w in get_rolling_token_windows(
+                token_list=ids_of(text), prefix_token=1, max_seq_len=window, context_len=1
+            )
+        ]
+        assert len(windows) == (3 if len(ids_of(text)) > 62 else 1)
+        expected = sum(hf_sum(context, continuation)[0] for context, continuation in windows)
+        assert abs(sample["resps"][0][0] - expected) < 1e-3
+    for sample, question in zip(samples["pyhlo_gen"], questions):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([ids_of(question)]),
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        new = out[0, len(ids_of(question)) :].tolist()
+        if 2 in new:  # the server's model ends at its EOS, id 2
+            new = new[: new.index(2)]
+        text = engine.tokenizer.decode(new)
+        expected = text[: text.index("t3")] if "t3" in text else text
+        assert sample["resps"][0][0] == expected
