@@ -128,9 +128,11 @@ class Engine:
 
     # -- requests (from the event loop) ----------------------------------------------------
     def submit(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop,
-               label: str | None = None) -> tuple[Request, asyncio.Queue]:
+               label: str | None = None,
+               shares_prompt_of: Request | None = None) -> tuple[Request, asyncio.Queue]:
         """Queue a request; text pieces arrive on the returned queue, then None. label: its
-        name in the request log (the API's response id; default request-<n>). Raises
+        name in the request log (the API's response id; default request-<n>); shares_prompt_of:
+        a request for the same prompt whose computed prompt this one copies. Raises
         EngineStopped when the thread is not running, ValueError for a bad request."""
         if not self.alive:
             raise EngineStopped(self.failure or "the engine is not running")
@@ -164,7 +166,8 @@ class Engine:
                        presence_penalty=sampling.presence_penalty,
                        frequency_penalty=sampling.frequency_penalty, logit_bias=sampling.logit_bias,
                        logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
-                       eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish)
+                       eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish,
+                       shares_prompt_of=shares_prompt_of)
         request = self.batcher.request(prompt, sampling.max_tokens, **options)     # a ValueError: bad request
         self.prompt_tokens.inc(len(prompt))
         self._inbox.put(("add", request, None))

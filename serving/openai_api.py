@@ -171,7 +171,9 @@ def create_app(engine: Engine) -> FastAPI:
         try:
             for index, prompt, settings, echoed in planned:
                 label = ident if len(planned) == 1 else f"{ident}-{index}"
-                request, pieces = engine.submit(prompt, settings, loop, label=label)
+                # A prompt's first choice computes it; its other choices start from a copy.
+                leader = choices[-(index % body.n)].request if index % body.n else None
+                request, pieces = engine.submit(prompt, settings, loop, label=label, shares_prompt_of=leader)
                 reported = None if settings.logprobs is None else \
                     ChoiceLogprobs(engine.tokenizer, request, chat, text_start=len(echoed))
                 choices.append(_Choice(index, prompt, request, pieces, reported, echoed))

@@ -61,6 +61,9 @@ class Request:
     logprobs: int | None = None    # record each token's logprob and this many top ones (None: none)
     prompt_logprobs: int | None = None    # the same for the prompt's tokens (its every token computed)
     eos_token_ids: tuple[int, ...] = ()
+    # Another request for the same prompt (n choices): this one waits for it to compute the
+    # prompt, then starts from a copy of its line's cache.
+    shares_prompt_of: Request | None = dataclasses.field(default=None, repr=False)
     on_token: Callable[[Request, int], None] | None = None   # called with each new token
     on_finish: Callable[[Request], None] | None = None
     id: int = 0
@@ -304,10 +307,22 @@ class ContinuousBatcher:
 
     def _admit(self) -> None:
         """Waiting requests, first come first served, each into the free line that holds the
-        longest prefix of its prompt (the least recently used one when none does)."""
+        longest prefix of its prompt (the least recently used one when none does). A request
+        sharing another's prompt waits (others pass it) until that one has written all of
+        the prompt but its last token, then starts from a copy of its line."""
+        passed: list[Request] = []
         while self.waiting and None in self.lines:
             request = self.waiting.popleft()
+            leader = request.shares_prompt_of
+            if leader is not None and not leader.done and leader.line is not None \
+                    and leader.written < len(request.prompt) - 1:
+                passed.append(request)
+                continue
             free = [i for i, held in enumerate(self.lines) if held is None]
+            if leader is not None and not leader.done and leader.line is not None \
+                    and self.lines[leader.line] is leader and len(request.prompt) > 1:
+                self._admit_sharing(request, leader, free)
+                continue
             # The prompt's last token always runs: its logits give the first new token.
             # A prompt whose logprobs are asked for is computed in full.
             shared = {i: 0 if request.prompt_logprobs is not None else
@@ -318,6 +333,24 @@ class ContinuousBatcher:
             self.prompt_tokens_reused += shared[line]
             self.lines[line] = request
             self.kept[line] = []
+        self.waiting.extendleft(reversed(passed))
+
+    def _admit_sharing(self, request: Request, leader: Request, free: list[int]) -> None:
+        """request into a free line holding a copy of its leader's, its prompt but the last
+        token written (the last runs: its logits give the request's own first token)."""
+        line = min(free, key=lambda i: self.last_used[i])
+        self.lines[line] = request
+        self.kept[line] = []
+        request.line = line
+        try:
+            self.session.copy_line(leader.line, line)
+        except Exception as error:
+            self._program_failed([request], error)
+            return
+        request.written = request.reused = len(request.prompt) - 1
+        self.prompt_tokens_reused += request.written
+        if request.prompt_logprobs is not None:
+            request.prompt_token_logprobs = list(leader.prompt_token_logprobs)
 
     def _prompt_logprobs(self, request: Request, rows: np.ndarray) -> None:
         """The logprobs of the prompt tokens that a chunk's logits rows [n, vocab] predict

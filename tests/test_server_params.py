@@ -821,3 +821,30 @@ def test_lm_eval_scores_the_served_model_as_hf_transformers_does(tiny_server, tm
         text = engine.tokenizer.decode(new)
         expected = text[: text.index("t3")] if "t3" in text else text
         assert sample["resps"][0][0] == expected
+
+
+def test_n_choices_compute_their_prompt_once_and_each_gets_its_solo_answer(tiny_server, http):
+    """The first choice computes the prompt; the others start from a copy of its line (all
+    but the last prompt token, which each runs for its own first token)."""
+    _, engine, hf = tiny_server
+    prompt = [(13 * i + 2) % 320 for i in range(40)]
+    batcher = engine.batcher
+    written, reused = batcher.prompt_tokens_written, batcher.prompt_tokens_reused
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True}
+    done = http.post("/v1/completions", json={**body, "n": 3}).json()
+    assert batcher.prompt_tokens_written - written == 40 + 2  # the prompt once, then 2 last tokens
+    assert batcher.prompt_tokens_reused - reused == 2 * 39
+    alone = http.post("/v1/completions", json=body).json()["choices"][0]
+    for choice in done["choices"]:
+        assert choice["text"] == alone["text"]
+        assert choice["logprobs"]["tokens"] == alone["logprobs"]["tokens"]
+        assert np.allclose(
+            choice["logprobs"]["token_logprobs"][1:], alone["logprobs"]["token_logprobs"][1:], atol=1e-4
+        )
+    sampled = http.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 21, "n": 2}
+    ).json()
+    solo = http.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 22}
+    ).json()
+    assert sampled["choices"][1]["text"] == solo["choices"][0]["text"]

@@ -61,6 +61,14 @@ class LMHeadAll:
 
 
 @dataclass(frozen=True)
+class CopyLine:
+    """One layer's caches, one line's keys and values copied into another (continuous batching)."""
+
+    def build(self, builder: ProgramBuilder) -> Program:
+        return builder.copy_line()
+
+
+@dataclass(frozen=True)
 class ModelStep:
     """The whole model unrolled: token ids -> logits, every layer's caches updated."""
 

@@ -34,7 +34,17 @@ from decoders.blocks.params import read
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder, layer_prefix
 from decoders.programs.compiled import ProgramSet
-from decoders.programs.keys import Block, Embed, Greedy, LMHead, LMHeadAll, ModelStep, ProgramKey, Sampler
+from decoders.programs.keys import (
+    Block,
+    CopyLine,
+    Embed,
+    Greedy,
+    LMHead,
+    LMHeadAll,
+    ModelStep,
+    ProgramKey,
+    Sampler,
+)
 from decoders.session import presharded as preshards
 from pyhlo.dtypes import numpy_dtype
 from runtime.kv_cache import KVCache
@@ -435,6 +445,22 @@ class Session:
         return self._run(token_ids, n, n_attend, np.array([slot], np.int32), np.zeros(1, np.int32),
                          np.array([last_index], np.int32), lines=np.array([line], np.int32),
                          every_position=every_position)
+
+    def copy_line(self, source: int, target: int) -> None:
+        """Continuous batching: line `target`'s cache made a copy of line `source`'s, every
+        layer (a prompt's keys and values computed once for several choices). Needs whole
+        lines on each device (row_prefill)."""
+        if not self.row_prefill:
+            raise ValueError("copy_line() needs a continuous-batching model whose lines are whole on each "
+                             "device")
+        if not (0 <= source < self.batch_size and 0 <= target < self.batch_size):
+            raise ValueError(f"copy_line: lines in 0..{self.batch_size - 1}; got {source}, {target}")
+        program = self.programs.get(CopyLine())
+        cache = self.kv_cache
+        lines = {"source": np.int32(source), "target": np.int32(target)}
+        for layer in range(cache.n_layers):
+            out = program.run({"cache_k": cache.keys[layer], "cache_v": cache.values[layer], **lines})
+            cache.keys[layer], cache.values[layer] = out["cache_k"], out["cache_v"]
 
     def decode_lines(self, token_ids: np.ndarray, lines: np.ndarray, slots: np.ndarray) -> Any:
         """Continuous batching, the active lines' decode step: one token each for k lines,
