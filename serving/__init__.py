@@ -3,6 +3,9 @@
     scheduler.py    ContinuousBatcher: requests come and go while the batch keeps running
     engine.py       Engine: the thread that steps the batcher, with Prometheus metrics
     openai_api.py   create_app(engine): the OpenAI-compatible HTTP API (FastAPI)
+    request_fields.py   the API's request bodies (pydantic): every field used, or a 400 naming it
+    logprobs.py     tokens' log-probabilities, in the API's shapes
+    tokenizer_routes.py  /tokenize, /detokenize, /tokenizer_info (vLLM's)
 
 `pyhlo serve` (tools/serve.py) is the command over them. serving imports decoders; decoders
 never imports serving. The engine and the API need the `serve` extras (fastapi, uvicorn,

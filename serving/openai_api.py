@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP API over an Engine, on FastAPI (served by uvicorn).
 
-    POST /v1/completions         prompt (text or token ids) -> text; "stream": true for SSE
+    POST /v1/completions         prompt(s) (text or token ids) -> text; "stream": true for SSE
     POST /v1/chat/completions    messages, through the model's chat template
+    POST /tokenize, /detokenize, GET /tokenizer_info (tokenizer_routes.py, as vLLM serves them)
     GET  /v1/models, /health, /metrics (Prometheus text)
 
-Per request: max_tokens, temperature (0: greedy), top_p, top_k, stop, seed. Errors come in
+The fields each body takes, and the 400 naming any other, are in request_fields.py; the
+logprobs' shapes in logprobs.py. n choices per prompt share its computed prefix. Errors come in
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: a prompt
 over the context length, malformed JSON, a wrong field, an unknown model. A request that
 fails while it runs is a 500 in that shape (an error event, then the end, in a stream), never
