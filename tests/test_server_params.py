@@ -848,3 +848,21 @@ def test_n_choices_compute_their_prompt_once_and_each_gets_its_solo_answer(tiny_
         "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 22}
     ).json()
     assert sampled["choices"][1]["text"] == solo["choices"][0]["text"]
+
+
+def test_logprobs_of_a_text_cut_at_a_stop_string_are_its_tokens(http):
+    body = {"prompt": [40, 41, 42], "max_tokens": 10, "temperature": 0, "logprobs": 1}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    text, offsets = whole["text"], whole["logprobs"]["text_offset"]
+    stop = " " + text.split()[3]
+    cut = text[: text.index(stop)]
+    kept = sum(offset < len(cut) for offset in offsets)
+    stopped = http.post("/v1/completions", json={**body, "stop": stop}).json()["choices"][0]
+    assert stopped["text"] == cut and stopped["finish_reason"] == "stop"
+    for key in ("tokens", "text_offset"):
+        assert stopped["logprobs"][key] == whole["logprobs"][key][:kept], key
+    # As close as two runs of the model (the second may take the prompt from a line's cache).
+    assert np.allclose(
+        stopped["logprobs"]["token_logprobs"], whole["logprobs"]["token_logprobs"][:kept], atol=1e-5
+    )
+    assert 0 < kept < len(offsets)
