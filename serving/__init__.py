@@ -8,6 +8,9 @@
     text_checks.py  invalid_text: strings that are not valid Unicode (lone surrogates)
     shutdown.py     GracefulServer: uvicorn that drains the engine on SIGTERM
     stop_strings.py where a stop string begins, and how much text may still begin one
+    request_fields.py   the API's request bodies (pydantic): every field used, or a 400 naming it
+    logprobs.py     tokens' log-probabilities, in the API's shapes
+    tokenizer_routes.py  /tokenize, /detokenize, /tokenizer_info (vLLM's)
 
 `pyhlo serve` (tools/serve.py) is the command over them. serving imports decoders; decoders
 never imports serving. The engine and the API need the `serve` extras (fastapi, uvicorn,

@@ -63,6 +63,12 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None            # each token's logprob and this many top ones (None: none)
+    prompt_logprobs: int | None = None     # the same for the prompt's tokens
 
 
 class _QueueStreamer(TextStreamer):
@@ -180,9 +186,11 @@ class Engine:
 
     # -- requests (from the event loop) ----------------------------------------------------
     def submit(self, prompt: list[int], sampling: Sampling, loop: asyncio.AbstractEventLoop,
-               label: str | None = None) -> tuple[Request, asyncio.Queue]:
+               label: str | None = None,
+               shares_prompt_of: Request | None = None) -> tuple[Request, asyncio.Queue]:
         """Queue a request; text pieces arrive on the returned queue, then None. label: its
-        name in the request log (the API's response id; default request-<n>). Raises
+        name in the request log (the API's response id; default request-<n>); shares_prompt_of:
+        a request for the same prompt whose computed prompt this one copies. Raises
         EngineStopped when the thread is not running, ValueError for a bad request."""
         if not self.alive:
             raise EngineStopped(self.failure or "the engine is not running")
@@ -219,7 +227,12 @@ class Engine:
         greedy = sampling.temperature == 0
         options = dict(do_sample=not greedy, temperature=sampling.temperature if not greedy else 1.0,
                        top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
-                       eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish)
+                       repetition_penalty=sampling.repetition_penalty,
+                       presence_penalty=sampling.presence_penalty,
+                       frequency_penalty=sampling.frequency_penalty, logit_bias=sampling.logit_bias,
+                       logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
+                       eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish,
+                       shares_prompt_of=shares_prompt_of)
         request = self.batcher.request(prompt, sampling.max_tokens, **options)     # a ValueError: bad request
         self.prompt_tokens.inc(len(prompt))
         with self._open_lock:

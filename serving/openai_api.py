@@ -1,10 +1,12 @@
 """OpenAI-compatible HTTP API over an Engine, on FastAPI (served by uvicorn).
 
-    POST /v1/completions         prompt (text or token ids) -> text; "stream": true for SSE
+    POST /v1/completions         prompt(s) (text or token ids) -> text; "stream": true for SSE
     POST /v1/chat/completions    messages, through the model's chat template
+    POST /tokenize, /detokenize, GET /tokenizer_info (tokenizer_routes.py, as vLLM serves them)
     GET  /v1/models, /health, /metrics (Prometheus text)
 
-Per request: max_tokens, temperature (0: greedy), top_p, top_k, stop, seed. Errors come in
+The fields each body takes, and the 400 naming any other, are in request_fields.py; the
+logprobs' shapes in logprobs.py. n choices per prompt share its computed prefix. Errors come in
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: a prompt
 over the context length, malformed JSON, a wrong field, an unknown model. A request that
 fails while it runs is a 500 in that shape (an error event, then the end, in a stream), never
@@ -13,68 +15,44 @@ client that goes away, streaming or not, has its request cancelled within a step
 its batch line.
 
 Guards before the app (create_app's settings): a body over max_request_bytes is a 413; with
-an api_key, every route but /health and /metrics wants it as a Bearer token (401); a full waiting queue
-is a 429 with Retry-After; /docs and /openapi.json are served only with docs=True. Prompts
-are tokenized and chat templates rendered off the event loop, so streams go on meanwhile.
-A stream never shows any part of a stop string: text that may begin one is held back until
-the following text settles it.
+an api_key, every route but /health and /metrics wants it as a Bearer token (401); a full
+waiting queue is a 429 with Retry-After; /docs and /openapi.json are served only with
+docs=True. Prompts are tokenized and chat templates rendered off the event loop, so streams go
+on meanwhile. A stream never shows any part of a stop string: text that may begin one is held
+back until the following text settles it.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from serving.auth import BearerAuth
 from serving.engine import Engine, EngineStopped, QueueFull, Sampling
 from serving.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
+from serving.logprobs import ChoiceLogprobs, Offsets, completion_logprobs, joined
+from serving.request_fields import BODIES, ChatRequest, Common, CompletionRequest, describe
 from serving.stop_strings import cut_at_stop, held_back
 from serving.text_checks import invalid_text
+from serving.tokenizer_routes import tokenizer_routes
 
 # How often a handler waiting for text checks that its client is still there and the engine
 # still runs: well under a decode step, so a request whose client left ends within a step.
 POLL_S = 0.02
+# Choices in one request (prompts x n): each takes a batch line or waits for one.
+MAX_CHOICES = 128
 # What a 429 (the waiting queue is full) tells a client to wait before it tries again.
 RETRY_AFTER_S = 1
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")          # fields we do not use (user, logit_bias...) are ignored
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    # Any finite temperature >= 0, as vLLM takes it (OpenAI's own API stops at 2).
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1, le=1)
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-2**63, lt=2**63)     # a 64-bit seed, as vLLM takes
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
-
-
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatRequest(_Common):
-    messages: list[Message] = Field(min_length=1)
 
 
 class ApiError(Exception):
@@ -85,6 +63,26 @@ class ApiError(Exception):
 
 class _ClientLeft(Exception):
     """The client of a request closed its connection."""
+
+
+class _ChoiceFailed(Exception):
+    """A choice's request failed while it streamed: body is the error event to send."""
+
+    def __init__(self, body: dict[str, Any]):
+        super().__init__(body["error"]["message"])
+        self.body = body
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One choice of a response: its request in the engine and what its answer needs."""
+
+    index: int
+    prompt: list[int]
+    request: Any
+    pieces: asyncio.Queue
+    reported: ChoiceLogprobs | None        # its logprobs, where asked for
+    echoed: str = ""                       # the prompt's text before its answer (completions' echo)
 
 
 def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -109,8 +107,8 @@ def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 def create_app(engine: Engine, *, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, docs: bool = False) -> FastAPI:
     """The API over a started engine. api_key: wanted as a Bearer token on every route but
-    /health (None: open); max_request_bytes: larger bodies get a 413; docs: serve /docs and
-    /openapi.json. The waiting queue's bound is the engine's (Engine(max_waiting=...))."""
+    /health and /metrics (None: open); max_request_bytes: larger bodies get a 413; docs: serve
+    /docs and /openapi.json. The waiting queue's bound is the engine's (Engine(max_waiting=...))."""
     shown = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="pyhlo", description="OpenAI-compatible completions over a pyhlo model", **shown)
     app.state.engine = engine
@@ -129,13 +127,9 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         return _error(error.status, error.message, error.param, error.code)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
-        return _error(400, f"{where}: {message}" if where else message, where or None)
+    async def invalid(http: Request, error: RequestValidationError) -> JSONResponse:
+        body = BODIES.get(http.url.path, CompletionRequest)
+        return _error(400, *describe(list(error.errors()), set(body.model_fields)))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
@@ -146,7 +140,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
             raise ApiError(404, f"the model {name!r} does not exist; this server has {engine.name!r}",
                            "model", "model_not_found")
 
-    def sampling(body: _Common, prompt_tokens: int) -> Sampling:
+    def sampling(body: Common, prompt_tokens: int) -> Sampling:
         room = engine.n_positions - prompt_tokens
         if room < 1:
             raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this model's context is "
@@ -158,88 +152,136 @@ def create_app(engine: Engine, *, api_key: str | None = None,
             raise ApiError(400, f"max_tokens {wanted} + the prompt's {prompt_tokens} tokens exceed the "
                                 f"context of {engine.n_positions} tokens", "max_tokens",
                            "context_length_exceeded")
+        vocab = engine.model.decoder.head.vocab_size
+        if any(not 0 <= token < vocab for token in body.logit_bias or {}):
+            raise ApiError(400, f"logit_bias: token ids must lie in 0..{vocab - 1}", "logit_bias")
         default = 16 if isinstance(body, CompletionRequest) else room
-        return Sampling(max_tokens=wanted or min(default, room), temperature=body.temperature,
-                        top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+        return Sampling(max_tokens=wanted or min(default, room),
+                        temperature=1.0 if body.temperature is None else body.temperature,
+                        top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), seed=body.seed,
+                        repetition_penalty=body.repetition_penalty or 1.0,
+                        presence_penalty=body.presence_penalty or 0.0,
+                        frequency_penalty=body.frequency_penalty or 0.0, logit_bias=body.logit_bias,
+                        logprobs=body.top_logprobs_wanted,
+                        prompt_logprobs=getattr(body, "prompt_logprobs_wanted", None))
 
-    def completion_prompt(body: CompletionRequest) -> list[int]:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, "one prompt per request (n=1 and a single prompt)", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return list(engine.tokenizer(prompt)["input_ids"])
-        return list(prompt)
+    def completion_prompts(body: CompletionRequest) -> list[list[int]]:
+        """The prompts of a completions request: one text or token list, or a list of them."""
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
+            isinstance(body.prompt[0], (str, list)) else [body.prompt]
+        return [list(engine.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
 
     def chat_prompt(body: ChatRequest) -> list[int]:
         tokenizer = engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions",
                            "messages")
-        ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
+        ids = tokenizer.apply_chat_template([m.for_template() for m in body.messages],
                                             add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    async def tokenized(make_prompt, body: _Common) -> list[int]:
-        """make_prompt(body) in a worker thread (tokenizing a long prompt takes long), once every
+    async def tokenized(make_prompts, body: Common) -> list[list[int]]:
+        """make_prompts(body) in a worker thread (tokenizing a long prompt takes long), once every
         string of the body is known to be valid Unicode."""
         bad = invalid_text(body.model_dump())
         if bad is not None:
             raise ApiError(400, bad[1], bad[0] or None, "invalid_unicode")
-        return await run_in_threadpool(make_prompt, body)
+        return await run_in_threadpool(make_prompts, body)
 
     def failure_status() -> int:
         """A request the engine ended with an error: 503 while the server shuts down (a client
         may try another replica), 500 otherwise."""
         return 503 if engine.refusal is not None else 500
 
-    async def run(http: Request, body: _Common, prompt: list[int], chat: bool):
-        check_model(body.model)
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", "prompt")
-        settings = sampling(body, len(prompt))
+    def submit(body: Common, prompts: list[list[int]], chat: bool, ident: str) -> list[_Choice]:
+        """Every choice of a request queued: n for each prompt (index prompt * n + k), choice
+        k sampling with seed + k, so each is reproducible; none is queued if one is refused."""
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise ApiError(400, f"{len(prompts)} prompts x n {body.n} choices: at most {MAX_CHOICES} per "
+                                "request", "n")
+        planned = []
+        for p, prompt in enumerate(prompts):
+            if not prompt:
+                raise ApiError(400, "the prompt is empty", "prompt")
+            settings = sampling(body, len(prompt))
+            echoed = _echo(body, p, prompt) if not chat and body.echo else ""
+            for k in range(body.n):
+                seed = settings.seed if k == 0 or settings.seed is None else (settings.seed + k) % 2**63
+                planned.append((p * body.n + k, prompt, dataclasses.replace(settings, seed=seed), echoed))
         loop = asyncio.get_running_loop()
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        choices: list[_Choice] = []
         try:
-            request, pieces = engine.submit(prompt, settings, loop, label=ident)
-        except ValueError as error:
+            for index, prompt, settings, echoed in planned:
+                label = ident if len(planned) == 1 else f"{ident}-{index}"
+                # A prompt's first choice computes it; its other choices start from a copy.
+                leader = choices[-(index % body.n)].request if index % body.n else None
+                request, pieces = engine.submit(prompt, settings, loop, label=label, shares_prompt_of=leader)
+                reported = None if settings.logprobs is None else \
+                    ChoiceLogprobs(engine.tokenizer, request, chat, text_start=len(echoed))
+                choices.append(_Choice(index, prompt, request, pieces, reported, echoed))
+        except (ValueError, EngineStopped, QueueFull) as error:
+            for choice in choices:
+                engine.cancel(choice.request)
+            if isinstance(error, QueueFull):
+                raise
+            if isinstance(error, EngineStopped):
+                raise ApiError(503, str(error)) from None
             raise ApiError(400, str(error), "prompt") from None
-        except EngineStopped as error:
-            raise ApiError(503, str(error)) from None
+        return choices
+
+    async def run(http: Request, body: Common, prompts: list[list[int]], chat: bool):
+        check_model(body.model)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        choices = submit(body, prompts, chat, ident)
         created = int(time.time())
         stops = _stops(body.stop)
         if body.stream:
-            return StreamingResponse(_stream(http, request, pieces, ident, created, chat, stops),
-                                     media_type="text/event-stream")
-        text, stopped = "", False
+            usage = (lambda: _usage(prompts, choices)) if body.include_usage else None
+            events = _stream(choices, ident, created, chat, stops, usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        # Only the first choice listens for the client leaving (one reader of the connection);
+        # when it leaves, every choice is cancelled.
+        waits = [asyncio.ensure_future(_collect(http if i == 0 else None, choice, chat, stops))
+                 for i, choice in enumerate(choices)]
         try:
-            async for piece in _pieces(http, request, pieces):
-                text, stopped = _cut_at_stop(text + piece, stops)
-                if stopped:
-                    engine.cancel(request, "stop")
-                    break
+            answers = await asyncio.gather(*waits)
         except (asyncio.CancelledError, _ClientLeft) as gone:
-            engine.cancel(request)
             if isinstance(gone, _ClientLeft):
                 return Response(status_code=499)              # nobody reads it
             raise
         except EngineStopped as error:
             raise ApiError(503, str(error)) from None
+        finally:
+            for wait in waits:
+                wait.cancel()
+            for choice in choices:
+                engine.cancel(choice.request)
+        if chat:
+            return {"id": ident, "object": "chat.completion", "created": created, "model": engine.name,
+                    "choices": answers, "usage": _usage(prompts, choices)}
+        return {"id": ident, "object": "text_completion", "created": created, "model": engine.name,
+                "choices": answers, "usage": _usage(prompts, choices)}
+
+    async def _collect(http: Request | None, choice: _Choice, chat: bool, stops: list[str]) -> dict[str, Any]:
+        """One choice's whole answer (ApiError 500 where its request failed)."""
+        request, text, stopped = choice.request, "", False
+        async for piece in _pieces(http, request, choice.pieces):
+            text, stopped = _cut_at_stop(text + piece, stops)
+            if stopped:
+                engine.cancel(request, "stop")
+                break
         if not stopped and request.finish_reason == "error":
             raise ApiError(failure_status(), request.error or "the request failed")
         reason = "stop" if stopped else _reason(request.finish_reason)
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(request.tokens),
-                 "total_tokens": len(prompt) + len(request.tokens),
-                 "prompt_tokens_details": {"cached_tokens": request.reused}}
+        logprobs = choice.reported.upto(len(text)) if choice.reported else None
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                      "logprobs": None}
-            return {"id": ident, "object": "chat.completion", "created": created, "model": engine.name,
-                    "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {"id": ident, "object": "text_completion", "created": created, "model": engine.name,
-                "choices": [choice], "usage": usage}
+            return {"index": choice.index, "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason, "logprobs": logprobs}
+        if choice.echoed:
+            text = choice.echoed + text
+            if logprobs is not None:
+                logprobs = joined(prompt_logprobs(choice), logprobs)
+        return {"index": choice.index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
     async def _pieces(http: Request | None, request, pieces: asyncio.Queue):
         """A request's text pieces as the engine sends them. While it waits, it checks every
@@ -264,62 +306,130 @@ def create_app(engine: Engine, *, api_key: str | None = None,
             if getter is not None:
                 getter.cancel()
 
-    async def _stream(http: Request, request, pieces: asyncio.Queue, ident: str, created: int, chat: bool,
-                      stops: list[str]):
+    async def _stream(choices: list[_Choice], ident: str, created: int, chat: bool, stops: list[str],
+                      usage=None):
+        """Server-sent events of every choice as its text comes, each chunk naming its choice's
+        index; usage: a function giving the usage, for a last chunk with it
+        (stream_options.include_usage). A choice that fails ends the stream with an error event."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def event(text: str | None, reason: str | None, first: bool = False) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-            chunk = {"id": ident, "object": kind, "created": created, "model": engine.name,
-                     "choices": [choice]}
-            return f"data: {json.dumps(chunk)}\n\n"
+        def chunk(choice: dict[str, Any]) -> str:
+            whole = {"id": ident, "object": kind, "created": created, "model": engine.name,
+                     "choices": [choice], **({"usage": None} if usage else {})}
+            return f"data: {json.dumps(whole)}\n\n"
 
-        # text: everything received, up to a stop string once one is found; sent: what the
-        # client has. The end of text that may begin a stop string waits for what follows.
-        text, sent, stopped = "", 0, False
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for event in _choice_events(choice, chat, stops):
+                    await events.put(("event", event))
+                await events.put(("done", None))
+            except EngineStopped as error:
+                await events.put(("error", _error_body(503, str(error))))
+            except _ChoiceFailed as failed:
+                await events.put(("error", failed.body))
+            except Exception as error:           # whatever it was, the stream ends with it said
+                await events.put(("error", _error_body(500, f"{type(error).__name__}: {error}")))
+
+        pumps = []
         try:
             if chat:
-                yield event(None, None, first=True)
-            try:
-                async for piece in _pieces(None, request, pieces):
-                    text, stopped = _cut_at_stop(text + piece, stops)
-                    ready = len(text) if stopped else len(text) - held_back(text, stops)
-                    if ready > sent:
-                        yield event(text[sent:ready], None)
-                        sent = ready
-                    if stopped:
-                        engine.cancel(request, "stop")
-                        break
-            except EngineStopped as error:
-                failed = _error_body(503, str(error))
-            else:
-                failed = None if stopped or request.finish_reason != "error" else \
-                    _error_body(failure_status(), request.error or "the request failed")
-            if failed is not None:
-                # An error event (OpenAI's clients raise it), then the end, as vLLM ends a stream.
-                yield f"data: {json.dumps(failed)}\n\n"
-                yield "data: [DONE]\n\n"
-                return
-            if len(text) > sent:              # held back, and no stop string came: it is text
-                yield event(text[sent:], None)
-            yield event(None, "stop" if stopped else _reason(request.finish_reason))
+                for choice in choices:
+                    yield chunk({"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                 "finish_reason": None, "logprobs": None})
+            pumps = [asyncio.ensure_future(pump(choice)) for choice in choices]
+            running = len(pumps)
+            while running:
+                what, event = await events.get()
+                if what == "done":
+                    running -= 1
+                elif what == "error":
+                    # An error event (OpenAI's clients raise it), then the end, as vLLM ends a stream.
+                    yield f"data: {json.dumps(event)}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    yield chunk(event)
+            if usage is not None:               # OpenAI's last chunk: no choices, the usage
+                last = {"id": ident, "object": kind, "created": created, "model": engine.name, "choices": [],
+                        "usage": usage()}
+                yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             # The client went away (the generator is closed) or the answer is done: either way
-            # the request holds no batch line once this returns.
-            engine.cancel(request)
+            # no request holds a batch line once this returns.
+            for running_pump in pumps:
+                running_pump.cancel()
+            for choice in choices:
+                engine.cancel(choice.request)
+
+    async def _choice_events(choice: _Choice, chat: bool, stops: list[str]):
+        """One choice's stream: its choice objects, the echoed prompt first (with the first
+        token, when its logprobs are there), the finish_reason last. Raises _ChoiceFailed."""
+        request, reported = choice.request, choice.reported
+        echoing = [choice.echoed] if choice.echoed else []
+
+        def event(text: str | None, reason: str | None, sent: str = "") -> list[dict[str, Any]]:
+            before = []
+            if echoing:
+                before = [{"index": choice.index, "text": echoing.pop(), "finish_reason": None,
+                           "logprobs": prompt_logprobs(choice)}]
+            logprobs = reported.upto(len(sent)) if reported else None
+            if chat:
+                delta = {"content": text} if text else {}
+                return before + [{"index": choice.index, "delta": delta, "finish_reason": reason,
+                                  "logprobs": logprobs}]
+            return before + [{"index": choice.index, "text": text or "", "finish_reason": reason,
+                              "logprobs": logprobs}]
+
+        # text: everything received, up to a stop string once one is found; sent: how much of it
+        # the client has. The end of text that may begin a stop string waits for what follows.
+        text, sent, stopped = "", 0, False
+        async for piece in _pieces(None, request, choice.pieces):
+            text, stopped = _cut_at_stop(text + piece, stops)
+            ready = len(text) if stopped else len(text) - held_back(text, stops)
+            if ready > sent:
+                for one in event(text[sent:ready], None, sent=text[:ready]):
+                    yield one
+                sent = ready
+            if stopped:
+                engine.cancel(request, "stop")
+                break
+        if not stopped and request.finish_reason == "error":
+            raise _ChoiceFailed(_error_body(failure_status(), request.error or "the request failed"))
+        if len(text) > sent:              # held back, and no stop string came: it is text
+            for one in event(text[sent:], None, sent=text):
+                yield one
+        for one in event(None, "stop" if stopped else _reason(request.finish_reason), sent=text):
+            yield one
 
     @app.post("/v1/completions")
     async def completions(http: Request, body: CompletionRequest):
-        return await run(http, body, await tokenized(completion_prompt, body), chat=False)
+        return await run(http, body, await tokenized(completion_prompts, body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request, body: ChatRequest):
-        return await run(http, body, await tokenized(chat_prompt, body), chat=True)
+        return await run(http, body, await tokenized(lambda b: [chat_prompt(b)], body), chat=True)
+
+    app.include_router(tokenizer_routes(engine, check_model, ApiError))
+
+    def _echo(body: CompletionRequest, index: int, prompt: list[int]) -> str:
+        """Prompt `index` as echoed: its text as sent, else its tokens decoded."""
+        several = isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list))
+        sent = body.prompt[index] if several else body.prompt
+        return sent if isinstance(sent, str) else engine.tokenizer.decode(prompt, skip_special_tokens=True)
+
+    def prompt_logprobs(choice: _Choice) -> dict | None:
+        """The echoed prompt's logprobs (the answer's first token is there by now: so is the
+        whole prompt's)."""
+        if choice.reported is None:
+            return None
+        prompt = choice.prompt
+        entries = choice.request.prompt_token_logprobs or [None]
+        offsets = Offsets(engine.tokenizer, prompt)
+        starts = [offsets.start(i) for i in range(len(prompt))]
+        return completion_logprobs(engine.tokenizer, entries, prompt, starts)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -337,6 +447,15 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         return Response(generate_latest(engine.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _usage(prompts: list[list[int]], choices: list[_Choice]) -> dict[str, Any]:
+    """OpenAI's usage: each prompt counted once, however many choices it has."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(c.request.tokens) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(c.request.reused for c in choices)}}
 
 
 def _reason(finish_reason: str | None) -> str:

@@ -37,6 +37,7 @@ import numpy as np
 
 from decoders.programs import buckets as bucketing
 from decoders.session import choice
+from serving import logprobs
 
 log = logging.getLogger("pyhlo")
 
@@ -52,7 +53,17 @@ class Request:
     top_p: float = 1.0
     do_sample: bool = False
     seed: int | None = None
+    # Applied before the choice, greedy or sampled (choice.penalized): 1.0 / 0.0 / None are off.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None    # record each token's logprob and this many top ones (None: none)
+    prompt_logprobs: int | None = None    # the same for the prompt's tokens (its every token computed)
     eos_token_ids: tuple[int, ...] = ()
+    # Another request for the same prompt (n choices): this one waits for it to compute the
+    # prompt, then starts from a copy of its line's cache.
+    shares_prompt_of: Request | None = dataclasses.field(default=None, repr=False)
     on_token: Callable[[Request, int], None] | None = None   # called with each new token
     on_finish: Callable[[Request], None] | None = None
     id: int = 0
@@ -62,6 +73,9 @@ class Request:
     line: int | None = None
     written: int = 0               # prompt tokens already in the cache
     reused: int = 0                # of those, taken from the line's kept prefix (not computed)
+    token_logprobs: list[logprobs.TokenLogprobs] = dataclasses.field(default_factory=list)  # per token
+    # Per prompt token where prompt_logprobs is set: the first has none (no context).
+    prompt_token_logprobs: list[logprobs.TokenLogprobs | None] = dataclasses.field(default_factory=list)
     _generator: Any = None
 
     @property
@@ -126,6 +140,11 @@ class ContinuousBatcher:
         vocab = self.model.decoder.head.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
+        if any(not 0 <= int(t) < vocab for t in options.get("logit_bias") or {}):
+            raise ValueError(f"logit_bias token ids must lie in 0..{vocab - 1}")
+        if options.get("prompt_logprobs") is not None and not self.session.row_prefill:
+            raise ValueError("a prompt's logprobs need the one-line prefill programs (continuous batching "
+                             "over more than one line, caches not spread over replicas)")
         request = Request(prompt, max_new_tokens, id=next(self._ids), **options)
         if request.do_sample:
             request._generator = choice.seeded_generator(request.seed)
@@ -203,11 +222,21 @@ class ContinuousBatcher:
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :len(part)] = part
         try:
-            logits = session.prefill_line(tokens, r.line, r.written, len(part) - 1)
-            row = session.host_logits(logits)[0]
+            every = r.prompt_logprobs is not None
+            # Every position's logits only where the prompt's logprobs are asked for.
+            extra = {"every_position": True} if every else {}
+            logits = session.host_logits(
+                session.prefill_line(tokens, r.line, r.written, len(part) - 1, **extra))
+            row = logits[0, len(part) - 1] if every else logits[0]
         except Exception as error:
             self._program_failed([r], error)
             return
+        if every:
+            try:
+                self._prompt_logprobs(r, logits[0, :len(part)])
+            except Exception as error:            # this request's own part: it alone fails
+                self.fail(r, f"the prompt's logprobs failed: {type(error).__name__}: {error}")
+                return
         self._wrote(r, len(part))
         if r.written == len(r.prompt):
             self._give(r, row)
@@ -286,18 +315,61 @@ class ContinuousBatcher:
 
     def _admit(self) -> None:
         """Waiting requests, first come first served, each into the free line that holds the
-        longest prefix of its prompt (the least recently used one when none does)."""
+        longest prefix of its prompt (the least recently used one when none does). A request
+        sharing another's prompt waits (others pass it) until that one has written all of
+        the prompt but its last token, then starts from a copy of its line."""
+        passed: list[Request] = []
         while self.waiting and None in self.lines:
             request = self.waiting.popleft()
+            leader = request.shares_prompt_of
+            if leader is not None and not leader.done and leader.line is not None \
+                    and leader.written < len(request.prompt) - 1:
+                passed.append(request)
+                continue
             free = [i for i, held in enumerate(self.lines) if held is None]
+            if leader is not None and not leader.done and leader.line is not None \
+                    and self.lines[leader.line] is leader and len(request.prompt) > 1:
+                self._admit_sharing(request, leader, free)
+                continue
             # The prompt's last token always runs: its logits give the first new token.
-            shared = {i: _common_prefix(self.kept[i], request.prompt[:-1]) for i in free}
+            # A prompt whose logprobs are asked for is computed in full.
+            shared = {i: 0 if request.prompt_logprobs is not None else
+                      _common_prefix(self.kept[i], request.prompt[:-1]) for i in free}
             line = max(free, key=lambda i: (shared[i], -self.last_used[i]))
             request.line, request.written = line, shared[line]
             request.reused = shared[line]
             self.prompt_tokens_reused += shared[line]
             self.lines[line] = request
             self.kept[line] = []
+        self.waiting.extendleft(reversed(passed))
+
+    def _admit_sharing(self, request: Request, leader: Request, free: list[int]) -> None:
+        """request into a free line holding a copy of its leader's, its prompt but the last
+        token written (the last runs: its logits give the request's own first token)."""
+        line = min(free, key=lambda i: self.last_used[i])
+        self.lines[line] = request
+        self.kept[line] = []
+        request.line = line
+        try:
+            self.session.copy_line(leader.line, line)
+        except Exception as error:
+            self._program_failed([request], error)
+            return
+        request.written = request.reused = len(request.prompt) - 1
+        self.prompt_tokens_reused += request.written
+        if request.prompt_logprobs is not None:
+            request.prompt_token_logprobs = list(leader.prompt_token_logprobs)
+
+    def _prompt_logprobs(self, request: Request, rows: np.ndarray) -> None:
+        """The logprobs of the prompt tokens that a chunk's logits rows [n, vocab] predict
+        (the chunk's last row, past the prompt, predicts the first new token: not one of them)."""
+        start = request.written
+        if start == 0:
+            request.prompt_token_logprobs.append(None)
+        following = request.prompt[start + 1:start + 1 + len(rows)]
+        request.prompt_token_logprobs += logprobs.of_prompt(rows[:len(following) + 1],
+                                                           request.prompt[start:start + len(following) + 1],
+                                                           request.prompt_logprobs)[1:]
 
     def _program_failed(self, requests: list[Request], error: Exception) -> None:
         """A program failed: its requests end with an error, and no line's kept prefix is trusted."""
@@ -310,12 +382,19 @@ class ContinuousBatcher:
     def _give(self, request: Request, logits: np.ndarray) -> None:
         """Choose the request's next token and hand it over; a failure there ends this request alone."""
         try:
-            self._accept(request, self._choose(request, logits))
+            token = self._choose(request, logits)
+            if request.logprobs is not None:
+                request.token_logprobs.append(logprobs.of_token(logits, token, request.logprobs))
+            self._accept(request, token)
         except Exception as error:
             log.error("request %d failed: %s: %s", request.id, type(error).__name__, error, exc_info=error)
             self.fail(request, f"choosing this request's token failed: {type(error).__name__}: {error}")
 
     def _choose(self, request: Request, logits: np.ndarray) -> int:
+        if request.repetition_penalty != 1.0 or request.presence_penalty or request.frequency_penalty \
+                or request.logit_bias:
+            logits = choice.penalized(logits, request.prompt, request.tokens, request.repetition_penalty,
+                                      request.presence_penalty, request.frequency_penalty, request.logit_bias)
         if not request.do_sample:
             return int(np.argmax(logits))
         return choice.draw(choice.probabilities(logits, request.temperature, request.top_k, request.top_p),

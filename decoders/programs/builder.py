@@ -31,7 +31,7 @@ from decoders.parallel import replica, sharding
 from pyhlo import Scribe, compile_py_func
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops import sampling
-from pyhlo.ops.shape_ops import reshape
+from pyhlo.ops.shape_ops import dynamic_slice, dynamic_update_slice, reshape
 from pyhlo.schema import hlo_pb2
 from pyhlo.scribe import HloValue
 
@@ -227,8 +227,8 @@ class ProgramBuilder:
         return self._program(f"lm_head_n{n_tokens}{self._rows_suffix(rows)}", specs, ["logits"],
                              lambda p: {"logits": self._head(p)})
 
-    def lm_head_all(self, n_tokens: int) -> Program:
-        b = self.batch_size
+    def lm_head_all(self, n_tokens: int, rows: int | None = None) -> Program:
+        b = self._rows(rows)
         specs = [ParamSpec("hidden", self.dtype, (b, n_tokens, self.decoder.head.hidden)),
                  *(self.spec(p) for p in self.head_params())]
 
@@ -236,7 +236,25 @@ class ProgramBuilder:
             values = PieceValues(p, self.lowering, "", self.head_params())
             return {"logits": self.decoder.head.every_position(values, p["hidden"])}
 
-        return self._program(f"lm_head_all_n{n_tokens}", specs, ["logits"], body)
+        return self._program(f"lm_head_all_n{n_tokens}{self._rows_suffix(rows)}", specs, ["logits"], body)
+
+    def copy_line(self) -> Program:
+        """One layer's caches with line `source`'s keys and values copied into line `target`
+        (in place): choices of one prompt share its computed prefix."""
+        specs = [self.cache_spec("cache_k"), self.cache_spec("cache_v"), ParamSpec("source", "s32", ()),
+                 ParamSpec("target", "s32", ())]
+
+        def body(p):
+            out = {}
+            for name in ("cache_k", "cache_v"):
+                cache = p[name]
+                rest = [0] * (len(cache.dims) - 1)
+                line = dynamic_slice(cache, [p["source"], *rest], [1, *cache.dims[1:]])
+                out[name] = dynamic_update_slice(cache, line, [p["target"], *rest])
+                out[name].set_alias_to(cache, must=True)
+            return out
+
+        return self._program("copy_line", specs, ["cache_k", "cache_v"], body)
 
     def model_step(self, n_tokens: int, n_attend: int) -> Program:
         """The whole model unrolled into one program: token ids -> logits and each line's most

@@ -52,12 +52,21 @@ class LMHead:
 @dataclass(frozen=True)
 class LMHeadAll:
     """Final norm and vocabulary projection of every one of n_tokens positions -> f32 logits
-    [b, n_tokens, vocab] (speculative decoding)."""
+    [b, n_tokens, vocab] (speculative decoding; a prompt chunk's logprobs, for `rows` lines)."""
 
     n_tokens: int
+    rows: int | None = None
 
     def build(self, builder: ProgramBuilder) -> Program:
-        return builder.lm_head_all(self.n_tokens)
+        return builder.lm_head_all(self.n_tokens, self.rows)
+
+
+@dataclass(frozen=True)
+class CopyLine:
+    """One layer's caches, one line's keys and values copied into another (continuous batching)."""
+
+    def build(self, builder: ProgramBuilder) -> Program:
+        return builder.copy_line()
 
 
 @dataclass(frozen=True)

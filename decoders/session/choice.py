@@ -39,6 +39,30 @@ def probabilities(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, 
     return torch.softmax(warpers(None, scores), dim=-1)
 
 
+def penalized(logits: np.ndarray, prompt: list[int], generated: list[int], repetition_penalty: float = 1.0,
+              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+              logit_bias: dict[int, float] | None = None) -> np.ndarray:
+    """The logits [vocab] of a sequence's next token after, in vLLM's order: logit_bias added
+    (OpenAI's), HF's repetition penalty over the prompt and the generated tokens (vLLM's and
+    HF's), then OpenAI's presence and frequency penalties over the generated tokens:
+    logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)."""
+    out = np.array(logits, np.float32, copy=True).reshape(-1)
+    if logit_bias:
+        ids = np.fromiter(logit_bias, np.int64, len(logit_bias))
+        np.add.at(out, ids, np.fromiter(logit_bias.values(), np.float32, len(logit_bias)))
+    if repetition_penalty != 1.0 and (prompt or generated):
+        import torch
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        seen = torch.tensor([list(prompt) + list(generated)], dtype=torch.long)
+        scores = RepetitionPenaltyLogitsProcessor(repetition_penalty)(seen, torch.from_numpy(out)[None])
+        out = scores[0].numpy()
+    if (presence_penalty or frequency_penalty) and generated:
+        counts = np.bincount(np.asarray(generated, np.int64), minlength=out.shape[0])[:out.shape[0]]
+        out = out - frequency_penalty * counts - presence_penalty * (counts > 0)
+    return out.astype(np.float32, copy=False)
+
+
 def draw(probs: Any, generator: Any) -> int:
     """One token id drawn from probs [vocab] (or [1, vocab])."""
     import torch

@@ -35,7 +35,17 @@ from decoders.blocks.params import read
 from decoders.programs import buckets as bucketing
 from decoders.programs.builder import ProgramBuilder, layer_prefix
 from decoders.programs.compiled import ProgramSet
-from decoders.programs.keys import Block, Embed, Greedy, LMHead, LMHeadAll, ModelStep, ProgramKey, Sampler
+from decoders.programs.keys import (
+    Block,
+    CopyLine,
+    Embed,
+    Greedy,
+    LMHead,
+    LMHeadAll,
+    ModelStep,
+    ProgramKey,
+    Sampler,
+)
 from decoders.session import presharded as preshards
 from pyhlo.dtypes import numpy_dtype
 from runtime.kv_cache import KVCache
@@ -414,11 +424,13 @@ class Session:
         pads = np.where(live, 0, self.n_positions).astype(np.int32)
         return self._run(token_ids, n, n_attend, slots, pads, last_index)
 
-    def prefill_line(self, token_ids: np.ndarray, line: int, slot: int, last_index: int) -> Any:
+    def prefill_line(self, token_ids: np.ndarray, line: int, slot: int, last_index: int,
+                     every_position: bool = False) -> Any:
         """Continuous batching, one line's prompt chunk: n tokens (a context bucket) of one line
         written at slots slot .. slot + n - 1 of that line alone; logits (on the device)
-        [1, vocab] of token last_index. The other lines' caches are untouched and their rows
-        are not computed."""
+        [1, vocab] of token last_index (every_position: [1, n, vocab] of every token, for a
+        prompt's logprobs). The other lines' caches are untouched and their rows are not
+        computed."""
         if not self.row_prefill:
             raise ValueError("prefill_line() needs a continuous-batching model of more than one line whose "
                              "caches are not spread over replicas (no flash decoding, no lines split by "
@@ -436,7 +448,24 @@ class Session:
         reach = slot + last_index + 1
         n_attend = n if reach <= n else bucketing.pick(self.token_buckets, reach)
         return self._run(token_ids, n, n_attend, np.array([slot], np.int32), np.zeros(1, np.int32),
-                         np.array([last_index], np.int32), lines=np.array([line], np.int32))
+                         np.array([last_index], np.int32), lines=np.array([line], np.int32),
+                         every_position=every_position)
+
+    def copy_line(self, source: int, target: int) -> None:
+        """Continuous batching: line `target`'s cache made a copy of line `source`'s, every
+        layer (a prompt's keys and values computed once for several choices). Needs whole
+        lines on each device (row_prefill)."""
+        if not self.row_prefill:
+            raise ValueError("copy_line() needs a continuous-batching model whose lines are whole on each "
+                             "device")
+        if not (0 <= source < self.batch_size and 0 <= target < self.batch_size):
+            raise ValueError(f"copy_line: lines in 0..{self.batch_size - 1}; got {source}, {target}")
+        program = self.programs.get(CopyLine())
+        cache = self.kv_cache
+        lines = {"source": np.int32(source), "target": np.int32(target)}
+        for layer in range(cache.n_layers):
+            out = program.run({"cache_k": cache.keys[layer], "cache_v": cache.values[layer], **lines})
+            cache.keys[layer], cache.values[layer] = out["cache_k"], out["cache_v"]
 
     def decode_lines(self, token_ids: np.ndarray, lines: np.ndarray, slots: np.ndarray) -> Any:
         """Continuous batching, the active lines' decode step: one token each for k lines,
@@ -484,7 +513,8 @@ class Session:
         if isinstance(token_ids, np.ndarray):
             token_ids = self.placement.put(np.ascontiguousarray(token_ids, dtype=np.int32))
         if lines is not None:
-            return self._run_rows(token_ids, n_tokens, n_attend, slot, pads, last_index, lines)
+            return self._run_rows(token_ids, n_tokens, n_attend, slot, pads, last_index, lines,
+                                  every_position=every_position)
         kept = self._step_buffer
         pad = self.pad_buffer(pads)
         b = self.batch_size
@@ -515,7 +545,7 @@ class Session:
         return (logits, None) if with_greedy else logits
 
     def _run_rows(self, token_ids: Any, n_tokens: int, n_attend: int, slots: np.ndarray, pads: np.ndarray,
-                  last_index: np.ndarray, lines: np.ndarray) -> Any:
+                  last_index: np.ndarray, lines: np.ndarray, every_position: bool = False) -> Any:
         """Some lines' rows: the programs for len(lines) rows, each naming its cache line."""
         rows = len(lines)
         kept = self._step_buffer
@@ -529,8 +559,8 @@ class Session:
                 "token_ids": token_ids}
         hidden = self.programs.get(Embed(n_tokens, rows)).run({**step, **self.shared})["hidden"]
         hidden = self._run_layers(hidden, step, n_tokens, n_attend, rows)
-        return self.programs.get(LMHead(n_tokens, rows)).run(
-            {**step, "hidden": hidden, **self.shared})["logits"]
+        head = LMHeadAll(n_tokens, rows) if every_position else LMHead(n_tokens, rows)
+        return self.programs.get(head).run({**step, "hidden": hidden, **self.shared})["logits"]
 
     def _run_layers(self, hidden: Any, step: dict[str, Any], n_tokens: int, n_attend: int,
                     rows: int | None = None) -> Any:
