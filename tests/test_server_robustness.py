@@ -601,7 +601,9 @@ def test_sigterm_ends_what_still_runs_at_the_timeout_and_a_second_signal_exits_a
             thread.join(timeout=60)
         http.close()
         for request in held:
-            assert request.finish_reason == "error" and "stopped" in request.error
+            # The waiting one may have been failed by the first signal's drain already.
+            assert request.finish_reason == "error" and ("stopped" in request.error or (
+                "shutting down" in request.error and "waiting" in request.error)), request.error
             assert len(request.tokens) < 200
     finally:
         third.stop()
