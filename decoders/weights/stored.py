@@ -2,10 +2,12 @@
 
 A weight quantized at load (NeuronConfig.quant) is int8 [out, in] with one f32 scale per
 output row ("s8", `QuantizedWeight`). A weight a GGUF file stores in one of llama.cpp's block
-forms runs as stored (`BlockWeight`: the same bits, as values, scales and minimums): each row
-in blocks of values that share an f16 scale (and an f16 minimum), dequantized inside the
-program or pyhlo's CPU kernel. BLOCK_FORMS lists those forms, one row each; a new form starts
-with a row there.
+forms runs as stored (`BlockWeight`), dequantized inside the program or pyhlo's CPU kernel:
+Q8_0, Q4_0 and Q4_1 as the same bits split into values, scales and minimums (each row in blocks
+of 32 values that share an f16 scale and minimum); Q5_0, Q5_1 and the K-quants (super-blocks of
+256 values with 6- or 8-bit sub-block scales) as the file's own bytes, one u8 array of whole
+blocks per row, unpacked in the program (pyhlo/ops/gguf_blocks.py) or the kernel. BLOCK_FORMS
+lists those forms, one row each; a new form starts with a row there.
 
 A leaf: the pieces' declarations, the checkpoints and the lowering all import it, and it
 imports none of them.
@@ -31,12 +33,26 @@ class BlockForm(NamedTuple):
     ggml_type: str          # the GGML type a GGUF file names it by
     block_bytes: int        # one block in a GGUF file: f16 scale, f16 minimum (if any), values
     has_mins: bool          # a minimum per block: w = scale * value + min (else scale * value)
+    # Values per block: 32, or 256 for a K-quant's super-block.
+    block_values: int = BLOCK
+    # Kept as the file's bytes: `values` is u8 [out, in / block_values * block_bytes], whole
+    # blocks, with no separate scales or minimums (values_per_byte and has_mins say nothing).
+    as_file: bool = False
 
 
 BLOCK_FORMS = {
     "q8_0": BlockForm("s8", 1, "Q8_0", 34, False),
     "q4_0": BlockForm("u8", 2, "Q4_0", 18, False),
     "q4_1": BlockForm("u8", 2, "Q4_1", 20, True),
+    # d, then 32 high bits, then 16 bytes of low nibbles (Q5_1: d, m, high bits, nibbles).
+    "q5_0": BlockForm("u8", 0, "Q5_0", 22, False, BLOCK, True),
+    "q5_1": BlockForm("u8", 0, "Q5_1", 24, True, BLOCK, True),
+    # Super-blocks of 8 sub-blocks of 32: d, dmin, 12 bytes of 6-bit scales and minimums,
+    # (Q5_K: 32 bytes of high bits,) 128 bytes of nibbles.
+    "q4_k": BlockForm("u8", 0, "Q4_K", 144, True, 256, True),
+    "q5_k": BlockForm("u8", 0, "Q5_K", 176, True, 256, True),
+    # 16 sub-blocks of 16: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 s8 scales, d.
+    "q6_k": BlockForm("u8", 0, "Q6_K", 210, False, 256, True),
 }
 
 
@@ -50,11 +66,12 @@ class QuantizedWeight(NamedTuple):
 class BlockWeight(NamedTuple):
     """A linear weight [out, in] in a GGUF block form: `values` s8 [out, in] (q8_0) or u8
     [out, in/2] (q4_0, q4_1: byte j of a block's 16 holds value j in its low nibble and
-    value j+16 in its high one), `scales` f16 [out, in/32], `mins` f16 [out, in/32] (q4_1)."""
+    value j+16 in its high one), `scales` f16 [out, in/32], `mins` f16 [out, in/32] (q4_1);
+    for a form kept as the file's bytes, `values` u8 [out, whole blocks' bytes] alone."""
 
     form: str
     values: np.ndarray
-    scales: np.ndarray
+    scales: np.ndarray | None = None
     mins: np.ndarray | None = None
 
 
@@ -70,7 +87,10 @@ def stored_dims(param: Stored) -> tuple[int, ...]:
     """The dims of a parameter as stored: a GGUF block weight's values are [out, in / values
     per byte]; anything else, its logical shape."""
     if param.quant in BLOCK_FORMS and not param.part_of:
-        return (param.shape[0], param.shape[1] // BLOCK_FORMS[param.quant].values_per_byte)
+        form = BLOCK_FORMS[param.quant]
+        if form.as_file:
+            return (param.shape[0], param.shape[1] // form.block_values * form.block_bytes)
+        return (param.shape[0], param.shape[1] // form.values_per_byte)
     return param.shape
 
 
