@@ -33,7 +33,14 @@ from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.attention import decode_attention_kernel
 from pyhlo.ops.collectives import all_reduce_sum
-from pyhlo.ops.linalg import matmul, matmul_transposed, matvec_blocks_kernel, matvec_kernel
+from pyhlo.ops.gguf_blocks import dequantize_gguf
+from pyhlo.ops.linalg import (
+    BLOCK_KERNEL_FORMS,
+    matmul,
+    matmul_transposed,
+    matvec_blocks_kernel,
+    matvec_kernel,
+)
 from pyhlo.ops.nn import expand_last
 from pyhlo.ops.quantized import dequantize_blocks
 from pyhlo.scribe import HloValue, check_precision
@@ -149,7 +156,7 @@ class XlaLowering:
         its per-row `scale`; a GGUF block weight is widened with its block `scale` (and
         `mins`) to the amp type, [out, in] whatever the layout."""
         if param.name in self.block_forms:
-            widened = dequantize_blocks(weight, scale, mins, self.dtype)
+            widened = widened_blocks(self.block_forms[param.name], weight, scale, mins, self.dtype)
             accumulate = "f32" if self.dtype != "f32" else None
             product = matmul_transposed(ew.convert(x, self.dtype), widened, out_dtype=out_dtype or accumulate)
             return self._finish(product, param, bias, out_dtype or x.dtype)
@@ -203,6 +210,8 @@ class CpuKernelLowering(XlaLowering):
                out_dtype: str | None = None, scale: HloValue | None = None,
                mins: HloValue | None = None) -> HloValue:
         blocks = param.name in self.block_forms
+        if blocks and self.block_forms[param.name] not in BLOCK_KERNEL_FORMS:
+            return super().linear(x, weight, param, bias, out_dtype, scale, mins)  # dequantized in HLO
         first, last = dict(self.kernel_rows).get("blocks" if blocks else weight.dtype, (0, 0))
         if 0 < first <= int(np.prod(x.dims[:-1])) <= last:
             rows = ew.convert(x, "f32")
@@ -219,6 +228,14 @@ class CpuKernelLowering(XlaLowering):
         # The kernel reads only the filled slots, so one program serves every length; attention
         # with a bias or a window (which the kernel does not take) keeps one per bucket.
         return [token_buckets[-1]] if plain_attention else list(token_buckets)
+
+
+def widened_blocks(form: str, weight: HloValue, scale: HloValue | None, mins: HloValue | None,
+                   dtype: str) -> HloValue:
+    """A GGUF block weight [out, in] dequantized in the program, in `dtype`."""
+    if BLOCK_FORMS[form].as_file:
+        return dequantize_gguf(weight, BLOCK_FORMS[form].ggml_type, dtype)
+    return dequantize_blocks(weight, scale, mins, dtype)
 
 
 def _scaled(product: HloValue, scale: HloValue) -> HloValue:

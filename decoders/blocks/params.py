@@ -121,6 +121,9 @@ def declare_quantized(params: list[Param], config: QuantizationConfig | None,
     declared = []
     for param in params:
         form = (blocks or {}).get(param.name)
+        if form is not None and BLOCK_FORMS[form].as_file:
+            declared.append(replace(param, quant=form))     # one array: the file's blocks
+            continue
         if form is not None:
             weight = replace(param, quant=form)
             width = param.shape[1] // BLOCK
@@ -202,7 +205,6 @@ def _read_blocks(param: Param, checkpoint, names: list[str]):
         raise ValueError(f"{param.name}: {' + '.join(names)} are stored {sorted(forms)}, declared "
                          f"{param.quant!r}"
                          + (" with transforms" if param.source.transforms else ""))
-    joined = [np.concatenate(arrays, axis=0) if len(parts) > 1 else arrays[0]
-              for arrays in zip(*(part[1:3] for part in parts))]
-    mins = np.concatenate([p.mins for p in parts], axis=0) if BLOCK_FORMS[param.quant].has_mins else None
-    return BlockWeight(param.quant, *joined, mins)
+    joined = [None if arrays[0] is None else np.concatenate(arrays, axis=0) if len(parts) > 1 else arrays[0]
+              for arrays in zip(*(part[1:] for part in parts))]
+    return BlockWeight(param.quant, *joined)

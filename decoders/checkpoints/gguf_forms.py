@@ -1,11 +1,11 @@
-"""Which of a GGUF file's linear weights run in their block form as stored (Q8_0, Q4_0, Q4_1:
+"""Which of a GGUF file's linear weights run in their block form as stored (BLOCK_FORMS in
 decoders/weights/stored.py), and which are widened to the model's type at load."""
 from __future__ import annotations
 
 import logging
 
 from decoders.blocks.params import Kind, Param
-from decoders.weights.stored import BLOCK
+from decoders.weights.stored import BLOCK_FORMS
 
 log = logging.getLogger("pyhlo")
 
@@ -21,7 +21,8 @@ def gguf_block_forms(checkpoint, layer_params: list[Param], head_params: list[Pa
             continue
         names = [name for layer in layers for name in param.source.resolve(layer, checkpoint.__contains__)]
         found = {checkpoint.block_form(name) for name in names if name in checkpoint}
-        whole_blocks = not param.source.transforms and param.shape[1] % BLOCK == 0
+        whole_blocks = not param.source.transforms and all(
+            param.shape[1] % BLOCK_FORMS[form].block_values == 0 for form in found if form is not None)
         if len(found) == 1 and None not in found and whole_blocks:
             forms[param.name] = found.pop()
             continue

@@ -47,6 +47,9 @@ BLOCK_FORMS = {
     # d, then 32 high bits, then 16 bytes of low nibbles (Q5_1: d, m, high bits, nibbles).
     "q5_0": BlockForm("u8", 0, "Q5_0", 22, False, BLOCK, True),
     "q5_1": BlockForm("u8", 0, "Q5_1", 24, True, BLOCK, True),
+    # K-quants (pyhlo/ops/gguf_blocks.py has each layout). Q2_K, Q3_K: 16 sub-blocks of 16.
+    "q2_k": BlockForm("u8", 0, "Q2_K", 84, True, 256, True),
+    "q3_k": BlockForm("u8", 0, "Q3_K", 110, False, 256, True),
     # Super-blocks of 8 sub-blocks of 32: d, dmin, 12 bytes of 6-bit scales and minimums,
     # (Q5_K: 32 bytes of high bits,) 128 bytes of nibbles.
     "q4_k": BlockForm("u8", 0, "Q4_K", 144, True, 256, True),

@@ -66,6 +66,10 @@ def matvec_kernel(x: HloValue, w: HloValue, scale: HloValue | None = None,
     return ffi_call(shape, [x, w], target or "pyhlo_matvec")
 
 
+# The GGUF block forms the kernels multiply by (the others are dequantized in plain HLO).
+BLOCK_KERNEL_FORMS = ("q8_0", "q4_0", "q4_1")
+
+
 def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: HloValue | None = None,
                          int8_activations: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] kept in one of llama.cpp's

@@ -1,0 +1,89 @@
+"""Write weights in GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) for test files: the gguf package
+reads these types but does not write them. A plain round-to-nearest quantizer, not
+llama.cpp's search for the best scales: any valid blocks serve the tests, which compare a
+file kept as stored with the same file widened at load."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+K = 256
+
+
+def quantize(array: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """array [..., k] f32 as GGUF blocks of `kind`, u8 [..., k / values * bytes]."""
+    writers = {gguf.GGMLQuantizationType.Q4_K: _q4_k, gguf.GGMLQuantizationType.Q5_K: _q5_k,
+               gguf.GGMLQuantizationType.Q6_K: _q6_k}
+    if kind not in writers:
+        return gguf.quants.quantize(array.astype(np.float32), kind)
+    rows = array.reshape(-1, array.shape[-1]).astype(np.float32)
+    if rows.shape[1] % K:
+        raise ValueError(f"{kind.name} needs rows of whole {K}-value blocks, got {rows.shape[1]}")
+    blocks = writers[kind](rows.reshape(-1, K))
+    return blocks.reshape(*array.shape[:-1], -1)
+
+
+def _f16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x as f16 bytes [n, 2], and its f16 value as f32 (1 where it is 0, to divide by)."""
+    half = x.astype(np.float16)
+    value = half.astype(np.float32)
+    return half.reshape(-1, 1).view(np.uint8), np.where(value == 0, 1, value)
+
+
+def _scales_and_mins(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 6-bit scales and minimums per block [n, 8] packed into 12 bytes as ggml packs them."""
+    low = (sc[:, :4] | ((sc[:, 4:] >> 4) << 6)).astype(np.uint8)
+    mid = (mn[:, :4] | ((mn[:, 4:] >> 4) << 6)).astype(np.uint8)
+    high = ((sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)).astype(np.uint8)
+    return np.concatenate([low, mid, high], axis=1)
+
+
+def _asymmetric(blocks: np.ndarray, levels: int):
+    """Sub-blocks of 32 with a 6-bit scale and minimum each: the bytes of d and dmin, the
+    scales and minimums [n, 8] and the values q [n, 8, 32] in 0..levels."""
+    sub = blocks.reshape(-1, 8, 32)
+    low = np.minimum(sub.min(axis=2), 0)
+    spread = (sub.max(axis=2) - low) / levels
+    d_bytes, d = _f16(spread.max(axis=1) / 63)
+    dmin_bytes, dmin = _f16((-low).max(axis=1) / 63)
+    sc = np.clip(np.rint(spread / d[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-low / dmin[:, None]), 0, 63).astype(np.uint8)
+    step = (d[:, None] * sc)[:, :, None]
+    shifted = sub + (dmin[:, None] * mn)[:, :, None]
+    q = np.clip(np.rint(shifted / np.where(step == 0, 1, step)), 0, levels).astype(np.uint8)
+    return d_bytes, dmin_bytes, _scales_and_mins(sc, mn), q
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """q [n, 8, 32] (low 4 bits) as 4 runs of 32 bytes: sub-block 2r low, 2r + 1 high."""
+    pairs = (q & 0xF).reshape(-1, 4, 2, 32)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128).astype(np.uint8)
+
+
+def _q4_k(blocks: np.ndarray) -> np.ndarray:
+    d, dmin, scales, q = _asymmetric(blocks, 15)
+    return np.concatenate([d, dmin, scales, _nibbles(q)], axis=1)
+
+
+def _q5_k(blocks: np.ndarray) -> np.ndarray:
+    d, dmin, scales, q = _asymmetric(blocks, 31)
+    high = ((q >> 4) & 1).astype(np.uint8)                       # [n, sub-block j, value i]
+    bits = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1).astype(np.uint8)
+    return np.concatenate([d, dmin, scales, bits, _nibbles(q)], axis=1)
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    sub = blocks.reshape(-1, 16, 16)
+    spread = np.abs(sub).max(axis=2) / 31
+    d_bytes, d = _f16(spread.max(axis=1) / 127)
+    sc = np.clip(np.rint(spread / d[:, None]), 0, 127).astype(np.int8)
+    step = (d[:, None] * sc)[:, :, None]
+    q = (np.clip(np.rint(sub / np.where(step == 0, 1, step)), -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    # Each half of 128 values: value r's low nibble in byte r % 64 (low, then high nibbles),
+    # its top 2 bits in byte r % 32, pair r // 32.
+    halves = q.reshape(-1, 2, 128)
+    low = halves & 0xF
+    ql = (low[:, :, :64] | (low[:, :, 64:] << 4)).reshape(-1, 128)
+    top = (halves >> 4).reshape(-1, 2, 4, 32)
+    qh = (top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)).reshape(-1, 64)
+    return np.concatenate([ql.astype(np.uint8), qh.astype(np.uint8), sc.view(np.uint8), d_bytes], axis=1)
