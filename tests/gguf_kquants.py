@@ -1,5 +1,5 @@
-"""Write weights in GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) for test files: the gguf package
-reads these types but does not write them. A plain round-to-nearest quantizer, not
+"""Write weights in GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) and IQ4_NL for test files: the
+gguf package reads these types but does not write them. A plain round-to-nearest quantizer, not
 llama.cpp's search for the best scales: any valid blocks serve the tests, which compare a
 file kept as stored with the same file widened at load."""
 from __future__ import annotations
@@ -13,13 +13,14 @@ K = 256
 def quantize(array: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
     """array [..., k] f32 as GGUF blocks of `kind`, u8 [..., k / values * bytes]."""
     writers = {gguf.GGMLQuantizationType.Q4_K: _q4_k, gguf.GGMLQuantizationType.Q5_K: _q5_k,
-               gguf.GGMLQuantizationType.Q6_K: _q6_k}
+               gguf.GGMLQuantizationType.Q6_K: _q6_k, gguf.GGMLQuantizationType.IQ4_NL: _iq4_nl}
     if kind not in writers:
         return gguf.quants.quantize(array.astype(np.float32), kind)
     rows = array.reshape(-1, array.shape[-1]).astype(np.float32)
-    if rows.shape[1] % K:
-        raise ValueError(f"{kind.name} needs rows of whole {K}-value blocks, got {rows.shape[1]}")
-    blocks = writers[kind](rows.reshape(-1, K))
+    values = gguf.GGML_QUANT_SIZES[kind][0]
+    if rows.shape[1] % values:
+        raise ValueError(f"{kind.name} needs rows of whole {values}-value blocks, got {rows.shape[1]}")
+    blocks = writers[kind](rows.reshape(-1, values))
     return blocks.reshape(*array.shape[:-1], -1)
 
 
@@ -87,3 +88,10 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     top = (halves >> 4).reshape(-1, 2, 4, 32)
     qh = (top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)).reshape(-1, 64)
     return np.concatenate([ql.astype(np.uint8), qh.astype(np.uint8), sc.view(np.uint8), d_bytes], axis=1)
+
+
+def _iq4_nl(blocks: np.ndarray) -> np.ndarray:
+    table = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)
+    d_bytes, d = _f16(np.abs(blocks).max(axis=1) / 127)
+    q = np.abs(blocks[:, :, None] / d[:, None, None] - table).argmin(axis=2).astype(np.uint8)
+    return np.concatenate([d_bytes, q[:, :16] | (q[:, 16:] << 4)], axis=1)

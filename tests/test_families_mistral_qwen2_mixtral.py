@@ -163,7 +163,7 @@ def write_gguf(path, hf, state: dict[str, np.ndarray], arch: str, expert_metadat
     from gguf_kquants import quantize
 
     def add(name: str, array: np.ndarray) -> None:
-        kind = weights_type(name) if callable(weights_type) else weights_type
+        kind = weights_type(name) if callable(weights_type) and array.ndim > 1 else weights_type
         if kind is None or array.ndim < 2:
             writer.add_tensor(name, array)
         else:

@@ -14,6 +14,8 @@ def test_second_open_reads_the_converted_copy_with_identical_tensors(smollm2_ggu
     assert isinstance(first, GGUFCheckpoint)
     second = open_checkpoint(smollm2_gguf)
     assert isinstance(second, ConvertedGGUF)
+    # Each tensor once: the Q4_1 weights as their blocks, not also widened to f32.
+    assert sum(f.stat().st_size for f in second.path.iterdir()) < 1.1 * smollm2_gguf.stat().st_size
     assert second.config == first.config
     assert sorted(second.names()) == sorted(first.names())
     for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",

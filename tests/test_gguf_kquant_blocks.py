@@ -13,7 +13,7 @@ from pyhlo.shape_inference import HloShapeError
 
 # Byte offsets of each form's f16 fields (scale, minimum): random bytes elsewhere are valid.
 HALVES = {"Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-          "Q6_K": (208,)}
+          "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_gguf_blocks(ggml_type: str, rows: int, blocks: int, seed: int) -> np.ndarray:

@@ -1,7 +1,11 @@
-"""GGUF weights kept in Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 blocks (the forms of llama.cpp's
-Q4_K_M, Q5_K_M and Q6_K files) compute the same function as the same file widened to f32
-at load: a tiny Llama whose rows are whole 256-value super-blocks, every matrix in one form."""
+"""GGUF weights kept in Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and IQ4_NL blocks (the forms of
+llama.cpp's Q4_K_M, Q5_K_M, Q6_K and IQ4_NL files) compute the same function as the same file
+widened to f32 at load: a tiny Llama whose rows are whole 256-value super-blocks, every matrix
+in one form, or in a mix of forms as llama.cpp's Q4_K_M writes them; the converted copy of
+such a file keeps each tensor once."""
 from __future__ import annotations
+
+import logging
 
 import gguf
 import numpy as np
@@ -15,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from decoders import LlamaForSampling, NeuronConfig
 from decoders.weights.stored import BLOCK_FORMS
 
-FORMS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")
+FORMS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl")
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +72,71 @@ def test_kquant_blocks_compute_what_the_weights_widened_at_load_compute(kquant_f
     for step in range(len(logits)):
         assert relative_error(logits[step], expected_logits[step]) < 1e-5, step
     np.testing.assert_array_equal(tokens, expected)
+
+
+def q4_k_m_like(name: str):
+    """Types as llama.cpp's Q4_K_M mixes them for a model whose rows are not all whole
+    super-blocks: ffn_down Q6_K in some layers and Q4_K in others, attn_v Q8_0 or Q5_0, the
+    other attention weights Q5_0, the token table and the head Q6_K."""
+    kinds = gguf.GGMLQuantizationType
+    if name.startswith(("token_embd", "output")):
+        return kinds.Q6_K
+    layer = int(name.split(".")[1])
+    if ".ffn_down." in name:
+        return kinds.Q6_K if layer == 0 else kinds.Q4_K
+    if ".attn_v." in name:
+        return kinds.Q8_0 if layer == 0 else kinds.Q5_0
+    return kinds.Q5_0 if ".attn_" in name else kinds.Q4_K
+
+
+def test_a_q4_k_m_mix_keeps_what_is_one_form_and_widens_the_rest(kquant_file, caplog):
+    path = kquant_file("q4_k_m", q4_k_m_like)
+    with caplog.at_level(logging.INFO, logger="pyhlo"):
+        kept = build(path, None, None, batch_size=1)
+    forms = dict(kept.lowering.gguf_blocks)
+    # The fused q|k|v holds Q5_0 and Q8_0 (attn_v), the down projection Q6_K and Q4_K: widened.
+    assert forms == {"attn.out.weight": "q5_0", "lm_head.weight": "q6_k", "mlp.gate_up.weight": "q4_k"}
+    # One line, each type once: what is kept, what is widened and why, and what it costs.
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF linear weights")]
+    for kind in ("Q4_K", "Q5_0", "Q6_K", "Q8_0"):
+        assert line.count(kind) == 1, (kind, line)
+    assert "Q6_K x1 kept as stored and x1 widened to f32 (types differ between layers)" in line
+    assert "MB more than the file's blocks" in line
+
+    widened = build(path, False, False, batch_size=1)
+    prompt = np.arange(5, 40)[None]
+    tokens, logits = kept.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[], output_scores=True)
+    expected, expected_logits = widened.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[],
+                                               output_scores=True)
+    for step in range(len(logits)):
+        assert relative_error(logits[step], expected_logits[step]) < 1e-5, step
+    np.testing.assert_array_equal(tokens, expected)
+
+
+def test_the_converted_copy_keeps_each_tensor_once(kquant_file, tmp_path, monkeypatch):
+    """Tensors in a form pyhlo keeps are stored as their blocks only, not also widened to f32;
+    a later open widens them from those when asked, equal to the file's own reading."""
+    from safetensors import safe_open
+
+    from decoders.checkpoints import open_checkpoint
+    from decoders.checkpoints.gguf import GGUFCheckpoint
+    from decoders.checkpoints.gguf_cache import BLOCKS, ConvertedGGUF, converted_dir
+
+    monkeypatch.setenv("PYHLO_GGUF_CACHE", str(tmp_path))
+    path = kquant_file("q4_k_m", q4_k_m_like)
+    first = open_checkpoint(path)
+    second = open_checkpoint(path)
+    assert isinstance(first, GGUFCheckpoint) and isinstance(second, ConvertedGGUF)
+    folder = converted_dir(path)
+    with safe_open(str(folder / "model.safetensors"), framework="numpy") as widened:
+        assert sorted(widened.keys()) == sorted(n for n in first.names() if first.block_form(n) is None)
+        assert all(first.quant_type(n) == "F32" for n in widened.keys())     # only the norms are left
+    with safe_open(str(folder / BLOCKS), framework="numpy") as blocks:
+        kept_bytes = sum(blocks.get_tensor(k).nbytes for k in blocks.keys())
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 1.2 * path.stat().st_size
+    assert kept_bytes < path.stat().st_size
+    assert sorted(second.names()) == sorted(first.names())
+    for name in first.names():
+        assert second.shape(name) == first.shape(name)
+        assert second.block_form(name) == first.block_form(name)
+        np.testing.assert_array_equal(second.get(name), first.get(name))

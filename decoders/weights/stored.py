@@ -4,10 +4,11 @@ A weight quantized at load (NeuronConfig.quant) is int8 [out, in] with one f32 s
 output row ("s8", `QuantizedWeight`). A weight a GGUF file stores in one of llama.cpp's block
 forms runs as stored (`BlockWeight`), dequantized inside the program or pyhlo's CPU kernel:
 Q8_0, Q4_0 and Q4_1 as the same bits split into values, scales and minimums (each row in blocks
-of 32 values that share an f16 scale and minimum); Q5_0, Q5_1 and the K-quants (super-blocks of
-256 values with 6- or 8-bit sub-block scales) as the file's own bytes, one u8 array of whole
-blocks per row, unpacked in the program (pyhlo/ops/gguf_blocks.py) or the kernel. BLOCK_FORMS
-lists those forms, one row each; a new form starts with a row there.
+of 32 values that share an f16 scale and minimum); Q5_0, Q5_1, IQ4_NL and the K-quants and
+IQ4_XS (super-blocks of 256 values with 4- to 8-bit sub-block scales) as the file's own
+bytes, one u8 array of whole blocks per row, unpacked in the program
+(pyhlo/ops/gguf_blocks.py) or the kernel. BLOCK_FORMS lists those forms, one row each; a new
+form starts with a row there.
 
 A leaf: the pieces' declarations, the checkpoints and the lowering all import it, and it
 imports none of them.
@@ -56,6 +57,10 @@ BLOCK_FORMS = {
     "q5_k": BlockForm("u8", 0, "Q5_K", 176, True, 256, True),
     # 16 sub-blocks of 16: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 s8 scales, d.
     "q6_k": BlockForm("u8", 0, "Q6_K", 210, False, 256, True),
+    # 4-bit indices into a table of 16 values: blocks of 32 with an f16 scale (IQ4_NL), or
+    # super-blocks of 256 with 6-bit sub-block scales (IQ4_XS).
+    "iq4_nl": BlockForm("u8", 0, "IQ4_NL", 18, False, BLOCK, True),
+    "iq4_xs": BlockForm("u8", 0, "IQ4_XS", 136, False, 256, True),
 }
 
 

@@ -13,12 +13,17 @@ writes them (ggml-common.h), and is unpacked here with shifts and masks:
     Q5_K  256 values, 176 bytes: as Q4_K with 32 bytes of high bits before the nibbles
     Q6_K  256 values, 210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 s8 scales
           (sub-blocks of 16), f16 d; w = d * scale * (q - 32)
+    IQ4_NL 32 values, 18 bytes: f16 d, 16 bytes of nibbles; w = d * KVALUES[q]
+    IQ4_XS 256 values, 136 bytes: f16 d, 2 + 4 bytes of 6-bit scales, 128 bytes of nibbles
+          (sub-blocks of 32, each as IQ4_NL's); w = d * (scale - 32) * KVALUES[q]
 
 Every product is taken in f32 in the order of the `gguf` package's numpy dequantization
 (`gguf.quants.dequantize`), and each is exact in f32 (an f16 times integers of at most 13
 bits), so the weights read here equal that package's bit for bit.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.shape_ops import broadcast, concatenate, iota, reshape, slice_along
@@ -27,7 +32,10 @@ from pyhlo.shape_inference import HloShapeError
 
 # GGML type -> (values per block, bytes per block)
 LAYOUTS = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110),
-           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
+           "IQ4_XS": (256, 136)}
+# The 16 values an IQ4 nibble stands for (ggml-common.h: kvalues_iq4nl).
+KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def dequantize_gguf(data: HloValue, ggml_type: str, dtype: str = "f32") -> HloValue:
@@ -197,5 +205,32 @@ def _q3_k(blocks: HloValue) -> HloValue:
     return ew.multiply(scale, _f32(signed))
 
 
+def _nonlinear(q: HloValue) -> HloValue:
+    """KVALUES[q] for nibbles q u8 [...], as f32."""
+    table = ew.constant(q.scribe, "f32", np.array(KVALUES, np.float32), (len(KVALUES),))
+    numbers = dict(offset_dims=[], collapsed_slice_dims=[0], start_index_map=[0],
+                   index_vector_dim=len(q.dims))
+    return q.scribe.f32[q.dims].Gather(table, ew.convert(q, "s32"), gather_dimension_numbers=numbers,
+                                       gather_slice_sizes=[1])
+
+
+def _iq4_nl(blocks: HloValue) -> HloValue:
+    return _times(_nonlinear(_nibbles32(blocks, 2)), _f16(blocks, 0))
+
+
+def _iq4_xs(blocks: HloValue) -> HloValue:
+    n, b, _ = blocks.dims
+    # 8 6-bit scales: low nibbles from bytes 4-7 (byte i: scales 2i, 2i + 1), top 2 bits from
+    # the little-endian u16 at bytes 2-3 (bits 2j, 2j + 1: scale j).
+    low = reshape(_byte_major(_fields(_bytes(blocks, 4, 8), 4, 2, 0xF)), (n, b, 8))
+    top = reshape(_byte_major(_fields(_bytes(blocks, 2, 4), 2, 4, 3)), (n, b, 8))
+    scales = ew.subtract(ew.convert(ew.bitwise_or(low, ew.shift_left(top, 4)), "s8"), 32)
+    scale = _per_value(_times(_f32(scales), _f16(blocks, 0)), 32)
+    # 8 runs of 16 bytes, one a sub-block: low nibbles values 0-15, high ones 16-31.
+    runs = reshape(_bytes(blocks, 8, 136), (n, b, 8, 16))
+    q = reshape(_fields(runs, 4, 2, 0xF), (n, b, 256))
+    return ew.multiply(scale, _nonlinear(q))
+
+
 _UNPACK = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k,
-           "Q6_K": _q6_k}
+           "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
