@@ -39,6 +39,7 @@ from pyhlo.ops.linalg import (
     matmul,
     matmul_transposed,
     matvec_blocks_kernel,
+    matvec_gguf_kernel,
     matvec_kernel,
 )
 from pyhlo.ops.nn import expand_last
@@ -215,8 +216,13 @@ class CpuKernelLowering(XlaLowering):
         first, last = dict(self.kernel_rows).get("blocks" if blocks else weight.dtype, (0, 0))
         if 0 < first <= int(np.prod(x.dims[:-1])) <= last:
             rows = ew.convert(x, "f32")
-            product = (matvec_blocks_kernel(rows, weight, scale, mins, self.int8_activations) if blocks
-                       else matvec_kernel(rows, weight, scale))
+            form = BLOCK_FORMS[self.block_forms[param.name]] if blocks else None
+            if form is not None and form.as_file:     # the exact kernel (int8 activations: Q8_0, Q4_0, Q4_1)
+                product = matvec_gguf_kernel(rows, weight, form.ggml_type)
+            elif blocks:
+                product = matvec_blocks_kernel(rows, weight, scale, mins, self.int8_activations)
+            else:
+                product = matvec_kernel(rows, weight, scale)
             return self._finish(product, param, bias, out_dtype or x.dtype)
         return super().linear(x, weight, param, bias, out_dtype, scale, mins)
 

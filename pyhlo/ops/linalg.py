@@ -66,8 +66,10 @@ def matvec_kernel(x: HloValue, w: HloValue, scale: HloValue | None = None,
     return ffi_call(shape, [x, w], target or "pyhlo_matvec")
 
 
-# The GGUF block forms the kernels multiply by (the others are dequantized in plain HLO).
-BLOCK_KERNEL_FORMS = ("q8_0", "q4_0", "q4_1")
+# The GGUF block forms the kernels multiply by: split into arrays (matvec_blocks_kernel), or
+# as the file's bytes (matvec_gguf_kernel, by GGML type).
+BLOCK_KERNEL_FORMS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                      "iq4_nl", "iq4_xs")
 
 
 def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: HloValue | None = None,
@@ -94,3 +96,22 @@ def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: 
     operands = [x, values, scales] + ([mins] if mins is not None else [])
     target = f"pyhlo_matvec_{form}" + ("_x8" if int8_activations else "")
     return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, target)
+
+
+def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str) -> HloValue:
+    """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] kept as a GGUF file stores
+    it: rows of whole blocks of `ggml_type`, u8 [n, k / values * bytes] (pyhlo.ops.gguf_blocks
+    has the layouts). Each block is dequantized to f32 as the gguf package reads it and the
+    sums are f32. The kernel must be registered with the backend (runtime.cpu_kernels.register())
+    before a program using it is compiled."""
+    from pyhlo.ops.gguf_blocks import LAYOUTS
+
+    values, size = LAYOUTS.get(ggml_type, (0, 0))
+    k = x.dims[-1] if x.dims else -1
+    if (not size or x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2
+            or data.dims[1] % size or data.dims[1] // size * values != k):
+        raise HloShapeError(f"matvec_gguf_kernel: {ggml_type} needs f32 x[..., k] and u8 "
+                            f"w[n, k / {values} * {size}]; got {x.dtype}{list(x.dims)} and "
+                            f"{data.dtype}{list(data.dims)}")
+    shape = x.scribe.f32[(*x.dims[:-1], data.dims[0])]
+    return ffi_call(shape, [x, data], f"pyhlo_matvec_{ggml_type.lower()}")
