@@ -220,6 +220,7 @@ class NeuronConfig:
     # Products of GGUF block weights on pyhlo's CPU kernels (decode steps, the LM head) round
     # the activations to int8 per 32 values (max |x| / 127, as llama.cpp does) and multiply
     # integers: faster, within the rounding of the exact product (off: activations stay f32).
+    # Q8_0, Q4_0 and Q4_1 only: the forms kept as the file's bytes (K-quants ...) stay exact.
     int8_activations: bool = False
     on_device_generation: GenerationConfig | None = None
     # The token embedding runs inside the device program (transformers-neuronx's

@@ -74,7 +74,8 @@ def test_every_instruction_set_form_of_the_gguf_kernels_matches_numpy(form):
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYHLO_KERNEL_FLAGS=KERNEL_FORMS[form], PYTHONPATH=str(here.parent))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           str(here / "test_cpu_kernels_gguf.py"), "-k", "match_numpy and not instruction_set"],
+                           str(here / "test_cpu_kernels_gguf.py"),
+                           "-k", "match_numpy and not instruction_set"],
                           env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout

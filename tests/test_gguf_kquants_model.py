@@ -38,7 +38,7 @@ def kquant_file(tmp_path_factory):
         if name not in made:
             path = tmp_path_factory.mktemp(name) / f"tiny.{name}.gguf"
             kind = types or gguf.GGMLQuantizationType[BLOCK_FORMS[name].ggml_type]
-            made[name] = write_gguf(path, model, state, "llama", weights_type=kind)
+            made[name] = write_gguf(path, model, state, "llama", weights_type=kind, vocabulary=True)
         return made[name]
 
     return get
@@ -146,3 +146,34 @@ def test_the_converted_copy_keeps_each_tensor_once(kquant_file, tmp_path, monkey
         assert second.shape(name) == first.shape(name)
         assert second.block_form(name) == first.block_form(name)
         np.testing.assert_array_equal(second.get(name), first.get(name))
+
+
+def test_int8_activations_need_a_form_with_integer_kernels(kquant_file):
+    with pytest.raises(ValueError, match="other forms kept as stored run exact kernels"):
+        LlamaForSampling.from_pretrained(kquant_file("q4_k"), n_positions=128,
+                                         neuron_config=NeuronConfig(int8_activations=True))
+
+
+def test_a_q4_k_m_file_from_llama_cpps_quantizer_loads_and_answers(kquant_file, tmp_path):
+    """llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize, the .[llamacpp]
+    extra) makes a Q4_K_M file of the tiny f32 model: its K-quant weights run as stored and
+    answer the greedy tokens of the same file widened at load."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]'); it writes "
+        "the Q4_K_M file this test loads")
+    import ctypes
+
+    source = kquant_file("f32", lambda name: None)
+    target = tmp_path / "tiny.Q4_K_M.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    done = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
+    assert done == 0
+    kept, widened = build(target, None, None, batch_size=1), build(target, False, False, batch_size=1)
+    assert "q4_k" in dict(kept.lowering.gguf_blocks).values()
+    prompt = np.arange(5, 40)[None]
+    tokens, logits = kept.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[], output_scores=True)
+    expected, expected_logits = widened.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[],
+                                               output_scores=True)
+    assert relative_error(logits[0], expected_logits[0]) < 1e-5
+    np.testing.assert_array_equal(tokens, expected)
