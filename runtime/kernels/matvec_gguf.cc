@@ -19,6 +19,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PYHLO_GGUF_AVX2 1
+#elif defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -36,13 +38,15 @@ struct Layout {
 
 constexpr Layout kLayouts[] = {{32, 22}, {32, 24}, {256, 84}, {256, 110}, {256, 144},
                                {256, 176}, {256, 210}, {32, 18}, {256, 136}};
-constexpr int kMaxValues = 256;
 constexpr int kChunkAlign = 4;
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
   if (exponent == 0x1F) {
@@ -59,6 +63,7 @@ float half(const uint8_t* p) {
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
+#endif
 }
 
 // Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes.
@@ -77,16 +82,21 @@ void dequantize(Form form, const uint8_t* b, float* out) {
   switch (form) {
     case kQ5_0:
     case kQ5_1: {
+      // Integer values first, then floats: two simple loops that compilers vectorize.
       const bool with_min = form == kQ5_1;
       const float d = half(b), m = with_min ? half(b + 2) : 0.0f;
       uint32_t high;
       std::memcpy(&high, b + (with_min ? 4 : 2), sizeof(high));
       const uint8_t* qs = b + (with_min ? 8 : 6);
+      uint8_t q[32];
       for (int j = 0; j < 16; ++j) {
-        const int lo = (qs[j] & 0xF) | (((high >> j) & 1) << 4);
-        const int hi = (qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4);
-        out[j] = with_min ? d * float(lo) + m : d * float(lo - 16);
-        out[j + 16] = with_min ? d * float(hi) + m : d * float(hi - 16);
+        q[j] = uint8_t((qs[j] & 0xF) | (((high >> j) & 1) << 4));
+        q[j + 16] = uint8_t((qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4));
+      }
+      if (with_min) {
+        for (int j = 0; j < 32; ++j) out[j] = d * float(q[j]) + m;
+      } else {
+        for (int j = 0; j < 32; ++j) out[j] = d * float(int(q[j]) - 16);
       }
       break;
     }
@@ -94,11 +104,15 @@ void dequantize(Form form, const uint8_t* b, float* out) {
       const uint8_t* scales = b;
       const uint8_t* qs = b + 16;
       const float d = half(b + 80), dmin = half(b + 82);
-      for (int p = 0; p < 256; ++p) {
-        const int q = (qs[(p / 128) * 32 + p % 32] >> (2 * ((p % 128) / 32))) & 3;
-        const uint8_t s = scales[p / 16];
-        out[p] = d * float(s & 0xF) * float(q) - dmin * float(s >> 4);
-      }
+      // Value 128 r + 32 i + j: bits 2i of byte 32 r + j; sub-blocks of 16 values.
+      for (int r = 0; r < 2; ++r)
+        for (int i = 0; i < 4; ++i)
+          for (int half16 = 0; half16 < 2; ++half16) {
+            const uint8_t s = scales[r * 8 + i * 2 + half16];
+            const float scale = d * float(s & 0xF), low = dmin * float(s >> 4);
+            for (int j = half16 * 16; j < half16 * 16 + 16; ++j)
+              out[r * 128 + i * 32 + j] = scale * float((qs[r * 32 + j] >> (2 * i)) & 3) - low;
+          }
       break;
     }
     case kQ3_K: {
@@ -112,11 +126,15 @@ void dequantize(Form form, const uint8_t* b, float* out) {
         const int top = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
         scale[s] = d * float((low | (top << 4)) - 32);
       }
-      for (int p = 0; p < 256; ++p) {
-        const int low = (qs[(p / 128) * 32 + p % 32] >> (2 * ((p % 128) / 32))) & 3;
-        const int high = (mask[p % 32] >> (p / 32)) & 1;
-        out[p] = scale[p / 16] * float(low - (high ? 0 : 4));
-      }
+      // Value 128 r + 32 i + j: bits 2i of byte 32 r + j, high bit 4 r + i of mask byte j.
+      int8_t q[256];
+      for (int r = 0; r < 2; ++r)
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 32; ++j)
+            q[r * 128 + i * 32 + j] = int8_t(((qs[r * 32 + j] >> (2 * i)) & 3)
+                                             - ((((mask[j] >> (4 * r + i)) & 1) ^ 1) << 2));
+      for (int s = 0; s < 16; ++s)
+        for (int i = 0; i < 16; ++i) out[16 * s + i] = scale[s] * float(q[16 * s + i]);
       break;
     }
     case kQ4_K:
@@ -143,11 +161,20 @@ void dequantize(Form form, const uint8_t* b, float* out) {
       const uint8_t* qh = b + 128;
       const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
       const float d = half(b + 208);
-      for (int p = 0; p < 256; ++p) {
-        const int h = p / 128, r = p % 128;
-        const int low = r < 64 ? ql[h * 64 + r] & 0xF : ql[h * 64 + r - 64] >> 4;
-        const int top = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 3;
-        out[p] = d * float(scales[p / 16]) * float((low | (top << 4)) - 32);
+      // Each half h of 128 values: value 32 s + i takes a nibble of byte 64 h + 32 (s % 2) + i
+      // (low for s < 2) and bits 2 s of byte 32 h + i. Integer values first, then floats.
+      uint8_t q[256];
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 32; ++i) {
+          const uint8_t a = ql[64 * h + i], c = ql[64 * h + 32 + i], top = qh[32 * h + i];
+          q[128 * h + i] = uint8_t((a & 0xF) | ((top & 3) << 4));
+          q[128 * h + 32 + i] = uint8_t((c & 0xF) | (((top >> 2) & 3) << 4));
+          q[128 * h + 64 + i] = uint8_t((a >> 4) | (((top >> 4) & 3) << 4));
+          q[128 * h + 96 + i] = uint8_t((c >> 4) | (((top >> 6) & 3) << 4));
+        }
+      for (int s = 0; s < 16; ++s) {
+        const float scale = d * float(scales[s]);
+        for (int i = 0; i < 16; ++i) out[16 * s + i] = scale * float(int(q[16 * s + i]) - 32);
       }
       break;
     }
@@ -179,10 +206,10 @@ void dequantize(Form form, const uint8_t* b, float* out) {
 }
 
 // sum_i w[i] * x[i] over `n` values, n a multiple of 32.
-float dot(const float* w, const float* x, int n) {
+float dot(const float* w, const float* x, int64_t n) {
 #ifdef PYHLO_GGUF_AVX2
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int i = 0; i < n; i += 32)
+  for (int64_t i = 0; i < n; i += 32)
     for (int u = 0; u < 4; ++u)
       acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8 * u), _mm256_loadu_ps(x + i + 8 * u), acc[u]);
   __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
@@ -192,7 +219,7 @@ float dot(const float* w, const float* x, int n) {
   return _mm_cvtss_f32(s);
 #else
   float part[16] = {0};
-  for (int i = 0; i < n; i += 16)
+  for (int64_t i = 0; i < n; i += 16)
     for (int j = 0; j < 16; ++j) part[j] += w[i + j] * x[i + j];
   float sum = 0;
   for (int j = 0; j < 16; ++j) sum += part[j];
@@ -208,18 +235,16 @@ struct Problem {
   int64_t m, n, k;
 };
 
+// Each weight row is dequantized whole into a buffer (K floats: a few KB, in the caches), then
+// multiplied by every activation row: one sum per row, whatever the block size.
 void weight_rows(const Problem& p, int64_t begin, int64_t end) {
   const Layout layout = kLayouts[p.form];
   const int64_t blocks = p.k / layout.values;
-  alignas(32) float values[kMaxValues];
+  std::unique_ptr<float[]> values(new float[p.k]);
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = p.w + n * blocks * layout.bytes;
-    for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-      dequantize(p.form, row + b * layout.bytes, values);
-      for (int64_t m = 0; m < p.m; ++m)
-        p.y[m * p.n + n] += dot(values, p.x + m * p.k + b * layout.values, layout.values);
-    }
+    for (int64_t b = 0; b < blocks; ++b) dequantize(p.form, row + b * layout.bytes, values.get() + b * layout.values);
+    for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = dot(values.get(), p.x + m * p.k, p.k);
   }
 }
 
