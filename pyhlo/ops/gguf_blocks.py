@@ -13,6 +13,9 @@ writes them (ggml-common.h), and is unpacked here with shifts and masks:
     Q5_K  256 values, 176 bytes: as Q4_K with 32 bytes of high bits before the nibbles
     Q6_K  256 values, 210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 s8 scales
           (sub-blocks of 16), f16 d; w = d * scale * (q - 32)
+    Q8_0  32 values, 34 bytes: f16 d, 32 s8 values; w = d * q
+    Q4_0  32 values, 18 bytes: f16 d, 16 bytes of nibbles; w = d * (q - 8)
+    Q4_1  32 values, 20 bytes: f16 d, f16 m, nibbles; w = d * q + m
     IQ4_NL 32 values, 18 bytes: f16 d, 16 bytes of nibbles; w = d * KVALUES[q]
     IQ4_XS 256 values, 136 bytes: f16 d, 2 + 4 bytes of 6-bit scales, 128 bytes of nibbles
           (sub-blocks of 32, each as IQ4_NL's); w = d * (scale - 32) * KVALUES[q]
@@ -20,6 +23,10 @@ writes them (ggml-common.h), and is unpacked here with shifts and masks:
 Every product is taken in f32 in the order of the `gguf` package's numpy dequantization
 (`gguf.quants.dequantize`), and each is exact in f32 (an f16 times integers of at most 13
 bits), so the weights read here equal that package's bit for bit.
+
+A weight whose rows come in several forms (llama.cpp's Q4_K_M gives layers of one weight
+different types, and a fused q|k|v may join them) keeps each row in its own form, padded to
+the widest row, with the code of its form (ROW_CODES) in a last byte: dequantize_gguf_rows.
 """
 from __future__ import annotations
 
@@ -33,7 +40,10 @@ from pyhlo.shape_inference import HloShapeError
 # GGML type -> (values per block, bytes per block)
 LAYOUTS = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110),
            "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18),
-           "IQ4_XS": (256, 136)}
+           "IQ4_XS": (256, 136), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20)}
+# The code a row of mixed forms names its form by (its last byte), as the CPU kernels read it.
+ROW_CODES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q8_0", "Q4_0",
+             "Q4_1")
 # The 16 values an IQ4 nibble stands for (ggml-common.h: kvalues_iq4nl).
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -50,6 +60,30 @@ def dequantize_gguf(data: HloValue, ggml_type: str, dtype: str = "f32") -> HloVa
     n, blocks = data.dims[0], data.dims[1] // size
     weight = _UNPACK[ggml_type](reshape(data, (n, blocks, size)))
     return ew.convert(reshape(weight, (n, blocks * values)), dtype)
+
+
+def row_bytes(ggml_type: str, k: int) -> int:
+    """Bytes of a row of k values in `ggml_type`."""
+    values, size = LAYOUTS[ggml_type]
+    return k // values * size
+
+
+def dequantize_gguf_rows(data: HloValue, ggml_types: tuple[str, ...], k: int, dtype: str = "f32") -> HloValue:
+    """The weight [n, k] in `dtype` from rows each in one of `ggml_types`: u8 [n, widest row +
+    1], a row's blocks, zero padding, then its form's code (ROW_CODES). Each form's reading
+    of every row, kept where the row's code names it."""
+    width = max(row_bytes(t, k) for t in ggml_types)
+    if data.dtype != "u8" or len(data.dims) != 2 or data.dims[1] != width + 1:
+        raise HloShapeError(f"dequantize_gguf_rows: rows of {'/'.join(ggml_types)} of {k} values need u8 "
+                            f"[n, {width + 1}], got {data.dtype}{list(data.dims)}")
+    n = data.dims[0]
+    codes = broadcast(reshape(slice_along(data, 1, width, width + 1), (n,)), (n, k), [0])
+    weight = None
+    for ggml_type in ggml_types:
+        read = dequantize_gguf(slice_along(data, 1, 0, row_bytes(ggml_type, k)), ggml_type)
+        weight = read if weight is None else ew.select(
+            ew.compare(codes, ROW_CODES.index(ggml_type), "EQ"), read, weight)
+    return ew.convert(weight, dtype)
 
 
 def _bytes(blocks: HloValue, start: int, stop: int) -> HloValue:
@@ -232,5 +266,19 @@ def _iq4_xs(blocks: HloValue) -> HloValue:
     return ew.multiply(scale, _nonlinear(q))
 
 
-_UNPACK = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k,
+def _q8_0(blocks: HloValue) -> HloValue:
+    return _times(_f32(ew.bitcast_convert(_bytes(blocks, 2, 34), "s8")), _f16(blocks, 0))
+
+
+def _q4_0(blocks: HloValue) -> HloValue:
+    return _times(_f32(ew.subtract(ew.convert(_nibbles32(blocks, 2), "s8"), 8)), _f16(blocks, 0))
+
+
+def _q4_1(blocks: HloValue) -> HloValue:
+    scaled = _times(_f32(_nibbles32(blocks, 4)), _f16(blocks, 0))
+    return ew.add(scaled, broadcast(_f16(blocks, 2), scaled.dims, [0, 1]))
+
+
+_UNPACK = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k,
+           "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k,
            "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
