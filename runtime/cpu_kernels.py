@@ -38,13 +38,16 @@ MATVEC_BLOCK_X8_TARGETS = {form: f"pyhlo_matvec_{form}_x8" for form in ("q8_0", 
 MATVEC_GGUF_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}"
                        for ggml_type in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                                          "IQ4_NL", "IQ4_XS")}
+# A weight whose rows come in several GGUF forms, each row's form in its last byte.
+MATVEC_GGUF_ROWS_TARGET = "pyhlo_matvec_gguf_rows"
 # custom-call target -> the handler symbol the library exports
 TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            DECODE_ATTENTION_TARGET: "PyhloDecodeAttention",
            **{target: f"PyhloMatvec{form.capitalize()}" for form, target in MATVEC_BLOCK_TARGETS.items()},
            **{target: f"PyhloMatvec{form.capitalize()}X8"
               for form, target in MATVEC_BLOCK_X8_TARGETS.items()},
-           **{target: f"PyhloMatvec{ggml_type}" for ggml_type, target in MATVEC_GGUF_TARGETS.items()}}
+           **{target: f"PyhloMatvec{ggml_type}" for ggml_type, target in MATVEC_GGUF_TARGETS.items()},
+           MATVEC_GGUF_ROWS_TARGET: "PyhloMatvecGgufRows"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("matvec.cc", "matvec_gguf.cc", "decode_attention.cc")]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]

@@ -3,6 +3,11 @@
 // (Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; pyhlo/ops/gguf_blocks.py has the
 // layouts), u8 [N, K / values * bytes].
 //
+// pyhlo_matvec_gguf_rows: the same for a weight whose rows come in several forms (llama.cpp's
+// Q4_K_M gives the layers of one weight different types): u8 [N, widest row + 1], each row
+// its blocks, zero padding, and in its last byte the code of its form (the Form order below,
+// pyhlo/ops/gguf_blocks.py's ROW_CODES; Q8_0, Q4_0 and Q4_1 as their file bytes too).
+//
 // The exact form: each block is dequantized to f32 as the gguf package's numpy reading does
 // (the same products, each exact in f32), once for all activation rows, and multiplied by
 // them with f32 sums. Weight rows are split between the caller and XLA's thread pool.
@@ -29,7 +34,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Form { kQ5_0, kQ5_1, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS };
+enum Form { kQ5_0, kQ5_1, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS, kQ8_0, kQ4_0, kQ4_1, kForms };
 
 struct Layout {
   int values;
@@ -37,7 +42,7 @@ struct Layout {
 };
 
 constexpr Layout kLayouts[] = {{32, 22}, {32, 24}, {256, 84}, {256, 110}, {256, 144},
-                               {256, 176}, {256, 210}, {32, 18}, {256, 136}};
+                               {256, 176}, {256, 210}, {32, 18}, {256, 136}, {32, 34}, {32, 18}, {32, 20}};
 constexpr int kChunkAlign = 4;
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -178,6 +183,32 @@ void dequantize(Form form, const uint8_t* b, float* out) {
       }
       break;
     }
+    case kQ8_0: {
+      const float d = half(b);
+      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+      for (int j = 0; j < 32; ++j) out[j] = d * float(q[j]);
+      break;
+    }
+    case kQ4_0:
+    case kQ4_1: {
+      const bool with_min = form == kQ4_1;
+      const float d = half(b), m = with_min ? half(b + 2) : 0.0f;
+      const uint8_t* qs = b + (with_min ? 4 : 2);
+      if (with_min) {
+        for (int j = 0; j < 16; ++j) {
+          out[j] = d * float(qs[j] & 0xF) + m;
+          out[j + 16] = d * float(qs[j] >> 4) + m;
+        }
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          out[j] = d * float(int(qs[j] & 0xF) - 8);
+          out[j + 16] = d * float(int(qs[j] >> 4) - 8);
+        }
+      }
+      break;
+    }
+    case kForms:
+      break;
     case kIQ4_NL: {
       const float d = half(b);
       for (int j = 0; j < 16; ++j) {
@@ -233,17 +264,19 @@ struct Problem {
   const uint8_t* w;
   float* y;
   int64_t m, n, k;
+  int64_t stride = 0;    // rows of mixed forms: bytes a row, its form's code last; 0: one form
 };
 
 // Each weight row is dequantized whole into a buffer (K floats: a few KB, in the caches), then
 // multiplied by every activation row: one sum per row, whatever the block size.
 void weight_rows(const Problem& p, int64_t begin, int64_t end) {
-  const Layout layout = kLayouts[p.form];
-  const int64_t blocks = p.k / layout.values;
   std::unique_ptr<float[]> values(new float[p.k]);
   for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = p.w + n * blocks * layout.bytes;
-    for (int64_t b = 0; b < blocks; ++b) dequantize(p.form, row + b * layout.bytes, values.get() + b * layout.values);
+    const Form form = p.stride ? Form(p.w[n * p.stride + p.stride - 1]) : p.form;
+    const Layout layout = kLayouts[form];
+    const int64_t blocks = p.k / layout.values;
+    const uint8_t* row = p.w + n * (p.stride ? p.stride : blocks * layout.bytes);
+    for (int64_t b = 0; b < blocks; ++b) dequantize(form, row + b * layout.bytes, values.get() + b * layout.values);
     for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = dot(values.get(), p.x + m * p.k, p.k);
   }
 }
@@ -266,22 +299,7 @@ struct SharedWork {
   }
 };
 
-template <Form F>
-ffi::Error MatvecGguf(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
-  const Layout layout = kLayouts[F];
-  const auto x_dims = x.dimensions();
-  const auto w_dims = w.dimensions();
-  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 || x_dims.size() < 1 ||
-      w.element_type() != ffi::DataType::U8 || w_dims.size() != 2 || w_dims[1] % layout.bytes != 0 ||
-      x_dims[x_dims.size() - 1] != w_dims[1] / layout.bytes * layout.values)
-    return ffi::Error::InvalidArgument(
-        "pyhlo_matvec (GGUF blocks as stored): need f32 x[..., K] and u8 w[N, K / values * bytes] of whole blocks");
-  Problem p{F, static_cast<const float*>(x.untyped_data()), static_cast<const uint8_t*>(w.untyped_data()),
-            static_cast<float*>(y->untyped_data()), 0, w_dims[0], x_dims[x_dims.size() - 1]};
-  p.m = p.k == 0 ? 0 : static_cast<int64_t>(x.element_count()) / p.k;
-  if (y->element_count() != static_cast<size_t>(p.m * p.n))
-    return ffi::Error::InvalidArgument("pyhlo_matvec (GGUF blocks as stored): y must have x's rows and N columns");
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
   // PYHLO_MATVEC_THREADS (read once) caps the threads per product, for measurements.
   static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
   int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
@@ -303,6 +321,45 @@ ffi::Error MatvecGguf(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   return ffi::Error::Success();
 }
 
+// x, w and y checked and described; `form` kForms: rows of mixed forms.
+ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
+               ffi::Result<ffi::AnyBuffer>& y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 || x_dims.size() < 1 ||
+      w.element_type() != ffi::DataType::U8 || w_dims.size() != 2)
+    return ffi::Error::InvalidArgument("pyhlo_matvec (GGUF blocks as stored): need f32 x[..., K] and u8 w[N, bytes]");
+  Problem p{form, static_cast<const float*>(x.untyped_data()), static_cast<const uint8_t*>(w.untyped_data()),
+            static_cast<float*>(y->untyped_data()), 0, w_dims[0], x_dims[x_dims.size() - 1]};
+  p.m = p.k == 0 ? 0 : static_cast<int64_t>(x.element_count()) / p.k;
+  if (y->element_count() != static_cast<size_t>(p.m * p.n))
+    return ffi::Error::InvalidArgument("pyhlo_matvec (GGUF blocks as stored): y must have x's rows and N columns");
+  if (form != kForms) {
+    const Layout layout = kLayouts[form];
+    if (p.k % layout.values != 0 || w_dims[1] != p.k / layout.values * layout.bytes)
+      return ffi::Error::InvalidArgument(
+          "pyhlo_matvec (GGUF blocks as stored): need u8 w[N, K / values * bytes] of whole blocks");
+  } else {
+    // Every row's code names a form whose blocks fit the row.
+    p.stride = w_dims[1];
+    const uint8_t* w_bytes = static_cast<const uint8_t*>(w.untyped_data());
+    for (int64_t n = 0; n < p.n; ++n) {
+      const int code = w_bytes[n * p.stride + p.stride - 1];
+      if (code >= kForms || p.k % kLayouts[code].values != 0 ||
+          p.k / kLayouts[code].values * kLayouts[code].bytes > p.stride - 1)
+        return ffi::Error::InvalidArgument(
+            "pyhlo_matvec_gguf_rows: a row's last byte names no GGUF form whose blocks fit the row");
+    }
+  }
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  return Dispatch(pool, p);
+}
+
+template <Form F>
+ffi::Error MatvecGguf(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  return Run(pool, F, x, w, y);
+}
+
 }  // namespace
 
 #define PYHLO_GGUF_HANDLER(symbol, form)                                                        \
@@ -322,3 +379,4 @@ PYHLO_GGUF_HANDLER(PyhloMatvecQ5_K, kQ5_K);
 PYHLO_GGUF_HANDLER(PyhloMatvecQ6_K, kQ6_K);
 PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_NL, kIQ4_NL);
 PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_XS, kIQ4_XS);
+PYHLO_GGUF_HANDLER(PyhloMatvecGgufRows, kForms);
