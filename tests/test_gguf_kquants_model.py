@@ -1,8 +1,8 @@
 """GGUF weights kept in Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and IQ4_NL blocks (the forms of
 llama.cpp's Q4_K_M, Q5_K_M, Q6_K and IQ4_NL files) compute the same function as the same file
 widened to f32 at load: a tiny Llama whose rows are whole 256-value super-blocks, every matrix
-in one form, or in a mix of forms as llama.cpp's Q4_K_M writes them; the converted copy of
-such a file keeps each tensor once."""
+in one form, or in a mix of forms as llama.cpp's Q4_K_M writes them (rows of mixed forms); the
+converted copy of such a file keeps each tensor once."""
 from __future__ import annotations
 
 import logging
@@ -95,19 +95,28 @@ def q4_k_m_like(name: str):
     return kinds.Q5_0 if ".attn_" in name else kinds.Q4_K
 
 
-def test_a_q4_k_m_mix_keeps_what_is_one_form_and_widens_the_rest(kquant_file, caplog):
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.cpu_only), False],
+                         ids=["cpu_kernels", "xla_dot"])
+def test_a_q4_k_m_mix_keeps_every_weight_as_stored(kquant_file, kernels, caplog):
+    """Weights whose types differ between layers (the down projection Q6_K and Q4_K; the fused
+    q|k|v Q5_0 with a Q8_0 or Q5_0 v) keep each row in its own form: nothing is widened."""
     path = kquant_file("q4_k_m", q4_k_m_like)
     with caplog.at_level(logging.INFO, logger="pyhlo"):
-        kept = build(path, None, None, batch_size=1)
+        kept = build(path, None, kernels, batch_size=1)
     forms = dict(kept.lowering.gguf_blocks)
-    # The fused q|k|v holds Q5_0 and Q8_0 (attn_v), the down projection Q6_K and Q4_K: widened.
-    assert forms == {"attn.out.weight": "q5_0", "lm_head.weight": "q6_k", "mlp.gate_up.weight": "q4_k"}
-    # One line, each type once: what is kept, what is widened and why, and what it costs.
+    assert forms == {"attn.out.weight": "q5_0", "lm_head.weight": "q6_k", "mlp.gate_up.weight": "q4_k",
+                     "attn.qkv.weight": "rows:q5_0+q8_0", "mlp.down.weight": "rows:q4_k+q6_k"}
+    # One line, each type once, and the padding the rows of mixed forms cost.
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF linear weights")]
     for kind in ("Q4_K", "Q5_0", "Q6_K", "Q8_0"):
         assert line.count(kind) == 1, (kind, line)
-    assert "Q6_K x1 kept as stored and x1 widened to f32 (types differ between layers)" in line
-    assert "MB more than the file's blocks" in line
+    assert "widened" not in line and "MB of padding" in line
+    if kernels:                  # a decode step's products run on the kernel of mixed rows
+        from decoders.programs.keys import Block
+
+        module = kept.programs.build(Block(1, 128)).module
+        targets = {i.custom_call_target for c in module.computations for i in c.instructions}
+        assert "pyhlo_matvec_gguf_rows" in targets
 
     widened = build(path, False, False, batch_size=1)
     prompt = np.arange(5, 40)[None]
@@ -117,6 +126,19 @@ def test_a_q4_k_m_mix_keeps_what_is_one_form_and_widens_the_rest(kquant_file, ca
     for step in range(len(logits)):
         assert relative_error(logits[step], expected_logits[step]) < 1e-5, step
     np.testing.assert_array_equal(tokens, expected)
+
+
+def test_types_that_cannot_be_kept_are_widened_with_their_cost(kquant_file, caplog):
+    """A tensor of a type pyhlo does not keep (TQ2_0, ternary, among Q4_K ones) leaves its
+    weight widened to the amp type, and the line says so and what it costs."""
+    kinds = gguf.GGMLQuantizationType
+    path = kquant_file("q4_k_tq", lambda name: kinds.TQ2_0 if ".ffn_up." in name else kinds.Q4_K)
+    with caplog.at_level(logging.INFO, logger="pyhlo"):
+        kept = build(path, None, None, batch_size=1, amp="bf16")
+    assert "mlp.gate_up.weight" not in dict(kept.lowering.gguf_blocks)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF linear weights")]
+    assert "TQ2_0 x2 widened to bf16 (not kept as stored)" in line
+    assert "MB more than the file's blocks" in line
 
 
 def test_the_converted_copy_keeps_each_tensor_once(kquant_file, tmp_path, monkeypatch):

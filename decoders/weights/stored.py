@@ -20,6 +20,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from pyhlo.ops import quantized
+from pyhlo.ops.gguf_blocks import ROW_CODES, row_bytes
 
 # Values per block of the block forms below (each block has its own scale): the block the
 # programs dequantize.
@@ -63,6 +64,32 @@ BLOCK_FORMS = {
     "iq4_xs": BlockForm("u8", 0, "IQ4_XS", 136, False, 256, True),
 }
 
+# A weight whose rows come in several of the forms above (llama.cpp's Q4_K_M gives the layers
+# of one weight different types, and a fused q|k|v may join them): "rows:q4_k+q6_k", one u8
+# array [out, widest row + 1], each row in its own form as the file's bytes, zero padding,
+# and its form's code last (pyhlo/ops/gguf_blocks.py: ROW_CODES, dequantize_gguf_rows).
+ROWS = "rows:"
+ROWS_FORM = BlockForm("u8", 0, "", 0, False, BLOCK, True)
+
+
+def rows_form(forms) -> str:
+    """The form of a weight whose rows are in `forms`."""
+    return ROWS + "+".join(sorted(forms))
+
+
+def forms_of(quant: str) -> tuple[str, ...]:
+    """The forms of a weight's rows: one, or those a rows form names."""
+    return tuple(quant[len(ROWS):].split("+")) if quant.startswith(ROWS) else (quant,)
+
+
+def is_block_form(quant: str | None) -> bool:
+    return quant is not None and (quant in BLOCK_FORMS or quant.startswith(ROWS))
+
+
+def block_form(quant: str) -> BlockForm:
+    """The BLOCK_FORMS row of a form; for a rows form, one kept as (padded) file bytes."""
+    return ROWS_FORM if quant.startswith(ROWS) else BLOCK_FORMS[quant]
+
 
 class QuantizedWeight(NamedTuple):
     """A linear weight [out, in] as int8 values and f32 per-row scales."""
@@ -94,7 +121,9 @@ class Stored(Protocol):
 def stored_dims(param: Stored) -> tuple[int, ...]:
     """The dims of a parameter as stored: a GGUF block weight's values are [out, in / values
     per byte]; anything else, its logical shape."""
-    if param.quant in BLOCK_FORMS and not param.part_of:
+    if is_block_form(param.quant) and not param.part_of:
+        if param.quant.startswith(ROWS):
+            return (param.shape[0], rows_width(param.quant, param.shape[1]))
         form = BLOCK_FORMS[param.quant]
         if form.as_file:
             return (param.shape[0], param.shape[1] // form.block_values * form.block_bytes)
@@ -108,4 +137,33 @@ def stored_dtype(param: Stored) -> str | None:
         return None
     if param.quant == "s8":
         return "f32" if param.part_of else "s8"
-    return "f16" if param.part_of else BLOCK_FORMS[param.quant].values_dtype
+    return "f16" if param.part_of else block_form(param.quant).values_dtype
+
+
+def rows_width(quant: str, k: int) -> int:
+    """Bytes of a row of k values in a rows form: the widest of its forms', and the code."""
+    return max(row_bytes(BLOCK_FORMS[form].ggml_type, k) for form in forms_of(quant)) + 1
+
+
+def file_bytes(weight: BlockWeight) -> np.ndarray:
+    """A block weight's rows as the file stores them, u8 [out, row bytes]: the split forms'
+    blocks put back together (f16 scale, f16 minimum if any, values)."""
+    if BLOCK_FORMS[weight.form].as_file:
+        return weight.values
+    rows, blocks = weight.scales.shape
+    parts = [a.reshape(rows, blocks, -1).view(np.uint8) for a in (weight.scales, weight.mins, weight.values)
+             if a is not None]
+    return np.concatenate(parts, axis=2).reshape(rows, -1)
+
+
+def in_rows_form(weights: list[BlockWeight], quant: str, k: int) -> BlockWeight:
+    """Block weights of any forms of `quant` joined by rows into that rows form."""
+    width = rows_width(quant, k)
+    out = np.zeros((sum(w.values.shape[0] for w in weights), width), np.uint8)
+    at = 0
+    for weight in weights:
+        data = file_bytes(weight)
+        out[at:at + len(data), :data.shape[1]] = data
+        out[at:at + len(data), width - 1] = ROW_CODES.index(BLOCK_FORMS[weight.form].ggml_type)
+        at += len(data)
+    return BlockWeight(quant, out)
