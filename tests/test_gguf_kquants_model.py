@@ -199,3 +199,42 @@ def test_a_q4_k_m_file_from_llama_cpps_quantizer_loads_and_answers(kquant_file, 
                                                output_scores=True)
     assert relative_error(logits[0], expected_logits[0]) < 1e-5
     np.testing.assert_array_equal(tokens, expected)
+
+
+@pytest.mark.slow
+def test_smollm2_as_q4_k_m_keeps_its_blocks_and_answers_the_widened_tokens(smollm2_gguf, tmp_path):
+    """SmolLM2-135M (rows of 576 values: not whole super-blocks) made Q4_K_M by llama.cpp's
+    quantizer from its Q4_1 file: Q4_K, Q6_K, Q5_0 and Q8_0 tensors, types differing between
+    layers, all kept as stored. Greedy tokens of 2 prompts equal the widened file's, up to a
+    near-tie of its logits."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]'); it writes "
+        "the Q4_K_M file this test loads")
+    import ctypes
+
+    from test_gguf_blocks import first_divergence
+
+    target = tmp_path / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = True
+    source = str(smollm2_gguf).encode()
+    assert llama_cpp.llama_model_quantize(source, str(target).encode(), ctypes.byref(params)) == 0
+    models = [LlamaForSampling.from_pretrained(target, batch_size=2, n_positions=256,
+                                               context_length_estimate=[64],
+                                               neuron_config=NeuronConfig(gguf_blocks=kept))
+              for kept in (True, False)]
+    kept, widened = (m.to_neuron() for m in models)
+    forms = set(dict(kept.lowering.gguf_blocks).values())
+    assert any(f.startswith("rows:") or f == "q4_k" for f in forms) and "q6_k" in "".join(forms)
+    texts = ["The history of the printing press begins", "Photosynthesis is the process by which"]
+    prompt = np.array([(kept.tokenizer(text)["input_ids"] * 64)[:64] for text in texts])
+    tokens, _ = kept.sample(prompt, sequence_length=112, top_k=1, eos_token_id=[], output_scores=True)
+    expected, scores = widened.sample(prompt, sequence_length=112, top_k=1, eos_token_id=[],
+                                      output_scores=True)
+    for line in range(2):
+        step = first_divergence(np.asarray(tokens[line]), np.asarray(expected[line]))
+        if step is not None:
+            logits = np.asarray(scores[step - prompt.shape[1]][line])
+            gap = logits[expected[line][step]] - logits[tokens[line][step]]
+            assert 0 <= gap < 1e-3 * np.abs(logits).max(), (line, step, gap)
