@@ -95,3 +95,50 @@ def _iq4_nl(blocks: np.ndarray) -> np.ndarray:
     d_bytes, d = _f16(np.abs(blocks).max(axis=1) / 127)
     q = np.abs(blocks[:, :, None] / d[:, None, None] - table).argmin(axis=2).astype(np.uint8)
     return np.concatenate([d_bytes, q[:, :16] | (q[:, 16:] << 4)], axis=1)
+
+
+def rewrite(source, target, kind_of) -> None:
+    """The GGUF file `source` written again to `target` with its metadata and each tensor of
+    two or more dimensions quantized to kind_of(name, index of its layer or None) (None: as
+    it is stored)."""
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(target, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        layer = int(parts[1]) if parts[0] == "blk" else None
+        kind = kind_of(tensor.name, layer) if len(tensor.shape) > 1 else None
+        if kind is None:
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        writer.add_tensor(tensor.name, quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def q4_k_m_types(n_layers: int):
+    """The types llama.cpp's Q4_K_M gives a Llama's tensors (llama-quant.cpp), for a model whose
+    rows of `hidden` values are not whole super-blocks: the K-quant of a 576-wide row falls back
+    to Q5_0 (Q4_K) or Q8_0 (Q6_K). attn_v and ffn_down take Q6_K in the first and last eighth
+    of the layers and every third between."""
+
+    def more_bits(layer: int) -> bool:
+        return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+    def kind_of(name: str, layer: int | None) -> gguf.GGMLQuantizationType:
+        kinds = gguf.GGMLQuantizationType
+        more = layer is None or (".attn_v." in name or ".ffn_down." in name) and more_bits(layer)
+        if ".ffn_down." in name:                      # rows of the intermediate size: whole blocks
+            return kinds.Q6_K if more else kinds.Q4_K
+        return kinds.Q8_0 if more else kinds.Q5_0
+
+    return kind_of

@@ -238,3 +238,39 @@ def test_smollm2_as_q4_k_m_keeps_its_blocks_and_answers_the_widened_tokens(smoll
             logits = np.asarray(scores[step - prompt.shape[1]][line])
             gap = logits[expected[line][step]] - logits[tokens[line][step]]
             assert 0 <= gap < 1e-3 * np.abs(logits).max(), (line, step, gap)
+
+
+@pytest.mark.slow
+def test_smollm2_in_q4_k_m_types_keeps_them_as_stored_and_answers_the_widened_tokens(smollm2_gguf, tmp_path):
+    """SmolLM2-135M's file written again with the types llama.cpp's Q4_K_M gives it (Q5_0 x166,
+    Q4_K x16, Q6_K x14, Q8_0 x15; by this file's own quantizer, where llama.cpp is not at hand):
+    every weight kept as stored, the greedy tokens of 2 prompts equal the widened file's, up to
+    a near-tie of its logits."""
+    from collections import Counter
+
+    from gguf_kquants import q4_k_m_types, rewrite
+    from test_gguf_blocks import first_divergence
+
+    target = tmp_path / "SmolLM2-135M-Instruct.q4_k_m_types.gguf"
+    rewrite(smollm2_gguf, target, q4_k_m_types(30))
+    types = Counter(t.tensor_type.name for t in gguf.GGUFReader(target).tensors)
+    assert (types["Q5_0"], types["Q4_K"], types["Q6_K"], types["Q8_0"]) == (166, 16, 14, 15)
+    models = [LlamaForSampling.from_pretrained(target, batch_size=2, n_positions=256,
+                                               context_length_estimate=[64],
+                                               neuron_config=NeuronConfig(gguf_blocks=kept))
+              for kept in (None, False)]
+    kept, widened = (m.to_neuron() for m in models)
+    assert dict(kept.lowering.gguf_blocks) == {
+        "attn.qkv.weight": "rows:q5_0+q8_0", "attn.out.weight": "q5_0", "mlp.gate_up.weight": "q5_0",
+        "mlp.down.weight": "rows:q4_k+q6_k", "lm_head.weight": "q8_0"}
+    texts = ["The history of the printing press begins", "Photosynthesis is the process by which"]
+    prompt = np.array([(kept.tokenizer(text)["input_ids"] * 64)[:64] for text in texts])
+    tokens, _ = kept.sample(prompt, sequence_length=112, top_k=1, eos_token_id=[], output_scores=True)
+    expected, scores = widened.sample(prompt, sequence_length=112, top_k=1, eos_token_id=[],
+                                      output_scores=True)
+    for line in range(2):
+        step = first_divergence(np.asarray(tokens[line]), np.asarray(expected[line]))
+        if step is not None:
+            logits = np.asarray(scores[step - prompt.shape[1]][line])
+            gap = logits[expected[line][step]] - logits[tokens[line][step]]
+            assert 0 <= gap < 1e-3 * np.abs(logits).max(), (line, step, gap)
