@@ -93,6 +93,30 @@ void dequantize(Form form, const uint8_t* b, float* out) {
       uint32_t high;
       std::memcpy(&high, b + (with_min ? 4 : 2), sizeof(high));
       const uint8_t* qs = b + (with_min ? 8 : 6);
+#ifdef PYHLO_GGUF_AVX2
+      // 32 values in one vector of bytes: the nibbles (low, then high), and bit j of `high`
+      // spread to byte j (each byte of `high` copied to 8 lanes, one bit tested per lane).
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+      const __m128i nibble = _mm_set1_epi8(0x0F);
+      const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble),
+                                               _mm_and_si128(packed, nibble));
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(int(high)),
+          _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+      const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+      const __m256i is_set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+      const __m256i values = _mm256_or_si256(nibbles, _mm256_and_si256(is_set, _mm256_set1_epi8(0x10)));
+      const __m256 scale = _mm256_set1_ps(d), offset = _mm256_set1_ps(with_min ? m : 0.0f);
+      const __m256i centre = _mm256_set1_epi32(with_min ? 0 : 16);
+      alignas(32) uint8_t q[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), values);
+      for (int part = 0; part < 4; ++part) {
+        const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * part));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(eight), centre));
+        // d * q (+ m): the product is exact, so an FMA rounds as the multiply and add do.
+        _mm256_storeu_ps(out + 8 * part, _mm256_add_ps(_mm256_mul_ps(scale, v), offset));
+      }
+#else
       uint8_t q[32];
       for (int j = 0; j < 16; ++j) {
         q[j] = uint8_t((qs[j] & 0xF) | (((high >> j) & 1) << 4));
@@ -103,6 +127,7 @@ void dequantize(Form form, const uint8_t* b, float* out) {
       } else {
         for (int j = 0; j < 32; ++j) out[j] = d * float(int(q[j]) - 16);
       }
+#endif
       break;
     }
     case kQ2_K: {
