@@ -208,9 +208,10 @@ class NeuronConfig:
     group_query_attention: GQA | str | None = None
     # Weight quantization: a decoders.QuantizationConfig (int8 per-channel), or None.
     quant: Any = None
-    # GGUF weights stored Q8_0, Q4_0 or Q4_1 run in their blocks as stored (dequantized in the
-    # product). None: where they can (tp_degree 1, no `quant`); True: insist; False: widen
-    # them to the amp type at load.
+    # GGUF weights stored in a block form pyhlo keeps (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K to
+    # Q6_K, IQ4_NL, IQ4_XS: decoders/weights/stored.py) run in their blocks as stored
+    # (dequantized in the product). None: where they can (tp_degree 1, no `quant`); True:
+    # insist; False: widen them to the amp type at load.
     gguf_blocks: bool | None = None
     # KV caches quantized to int8 (NxD Inference's kv_cache_quant): each slot's key and value
     # of each KV head stored as head_dim int8 values and an f32 scale (max |x| / 127), about
@@ -219,6 +220,7 @@ class NeuronConfig:
     # Products of GGUF block weights on pyhlo's CPU kernels (decode steps, the LM head) round
     # the activations to int8 per 32 values (max |x| / 127, as llama.cpp does) and multiply
     # integers: faster, within the rounding of the exact product (off: activations stay f32).
+    # Q8_0, Q4_0 and Q4_1 only: the forms kept as the file's bytes (K-quants ...) stay exact.
     int8_activations: bool = False
     on_device_generation: GenerationConfig | None = None
     # The token embedding runs inside the device program (transformers-neuronx's

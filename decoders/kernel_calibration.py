@@ -6,12 +6,12 @@ is bound by streaming the weights: a decode step at a small batch size. How smal
 on the CPU (its bandwidth, its vector units, XLA's own code for it): constants measured on
 one host chose the slower path on another. So the choice is measured here, once per CPU
 model and kernel build: for each weight type ("f32", "bf16", "s8" per-row int8, "blocks"
-the GGUF Q4_1 form) and 1, 2, 4 and 8 activation rows, the kernel and XLA's dot each run a
-chain of products over weights of a decoder MLP's shape. Each timed run reads weights that
-are not in the caches: the chain is run over one of several copies of its weights, in
-turn, together more than twice the last-level cache (some hosts have hundreds of MB of it:
-one measured on a 480 MB cache timed the products in the cache, at twice the speed the
-same products had in a model that does not fit).
+the GGUF Q4_1 form, whose rows every GGUF block kernel takes) and 1, 2, 4 and 8 activation
+rows, the kernel and XLA's dot each run a chain of products over weights of a decoder MLP's
+shape. Each timed run reads weights that are not in the caches: the chain is run over one of
+several copies of its weights, in turn, together more than twice the last-level cache (some
+hosts have hundreds of MB of it: one measured on a 480 MB cache timed the products in the
+cache, at twice the speed the same products had in a model that does not fit).
 
 A type's kernel rows are a range, from the first count at which the kernel wins by more
 than 5% to the last one before it loses by more than 5% (none: XLA's dot always); a product

@@ -28,12 +28,31 @@ from decoders.config import QuantizationConfig
 from decoders.parallel import sharding
 from decoders.parallel.kv_sharding import KVSharding
 from decoders.weights.quantize import quantize_per_channel
-from decoders.weights.stored import BLOCK_FORMS, BlockWeight, QuantizedWeight, stored_dims, stored_dtype
+from decoders.weights.stored import (
+    BLOCK_FORMS,
+    ROWS,
+    BlockWeight,
+    QuantizedWeight,
+    block_form,
+    forms_of,
+    is_block_form,
+    stored_dims,
+    stored_dtype,
+)
 from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops.attention import decode_attention_kernel
 from pyhlo.ops.collectives import all_reduce_sum
-from pyhlo.ops.linalg import matmul, matmul_transposed, matvec_blocks_kernel, matvec_kernel
+from pyhlo.ops.gguf_blocks import dequantize_gguf, dequantize_gguf_rows
+from pyhlo.ops.linalg import (
+    BLOCK_KERNEL_FORMS,
+    matmul,
+    matmul_transposed,
+    matvec_blocks_kernel,
+    matvec_gguf_kernel,
+    matvec_gguf_rows_kernel,
+    matvec_kernel,
+)
 from pyhlo.ops.nn import expand_last
 from pyhlo.ops.quantized import dequantize_blocks
 from pyhlo.scribe import HloValue, check_precision
@@ -96,7 +115,7 @@ class XlaLowering:
 
     def param_dims(self, param: Param) -> tuple[int, ...]:
         """One device's part of the parameter, in the program's layout."""
-        if param.quant in BLOCK_FORMS:
+        if is_block_form(param.quant):
             return stored_dims(param)            # as the file stores them, on one device
         shape = sharding.local_shape(param, self.tp_degree, self.kv_sharding)
         if param.kind is Kind.LINEAR and self.weight_layout == "in_out":
@@ -121,7 +140,7 @@ class XlaLowering:
                 rank: int = 0) -> np.ndarray:
         """Replica `rank`'s part of a checkpoint array (or of what prepare() made of it) in the
         program's layout and element type."""
-        if param.quant in BLOCK_FORMS:
+        if is_block_form(param.quant):
             part = array.values
             if param.part_of:
                 part = array.mins if param.name.endswith(".min") else array.scales
@@ -149,7 +168,8 @@ class XlaLowering:
         its per-row `scale`; a GGUF block weight is widened with its block `scale` (and
         `mins`) to the amp type, [out, in] whatever the layout."""
         if param.name in self.block_forms:
-            widened = dequantize_blocks(weight, scale, mins, self.dtype)
+            form = self.block_forms[param.name]
+            widened = widened_blocks(form, weight, scale, mins, self.dtype, param.shape[1])
             accumulate = "f32" if self.dtype != "f32" else None
             product = matmul_transposed(ew.convert(x, self.dtype), widened, out_dtype=out_dtype or accumulate)
             return self._finish(product, param, bias, out_dtype or x.dtype)
@@ -203,11 +223,20 @@ class CpuKernelLowering(XlaLowering):
                out_dtype: str | None = None, scale: HloValue | None = None,
                mins: HloValue | None = None) -> HloValue:
         blocks = param.name in self.block_forms
+        if blocks and not all(form in BLOCK_KERNEL_FORMS for form in forms_of(self.block_forms[param.name])):
+            return super().linear(x, weight, param, bias, out_dtype, scale, mins)  # dequantized in HLO
         first, last = dict(self.kernel_rows).get("blocks" if blocks else weight.dtype, (0, 0))
         if 0 < first <= int(np.prod(x.dims[:-1])) <= last:
             rows = ew.convert(x, "f32")
-            product = (matvec_blocks_kernel(rows, weight, scale, mins, self.int8_activations) if blocks
-                       else matvec_kernel(rows, weight, scale))
+            form = block_form(self.block_forms[param.name]) if blocks else None
+            if blocks and self.block_forms[param.name].startswith(ROWS):
+                product = matvec_gguf_rows_kernel(rows, weight, ggml_types(self.block_forms[param.name]))
+            elif form is not None and form.as_file:   # the exact kernel (int8 activations: Q8_0, Q4_0, Q4_1)
+                product = matvec_gguf_kernel(rows, weight, form.ggml_type)
+            elif blocks:
+                product = matvec_blocks_kernel(rows, weight, scale, mins, self.int8_activations)
+            else:
+                product = matvec_kernel(rows, weight, scale)
             return self._finish(product, param, bias, out_dtype or x.dtype)
         return super().linear(x, weight, param, bias, out_dtype, scale, mins)
 
@@ -220,6 +249,21 @@ class CpuKernelLowering(XlaLowering):
         # every length; attention with a bias or soft-capping (which the kernel does not take)
         # keeps one per bucket.
         return [token_buckets[-1]] if plain_attention else list(token_buckets)
+
+
+def widened_blocks(form: str, weight: HloValue, scale: HloValue | None, mins: HloValue | None,
+                   dtype: str, k: int) -> HloValue:
+    """A GGUF block weight [out, k] dequantized in the program, in `dtype`."""
+    if form.startswith(ROWS):
+        return dequantize_gguf_rows(weight, ggml_types(form), k, dtype)
+    if BLOCK_FORMS[form].as_file:
+        return dequantize_gguf(weight, BLOCK_FORMS[form].ggml_type, dtype)
+    return dequantize_blocks(weight, scale, mins, dtype)
+
+
+def ggml_types(form: str) -> tuple[str, ...]:
+    """The GGML types of a rows form's rows."""
+    return tuple(BLOCK_FORMS[f].ggml_type for f in forms_of(form))
 
 
 def _scaled(product: HloValue, scale: HloValue) -> HloValue:

@@ -34,6 +34,7 @@ from decoders.session.generation import Generation, sampler_bound
 from decoders.session.inputs import check_sampling, parse_prompts, per_line
 from decoders.session.lines import run_sequences
 from decoders.session.session import Session
+from decoders.weights.stored import BLOCK_FORMS
 from pyhlo.dtypes import element_type_of_amp
 from runtime.atomic_directory import replaced_directory
 
@@ -144,10 +145,11 @@ class DecoderForSampling:
                              "over devices yet); use gguf_blocks=None to widen them at load under tensor "
                              "parallelism")
         forms = gguf_block_forms(self.checkpoint, self.decoder.layer.params(), self.decoder.head.params(),
-                                 self.decoder.n_layers)
+                                 self.decoder.n_layers, self.dtype)
         if wanted and not forms:
+            kept = ", ".join(form.ggml_type for form in BLOCK_FORMS.values())
             raise ValueError(f"NeuronConfig.gguf_blocks=True, but {self.checkpoint_path} stores no linear "
-                             "weight in Q8_0, Q4_0 or Q4_1 blocks")
+                             f"weight in a GGUF block form pyhlo runs as stored ({kept})")
         return tuple(sorted(forms.items()))
 
     def _n_positions_or_default(self, n_positions: int | list[int] | None) -> int | list[int]:

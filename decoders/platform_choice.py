@@ -14,6 +14,7 @@ from decoders.config import NeuronConfig
 from decoders.kernel_calibration import kernel_rows
 from decoders.lowering import CpuKernelLowering, XlaLowering
 from decoders.parallel.kv_sharding import KVSharding
+from decoders.weights.stored import block_form
 
 
 def preferred_weight_layout(dtype: str, batch_size: int) -> str:
@@ -51,10 +52,10 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
     the kernels: it saves the launch of one block program per layer, about 37 us each).
     """
     wanted = neuron_config.cpu_kernels
-    if neuron_config.int8_activations and not gguf_blocks:
+    if neuron_config.int8_activations and all(block_form(form).as_file for _, form in gguf_blocks):
         raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept in "
-                         "their blocks, and this model has none (a .gguf file with such tensors, "
-                         "tp_degree 1)")
+                         "their blocks (the other forms kept as stored run exact kernels), and this model "
+                         "has none (a .gguf file with such tensors, tp_degree 1)")
     if wanted is not False:
         reasons = _cpu_kernel_obstacles(neuron_config, backend, dtype)
         if reasons and wanted:

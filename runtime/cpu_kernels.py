@@ -3,6 +3,7 @@
     from runtime import cpu_kernels
     if cpu_kernels.register():          # builds once, then registers with XLA:CPU
         ...emit custom-calls "pyhlo_matvec", "pyhlo_matvec_s8", "pyhlo_matvec_q8_0" (_q4_0, _q4_1),
+        "pyhlo_matvec_q4_k" (_q5_k, _q6_k, _q5_0 ...: GGUF blocks as the file stores them),
         "pyhlo_decode_attention" in CPU programs...
 
 The sources live in runtime/kernels/. They are compiled with the machine's C++ compiler
@@ -33,14 +34,22 @@ DECODE_ATTENTION_TARGET = "pyhlo_decode_attention"
 MATVEC_BLOCK_TARGETS = {form: f"pyhlo_matvec_{form}" for form in ("q8_0", "q4_0", "q4_1")}
 # The same with the activations rounded to int8 per 32 values (NeuronConfig(int8_activations=True)).
 MATVEC_BLOCK_X8_TARGETS = {form: f"pyhlo_matvec_{form}_x8" for form in ("q8_0", "q4_0", "q4_1")}
+# GGUF blocks kept as the file's bytes (decoders/weights/stored.py): GGML type -> target
+MATVEC_GGUF_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}"
+                       for ggml_type in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                         "IQ4_NL", "IQ4_XS")}
+# A weight whose rows come in several GGUF forms, each row's form in its last byte.
+MATVEC_GGUF_ROWS_TARGET = "pyhlo_matvec_gguf_rows"
 # custom-call target -> the handler symbol the library exports
 TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            DECODE_ATTENTION_TARGET: "PyhloDecodeAttention",
            **{target: f"PyhloMatvec{form.capitalize()}" for form, target in MATVEC_BLOCK_TARGETS.items()},
            **{target: f"PyhloMatvec{form.capitalize()}X8"
-              for form, target in MATVEC_BLOCK_X8_TARGETS.items()}}
+              for form, target in MATVEC_BLOCK_X8_TARGETS.items()},
+           **{target: f"PyhloMatvec{ggml_type}" for ggml_type, target in MATVEC_GGUF_TARGETS.items()},
+           MATVEC_GGUF_ROWS_TARGET: "PyhloMatvecGgufRows"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
-            for name in ("matvec.cc", "decode_attention.cc")]
+            for name in ("matvec.cc", "matvec_gguf.cc", "decode_attention.cc")]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 

@@ -90,6 +90,8 @@ COST_RULES: dict[str, CostRule] = {
     cpu_kernels.MATVEC_S8_TARGET: matvec_cost,
     **{target: matvec_cost for target in cpu_kernels.MATVEC_BLOCK_TARGETS.values()},
     **{target: matvec_cost for target in cpu_kernels.MATVEC_BLOCK_X8_TARGETS.values()},
+    **{target: matvec_cost for target in cpu_kernels.MATVEC_GGUF_TARGETS.values()},
+    cpu_kernels.MATVEC_GGUF_ROWS_TARGET: matvec_cost,
     cpu_kernels.DECODE_ATTENTION_TARGET: decode_attention_cost,
 }
 

@@ -159,14 +159,16 @@ def write_gguf(path, hf, state: dict[str, np.ndarray], arch: str, expert_metadat
     permuted for its rotary kernel, experts stacked [n_expert, ...]; "qwen2" files as they are.
     `vocabulary`: with a toy SentencePiece vocabulary (<unk>, <s>, </s>, then t3, t4, ...),
     so that llama.cpp itself can load the file. `weights_type`: a GGMLQuantizationType every
-    matrix (not the norms and biases) is quantized to."""
+    matrix (not the norms and biases) is quantized to, or a function of the GGUF tensor name
+    giving one (None: as it is)."""
+    from gguf_kquants import quantize
 
     def add(name: str, array: np.ndarray) -> None:
-        if weights_type is None or array.ndim < 2:
+        kind = weights_type(name) if callable(weights_type) and array.ndim > 1 else weights_type
+        if kind is None or array.ndim < 2:
             writer.add_tensor(name, array)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), weights_type),
-                              raw_dtype=weights_type)
+            writer.add_tensor(name, quantize(array.astype(np.float32), kind), raw_dtype=kind)
 
     config = hf.config
     writer = gguf.GGUFWriter(path, arch)

@@ -17,6 +17,8 @@ def test_every_open_reads_the_converted_copy_with_the_files_tensors(smollm2_gguf
     assert isinstance(first, ConvertedGGUF) and isinstance(second, ConvertedGGUF)
     assert second.config == file.config
     assert sorted(second.names()) == sorted(file.names())
+    # Each tensor once: the Q4_1 weights as their blocks, not also widened to f32.
+    assert sum(f.stat().st_size for f in second.path.iterdir()) < 1.1 * smollm2_gguf.stat().st_size
     for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                  "model.layers.29.mlp.down_proj.weight", "model.norm.weight"]:
         np.testing.assert_array_equal(second.get(name), file.get(name))

@@ -79,9 +79,10 @@ def add_quant_argument(group) -> None:
     group.add_argument("--quant", choices=["s8"],
                        help="store the layers' linear weights quantized: s8 = int8 with one scale per output "
                             "row (transformers-neuronx's QuantizationConfig(quant_dtype='s8')); default: "
-                            "none (a GGUF file's Q8_0, Q4_0 and Q4_1 weights still run as stored)")
+                            "none (a GGUF file's quantized weights still run as stored: Q8_0, Q4_0, Q4_1, "
+                            "Q5_0, Q5_1, the K-quants, IQ4_NL, IQ4_XS)")
     group.add_argument("--widen-gguf", action="store_true",
-                       help="widen a GGUF file's Q8_0, Q4_0 and Q4_1 weights to the --amp type at load "
+                       help="widen a GGUF file's quantized weights to the --amp type at load "
                             "instead of running them in their blocks as stored")
     group.add_argument("--int8-activations", action="store_true",
                        help="a GGUF file's Q8_0 / Q4_0 / Q4_1 products on pyhlo's CPU kernels round the "

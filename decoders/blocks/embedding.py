@@ -22,6 +22,7 @@ from decoders.blocks.values import PieceValues
 from decoders.parallel import replica
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops import nn
+from pyhlo.ops.gguf_blocks import dequantize_gguf
 from pyhlo.ops.quantized import dequantize_blocks
 from pyhlo.ops.shape_ops import concatenate, dynamic_slice, iota, reshape, transpose
 from pyhlo.scribe import HloValue
@@ -72,11 +73,16 @@ class Embedding:
 
     def __call__(self, values: PieceValues, table: HloValue, ids: HloValue, positions: HloValue | None,
                  dtype: str, table_scales: HloValue | None = None,
-                 table_mins: HloValue | None = None) -> HloValue:
+                 table_mins: HloValue | None = None, table_ggml_type: str | None = None) -> HloValue:
         """Hidden states [b, n, hidden] (dtype) of token ids [b, n]; `table` is the token table
         [vocab, hidden], or the LM head [hidden, vocab] when it serves as the table, or the LM
-        head's GGUF block values with their `table_scales` (and `table_mins`)."""
-        if table_scales is None:
+        head's GGUF block values with their `table_scales` (and `table_mins`), or its rows of
+        GGUF blocks as the file stores them, of `table_ggml_type`."""
+        if table_ggml_type is not None:
+            b, n = ids.dims
+            rows = reshape(_rows(table, ids, table.dims[1]), (b * n, table.dims[1]))
+            hidden = reshape(dequantize_gguf(rows, table_ggml_type, dtype), (b, n, self.table_width))
+        elif table_scales is None:
             hidden = ew.convert(_rows(table, ids, self.table_width), dtype)
         else:
             hidden = _block_rows(ids, self.table_width, dtype, table, table_scales, table_mins)

@@ -18,7 +18,7 @@ import numpy as np
 
 from decoders.checkpoints.base import is_float_dtype
 from decoders.config import QuantizationConfig
-from decoders.weights.stored import BLOCK, BLOCK_FORMS, BlockWeight
+from decoders.weights.stored import BLOCK, BLOCK_FORMS, ROWS, BlockWeight, block_form, forms_of, in_rows_form
 
 
 class Shard(enum.Enum):
@@ -121,6 +121,9 @@ def declare_quantized(params: list[Param], config: QuantizationConfig | None,
     declared = []
     for param in params:
         form = (blocks or {}).get(param.name)
+        if form is not None and block_form(form).as_file:
+            declared.append(replace(param, quant=form))     # one array: the file's blocks
+            continue
         if form is not None:
             weight = replace(param, quant=form)
             width = param.shape[1] // BLOCK
@@ -198,11 +201,12 @@ def _read_blocks(param: Param, checkpoint, names: list[str]):
     """A GGUF block weight's parts concatenated along rows (a fused q|k|v is three tensors)."""
     parts = [checkpoint.blocks(name) for name in names]
     forms = {part.form for part in parts}
+    if param.quant.startswith(ROWS) and forms <= set(forms_of(param.quant)) and not param.source.transforms:
+        return in_rows_form(parts, param.quant, param.shape[1])
     if forms != {param.quant} or param.source.transforms:
         raise ValueError(f"{param.name}: {' + '.join(names)} are stored {sorted(forms)}, declared "
                          f"{param.quant!r}"
                          + (" with transforms" if param.source.transforms else ""))
-    joined = [np.concatenate(arrays, axis=0) if len(parts) > 1 else arrays[0]
-              for arrays in zip(*(part[1:3] for part in parts))]
-    mins = np.concatenate([p.mins for p in parts], axis=0) if BLOCK_FORMS[param.quant].has_mins else None
-    return BlockWeight(param.quant, *joined, mins)
+    joined = [None if arrays[0] is None else np.concatenate(arrays, axis=0) if len(parts) > 1 else arrays[0]
+              for arrays in zip(*(part[1:] for part in parts))]
+    return BlockWeight(param.quant, *joined)

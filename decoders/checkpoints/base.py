@@ -65,8 +65,8 @@ class Checkpoint:
         return None
 
     def block_form(self, name: str) -> str | None:
-        """The GGUF block form ("q8_0", "q4_0", "q4_1") a tensor is stored in and can be read
-        as by blocks(); None: it is read as a float array only."""
+        """The GGUF block form (a key of BLOCK_FORMS: "q8_0", "q4_k" ...) a tensor is stored in
+        and can be read as by blocks(); None: it is read as a float array only."""
         return None
 
     def blocks(self, name: str) -> BlockWeight:

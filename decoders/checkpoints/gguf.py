@@ -493,24 +493,28 @@ class GGUFCheckpoint(Checkpoint):
         return FORM_OF_TYPE.get(self.quant_type(name))
 
     def blocks(self, name: str) -> BlockWeight:
-        """A Q8_0, Q4_0 or Q4_1 tensor's blocks split into values, scales (and minimums), bit
-        for bit, rows in Hugging Face's order."""
+        """A tensor stored in a block form pyhlo runs as stored, bit for bit, rows in Hugging
+        Face's order: Q8_0, Q4_0, Q4_1 split into values, scales (and minimums); the other forms
+        as the file's bytes (BLOCK_FORMS)."""
         form = self.block_form(name)
         if form is None:
             raise CheckpointError(f"{self.path}: {name} is stored {self.quant_type(name)}, not in a block "
                                   f"form pyhlo runs as stored ({', '.join(FORM_OF_TYPE)})")
         tensor, rope_heads, expert = self._tensors[name]
         data = tensor.data if expert is None else tensor.data[expert]
-        rows, block_bytes = self.shape(name)[0], BLOCK_FORMS[form].block_bytes
-        blocks = np.asarray(data).reshape(rows, -1, block_bytes)
-        # Each block: an f16 scale, an f16 minimum where the form has one, then the values.
-        halves = 2 if BLOCK_FORMS[form].has_mins else 1
-        parts = [np.ascontiguousarray(blocks[:, :, 2 * i:2 * i + 2]).view(np.float16)[:, :, 0]
-                 for i in range(halves)]
-        values = np.ascontiguousarray(blocks[:, :, 2 * halves:]).reshape(rows, -1)
-        if form == "q8_0":
-            values = values.view(np.int8)
-        weight = BlockWeight(form, values, *parts)
+        rows, layout = self.shape(name)[0], BLOCK_FORMS[form]
+        if layout.as_file:
+            weight = BlockWeight(form, np.array(data).reshape(rows, -1))
+        else:
+            blocks = np.asarray(data).reshape(rows, -1, layout.block_bytes)
+            # Each block: an f16 scale, an f16 minimum where the form has one, then the values.
+            halves = 2 if layout.has_mins else 1
+            parts = [np.ascontiguousarray(blocks[:, :, 2 * i:2 * i + 2]).view(np.float16)[:, :, 0]
+                     for i in range(halves)]
+            values = np.ascontiguousarray(blocks[:, :, 2 * halves:]).reshape(rows, -1)
+            if form == "q8_0":
+                values = values.view(np.int8)
+            weight = BlockWeight(form, values, *parts)
         if rope_heads is not None:
             weight = BlockWeight(form, *(None if a is None
                                          else unpermute_rope_rows(a, self.config[rope_heads])

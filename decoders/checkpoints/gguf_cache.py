@@ -2,11 +2,13 @@
 
 Parsing a GGUF file and dequantizing its tensors takes seconds every time; the
 converted folder (config.json + model.safetensors, memory-mapped) opens in a
-fraction of that. Tensors stored in a block form pyhlo runs as stored (Q8_0, Q4_0,
-Q4_1) are also kept as their blocks (blocks.safetensors: NAME:values, NAME:scales,
-NAME:mins; the forms and every tensor's GGML type in its metadata). The folder is
-keyed by the file's path, size and modification time, written atomically, and
-skipped when PYHLO_GGUF_CACHE=0.
+fraction of that. Each tensor is kept once: one stored in a block form pyhlo runs as
+stored (decoders/weights/stored.py: BLOCK_FORMS) as its blocks only
+(blocks.safetensors: NAME:values, NAME:scales, NAME:mins; the forms, their shapes and
+every tensor's GGML type in its metadata), widened from them when a later open widens
+it; any other in model.safetensors, floats as stored and other quantized types in f32.
+The folder is keyed by the file's path, size and modification time, written
+atomically, and skipped when PYHLO_GGUF_CACHE=0.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from decoders.checkpoints.base import Checkpoint
 from decoders.checkpoints.gguf import GGUFCheckpoint, _cache_key, load_cached_tokenizer
 from decoders.checkpoints.hf import HFCheckpoint, _SafetensorsShard
 from decoders.checkpoints.streamed_safetensors import write_streamed
-from decoders.weights.stored import BLOCK_FORMS, BlockWeight
+from decoders.weights.quantize import dequantize_blocks
+from decoders.weights.stored import BlockWeight
 
 
 def converted_dir(path: pathlib.Path) -> pathlib.Path | None:
@@ -31,7 +34,7 @@ def converted_dir(path: pathlib.Path) -> pathlib.Path | None:
 
 
 # The converted folder's layout: a new one converts the file again.
-LAYOUT = "v2"
+LAYOUT = "v3"
 BLOCKS = "blocks.safetensors"
 
 
@@ -49,6 +52,26 @@ class ConvertedGGUF(HFCheckpoint):
         metadata = self._blocks.metadata()
         self._forms = json.loads(metadata.get("forms", "{}"))
         self._types = json.loads(metadata.get("types", "{}"))
+        shapes = json.loads(metadata.get("shapes", "{}"))
+        self._block_shapes = {name: tuple(shape) for name, shape in shapes.items()}
+
+    # Tensors kept as blocks are not in model.safetensors: their names, shapes and floats come
+    # from the blocks.
+    def names(self) -> list[str]:
+        return [*super().names(), *self._forms]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._forms or super().__contains__(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._forms:
+            return self._block_shapes[name]
+        return super().shape(name)
+
+    def _read(self, name: str):
+        if name in self._forms:
+            return dequantize_blocks(self.blocks(name))
+        return super()._read(name)
 
     def tokenizer(self):
         return load_cached_tokenizer(self.source) or self._gguf().tokenizer()
@@ -71,9 +94,9 @@ class ConvertedGGUF(HFCheckpoint):
         form = self.block_form(name)
         if form is None:
             return self._gguf().blocks(name)     # names the GGML type it has instead
-        parts = [self._blocks.read(f"{name}:{part}") for part in ("values", "scales")]
-        mins = self._blocks.read(f"{name}:mins") if BLOCK_FORMS[form].has_mins else None
-        return BlockWeight(form, *parts, mins)
+        stored = self._blocks.shapes()
+        return BlockWeight(form, *(self._blocks.read(f"{name}:{part}") if f"{name}:{part}" in stored
+                                   else None for part in ("values", "scales", "mins")))
 
     def close(self) -> None:
         super().close()
@@ -91,23 +114,25 @@ class ConvertedGGUF(HFCheckpoint):
 
 
 def convert(checkpoint: GGUFCheckpoint, target: pathlib.Path) -> None:
-    """Write checkpoint's tensors (f32) and config into `target`, atomically, one tensor in
-    memory at a time."""
+    """Write checkpoint's tensors (each once: as blocks, floats as stored, else f32) and config
+    into `target`, atomically, one tensor in memory at a time."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
+        forms = {name: checkpoint.block_form(name) for name in checkpoint.names()
+                 if checkpoint.block_form(name)}
+
         # Each tensor is read from the file's mapping, whose pages are dropped as it goes:
         # a pass over the whole file would otherwise leave all of it resident.
-        def widened():
+        def floats():
             from tqdm.auto import tqdm
 
-            for name in tqdm(checkpoint.names(), desc="converting", unit="tensor", disable=None):
+            for name in tqdm([n for n in checkpoint.names() if n not in forms], desc="converting",
+                             unit="tensor", disable=None):
                 yield name, checkpoint.get(name, keep_dtype=True)
                 checkpoint.release_pages()
 
-        write_streamed(staging / "model.safetensors", widened())
-        forms = {name: checkpoint.block_form(name) for name in checkpoint.names()
-                 if checkpoint.block_form(name)}
+        write_streamed(staging / "model.safetensors", floats())
 
         def blocks():
             for name in forms:
@@ -117,8 +142,9 @@ def convert(checkpoint: GGUFCheckpoint, target: pathlib.Path) -> None:
                 checkpoint.release_pages()
 
         types = {name: checkpoint.quant_type(name) for name in checkpoint.names()}
-        write_streamed(staging / BLOCKS, blocks(),
-                       metadata={"forms": json.dumps(forms), "types": json.dumps(types)})
+        shapes = {name: checkpoint.shape(name) for name in forms}
+        write_streamed(staging / BLOCKS, blocks(), metadata={
+            "forms": json.dumps(forms), "types": json.dumps(types), "shapes": json.dumps(shapes)})
         (staging / "config.json").write_text(json.dumps(checkpoint.config, indent=2))
         template = checkpoint.chat_template()
         if template:

@@ -28,6 +28,7 @@ from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
 from decoders.lowering import XlaLowering
 from decoders.parallel import replica, sharding
+from decoders.weights.stored import BLOCK_FORMS
 from pyhlo import Scribe, compile_py_func
 from pyhlo.ops import elementwise as ew
 from pyhlo.ops import sampling
@@ -183,7 +184,9 @@ class ProgramBuilder:
         table = self.decoder.token_table(self.one_table)
         # The LM head's GGUF blocks as the token table: its scales (and minimums) come along.
         parts = [p[f"{table}.{part}"] for part in ("scale", "min") if f"{table}.{part}" in p]
-        return embedding(values, p[table], p["token_ids"], p.get("positions"), self.dtype, *parts)
+        form = BLOCK_FORMS.get(self.lowering.block_forms.get(table, ""))
+        return embedding(values, p[table], p["token_ids"], p.get("positions"), self.dtype, *parts,
+                         table_ggml_type=form.ggml_type if form is not None and form.as_file else None)
 
     def _layer(self, p: dict[str, HloValue], n_tokens: int, n_attend: int,
                kind: int = 0) -> dict[str, HloValue]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from decoders.weights.stored import BLOCK, BlockWeight
+from decoders.weights.stored import BLOCK, BLOCK_FORMS, BlockWeight
 
 
 def quantize_per_channel(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -25,8 +25,14 @@ def dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def dequantize_blocks(weight: BlockWeight) -> np.ndarray:
-    """The f32 weight [out, in] a BlockWeight stands for (numpy; what the programs compute)."""
+    """The f32 weight [out, in] a BlockWeight stands for (numpy; what the programs compute).
+    A form kept as the file's bytes is read by the gguf package itself."""
     rows = weight.values.shape[0]
+    if BLOCK_FORMS[weight.form].as_file:
+        import gguf
+
+        kind = gguf.GGMLQuantizationType[BLOCK_FORMS[weight.form].ggml_type]
+        return gguf.quants.dequantize(weight.values, kind)
     scales = weight.scales.astype(np.float32)[:, :, None]
     if weight.form == "q8_0":
         values = weight.values.astype(np.float32).reshape(rows, -1, BLOCK)

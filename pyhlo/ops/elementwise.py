@@ -82,6 +82,26 @@ def power(a: Operand, b: Operand) -> HloValue:
     return _binary("Power", a, b)
 
 
+def bitwise_and(a: Operand, b: Operand) -> HloValue:
+    """a & b, integers (or preds)."""
+    return _binary("And", a, b)
+
+
+def bitwise_or(a: Operand, b: Operand) -> HloValue:
+    """a | b, integers (or preds)."""
+    return _binary("Or", a, b)
+
+
+def shift_left(a: Operand, b: Operand) -> HloValue:
+    """a << b, integers (b at least the bit width gives 0)."""
+    return _binary("ShiftLeft", a, b)
+
+
+def shift_right_logical(a: Operand, b: Operand) -> HloValue:
+    """a >> b filling with zeros, integers (b at least the bit width gives 0)."""
+    return _binary("ShiftRightLogical", a, b)
+
+
 def _unary(op: str, x: HloValue) -> HloValue:
     return getattr(x.shape, op)(x)
 

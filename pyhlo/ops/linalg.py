@@ -64,6 +64,12 @@ def matvec_kernel(x: HloValue, w: HloValue, scale: HloValue | None = None,
     return ffi_call(shape, [x, w], target or "pyhlo_matvec")
 
 
+# The GGUF block forms the kernels multiply by: split into arrays (matvec_blocks_kernel), or
+# as the file's bytes (matvec_gguf_kernel, by GGML type).
+BLOCK_KERNEL_FORMS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                      "iq4_nl", "iq4_xs")
+
+
 def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: HloValue | None = None,
                          int8_activations: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] kept in one of llama.cpp's
@@ -88,3 +94,42 @@ def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: 
     operands = [x, values, scales] + ([mins] if mins is not None else [])
     target = f"pyhlo_matvec_{form}" + ("_x8" if int8_activations else "")
     return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, target)
+
+
+# GGML types with a kernel of their own on the file's bytes (Q8_0, Q4_0, Q4_1: matvec_blocks_kernel).
+GGUF_KERNEL_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+
+
+def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str) -> HloValue:
+    """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] kept as a GGUF file stores
+    it: rows of whole blocks of `ggml_type`, u8 [n, k / values * bytes] (pyhlo.ops.gguf_blocks
+    has the layouts). Each block is dequantized to f32 as the gguf package reads it and the
+    sums are f32. The kernel must be registered with the backend (runtime.cpu_kernels.register())
+    before a program using it is compiled."""
+    from pyhlo.ops.gguf_blocks import LAYOUTS
+
+    values, size = LAYOUTS.get(ggml_type, (0, 0)) if ggml_type in GGUF_KERNEL_TYPES else (0, 0)
+    k = x.dims[-1] if x.dims else -1
+    if (not size or x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2
+            or data.dims[1] % size or data.dims[1] // size * values != k):
+        raise HloShapeError(f"matvec_gguf_kernel: {ggml_type} needs f32 x[..., k] and u8 "
+                            f"w[n, k / {values} * {size}]; got {x.dtype}{list(x.dims)} and "
+                            f"{data.dtype}{list(data.dims)}")
+    shape = x.scribe.f32[(*x.dims[:-1], data.dims[0])]
+    return ffi_call(shape, [x, data], f"pyhlo_matvec_{ggml_type.lower()}")
+
+
+def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...]) -> HloValue:
+    """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] in rows of mixed GGUF forms
+    (`ggml_types`): u8 [n, widest row + 1], each row its blocks, padding, its form's code last
+    (pyhlo.ops.gguf_blocks.dequantize_gguf_rows has the layout). The kernel checks each row's
+    code when it runs."""
+    from pyhlo.ops.gguf_blocks import row_bytes
+
+    k = x.dims[-1] if x.dims else -1
+    width = max(row_bytes(t, k) for t in ggml_types) + 1
+    if x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2 or data.dims[1] != width:
+        raise HloShapeError(f"matvec_gguf_rows_kernel: rows of {'/'.join(ggml_types)} need f32 x[..., k] "
+                            f"and u8 w[n, {width}]; got {x.dtype}{list(x.dims)} and "
+                            f"{data.dtype}{list(data.dims)}")
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], "pyhlo_matvec_gguf_rows")

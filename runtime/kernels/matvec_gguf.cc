@@ -1,0 +1,407 @@
+// pyhlo_matvec_<form>: y[m, n] = sum_k x[m, k] * w[n, k] for a few rows of activations, w kept
+// as a GGUF file stores it: each row of K values is whole blocks of one of llama.cpp's forms
+// (Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; pyhlo/ops/gguf_blocks.py has the
+// layouts), u8 [N, K / values * bytes].
+//
+// pyhlo_matvec_gguf_rows: the same for a weight whose rows come in several forms (llama.cpp's
+// Q4_K_M gives the layers of one weight different types): u8 [N, widest row + 1], each row
+// its blocks, zero padding, and in its last byte the code of its form (the Form order below,
+// pyhlo/ops/gguf_blocks.py's ROW_CODES; Q8_0, Q4_0 and Q4_1 as their file bytes too).
+//
+// The exact form: each block is dequantized to f32 as the gguf package's numpy reading does
+// (the same products, each exact in f32), once for all activation rows, and multiplied by
+// them with f32 sums. Weight rows are split between the caller and XLA's thread pool.
+//
+// Paths: AVX2 + FMA sums (8 floats a vector) where the CPU has them (AVX-512 hosts too);
+// elsewhere a portable form of 16 partial sums that compilers vectorize as they can. The
+// unpacking is plain C++ either way.
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <memory>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PYHLO_GGUF_AVX2 1
+#elif defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Form { kQ5_0, kQ5_1, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS, kQ8_0, kQ4_0, kQ4_1, kForms };
+
+struct Layout {
+  int values;
+  int bytes;
+};
+
+constexpr Layout kLayouts[] = {{32, 22}, {32, 24}, {256, 84}, {256, 110}, {256, 144},
+                               {256, 176}, {256, 210}, {32, 18}, {256, 136}, {32, 34}, {32, 18}, {32, 20}};
+constexpr int kChunkAlign = 4;
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exponent = 113;
+    while (!(mantissa & 0x400u)) { mantissa <<= 1; --exponent; }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+#endif
+}
+
+// Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes.
+void scale_min(int j, const uint8_t* q, int* scale, int* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One block of `form` at `b` as f32 values in `out`.
+void dequantize(Form form, const uint8_t* b, float* out) {
+  switch (form) {
+    case kQ5_0:
+    case kQ5_1: {
+      // Integer values first, then floats: two simple loops that compilers vectorize.
+      const bool with_min = form == kQ5_1;
+      const float d = half(b), m = with_min ? half(b + 2) : 0.0f;
+      uint32_t high;
+      std::memcpy(&high, b + (with_min ? 4 : 2), sizeof(high));
+      const uint8_t* qs = b + (with_min ? 8 : 6);
+#ifdef PYHLO_GGUF_AVX2
+      // 32 values in one vector of bytes: the nibbles (low, then high), and bit j of `high`
+      // spread to byte j (each byte of `high` copied to 8 lanes, one bit tested per lane).
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+      const __m128i nibble = _mm_set1_epi8(0x0F);
+      const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble),
+                                               _mm_and_si128(packed, nibble));
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(int(high)),
+          _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+      const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+      const __m256i is_set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+      const __m256i values = _mm256_or_si256(nibbles, _mm256_and_si256(is_set, _mm256_set1_epi8(0x10)));
+      const __m256 scale = _mm256_set1_ps(d), offset = _mm256_set1_ps(with_min ? m : 0.0f);
+      const __m256i centre = _mm256_set1_epi32(with_min ? 0 : 16);
+      alignas(32) uint8_t q[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), values);
+      for (int part = 0; part < 4; ++part) {
+        const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * part));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(eight), centre));
+        // d * q (+ m): the product is exact, so an FMA rounds as the multiply and add do.
+        _mm256_storeu_ps(out + 8 * part, _mm256_add_ps(_mm256_mul_ps(scale, v), offset));
+      }
+#else
+      uint8_t q[32];
+      for (int j = 0; j < 16; ++j) {
+        q[j] = uint8_t((qs[j] & 0xF) | (((high >> j) & 1) << 4));
+        q[j + 16] = uint8_t((qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4));
+      }
+      if (with_min) {
+        for (int j = 0; j < 32; ++j) out[j] = d * float(q[j]) + m;
+      } else {
+        for (int j = 0; j < 32; ++j) out[j] = d * float(int(q[j]) - 16);
+      }
+#endif
+      break;
+    }
+    case kQ2_K: {
+      const uint8_t* scales = b;
+      const uint8_t* qs = b + 16;
+      const float d = half(b + 80), dmin = half(b + 82);
+      // Value 128 r + 32 i + j: bits 2i of byte 32 r + j; sub-blocks of 16 values.
+      for (int r = 0; r < 2; ++r)
+        for (int i = 0; i < 4; ++i)
+          for (int half16 = 0; half16 < 2; ++half16) {
+            const uint8_t s = scales[r * 8 + i * 2 + half16];
+            const float scale = d * float(s & 0xF), low = dmin * float(s >> 4);
+            for (int j = half16 * 16; j < half16 * 16 + 16; ++j)
+              out[r * 128 + i * 32 + j] = scale * float((qs[r * 32 + j] >> (2 * i)) & 3) - low;
+          }
+      break;
+    }
+    case kQ3_K: {
+      const uint8_t* mask = b;
+      const uint8_t* qs = b + 32;
+      const uint8_t* packed = b + 96;
+      const float d = half(b + 108);
+      float scale[16];
+      for (int s = 0; s < 16; ++s) {
+        const int low = s < 8 ? packed[s] & 0xF : packed[s - 8] >> 4;
+        const int top = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
+        scale[s] = d * float((low | (top << 4)) - 32);
+      }
+      // Value 128 r + 32 i + j: bits 2i of byte 32 r + j, high bit 4 r + i of mask byte j.
+      int8_t q[256];
+      for (int r = 0; r < 2; ++r)
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 32; ++j)
+            q[r * 128 + i * 32 + j] = int8_t(((qs[r * 32 + j] >> (2 * i)) & 3)
+                                             - ((((mask[j] >> (4 * r + i)) & 1) ^ 1) << 2));
+      for (int s = 0; s < 16; ++s)
+        for (int i = 0; i < 16; ++i) out[16 * s + i] = scale[s] * float(q[16 * s + i]);
+      break;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const float d = half(b), dmin = half(b + 2);
+      const uint8_t* packed = b + 4;
+      const uint8_t* high = b + 16;                         // Q5_K
+      const uint8_t* qs = b + (form == kQ5_K ? 48 : 16);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        scale_min(j, packed, &sc, &mn);
+        const float scale = d * float(sc), low = dmin * float(mn);
+        for (int i = 0; i < 32; ++i) {
+          const uint8_t byte = qs[(j / 2) * 32 + i];
+          int q = j % 2 ? byte >> 4 : byte & 0xF;
+          if (form == kQ5_K) q |= ((high[i] >> j) & 1) << 4;
+          out[j * 32 + i] = scale * float(q) - low;
+        }
+      }
+      break;
+    }
+    case kQ6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half(b + 208);
+      // Each half h of 128 values: value 32 s + i takes a nibble of byte 64 h + 32 (s % 2) + i
+      // (low for s < 2) and bits 2 s of byte 32 h + i. Integer values first, then floats.
+      uint8_t q[256];
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 32; ++i) {
+          const uint8_t a = ql[64 * h + i], c = ql[64 * h + 32 + i], top = qh[32 * h + i];
+          q[128 * h + i] = uint8_t((a & 0xF) | ((top & 3) << 4));
+          q[128 * h + 32 + i] = uint8_t((c & 0xF) | (((top >> 2) & 3) << 4));
+          q[128 * h + 64 + i] = uint8_t((a >> 4) | (((top >> 4) & 3) << 4));
+          q[128 * h + 96 + i] = uint8_t((c >> 4) | (((top >> 6) & 3) << 4));
+        }
+      for (int s = 0; s < 16; ++s) {
+        const float scale = d * float(scales[s]);
+        for (int i = 0; i < 16; ++i) out[16 * s + i] = scale * float(int(q[16 * s + i]) - 32);
+      }
+      break;
+    }
+    case kQ8_0: {
+      const float d = half(b);
+      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+      for (int j = 0; j < 32; ++j) out[j] = d * float(q[j]);
+      break;
+    }
+    case kQ4_0:
+    case kQ4_1: {
+      const bool with_min = form == kQ4_1;
+      const float d = half(b), m = with_min ? half(b + 2) : 0.0f;
+      const uint8_t* qs = b + (with_min ? 4 : 2);
+      if (with_min) {
+        for (int j = 0; j < 16; ++j) {
+          out[j] = d * float(qs[j] & 0xF) + m;
+          out[j + 16] = d * float(qs[j] >> 4) + m;
+        }
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          out[j] = d * float(int(qs[j] & 0xF) - 8);
+          out[j + 16] = d * float(int(qs[j] >> 4) - 8);
+        }
+      }
+      break;
+    }
+    case kForms:
+      break;
+    case kIQ4_NL: {
+      const float d = half(b);
+      for (int j = 0; j < 16; ++j) {
+        out[j] = d * float(kIQ4Values[b[2 + j] & 0xF]);
+        out[j + 16] = d * float(kIQ4Values[b[2 + j] >> 4]);
+      }
+      break;
+    }
+    case kIQ4_XS: {
+      const float d = half(b);
+      uint16_t top;
+      std::memcpy(&top, b + 2, sizeof(top));
+      const uint8_t* low = b + 4;
+      const uint8_t* qs = b + 8;
+      for (int j = 0; j < 8; ++j) {
+        const int ls = ((low[j / 2] >> (4 * (j % 2))) & 0xF) | (((top >> (2 * j)) & 3) << 4);
+        const float scale = d * float(ls - 32);
+        for (int i = 0; i < 16; ++i) {
+          out[j * 32 + i] = scale * float(kIQ4Values[qs[j * 16 + i] & 0xF]);
+          out[j * 32 + 16 + i] = scale * float(kIQ4Values[qs[j * 16 + i] >> 4]);
+        }
+      }
+      break;
+    }
+  }
+}
+
+// sum_i w[i] * x[i] over `n` values, n a multiple of 32.
+float dot(const float* w, const float* x, int64_t n) {
+#ifdef PYHLO_GGUF_AVX2
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t i = 0; i < n; i += 32)
+    for (int u = 0; u < 4; ++u)
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8 * u), _mm256_loadu_ps(x + i + 8 * u), acc[u]);
+  __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+#else
+  float part[16] = {0};
+  for (int64_t i = 0; i < n; i += 16)
+    for (int j = 0; j < 16; ++j) part[j] += w[i + j] * x[i + j];
+  float sum = 0;
+  for (int j = 0; j < 16; ++j) sum += part[j];
+  return sum;
+#endif
+}
+
+struct Problem {
+  Form form;
+  const float* x;
+  const uint8_t* w;
+  float* y;
+  int64_t m, n, k;
+  int64_t stride = 0;    // rows of mixed forms: bytes a row, its form's code last; 0: one form
+};
+
+// Each weight row is dequantized whole into a buffer (K floats: a few KB, in the caches), then
+// multiplied by every activation row: one sum per row, whatever the block size.
+void weight_rows(const Problem& p, int64_t begin, int64_t end) {
+  std::unique_ptr<float[]> values(new float[p.k]);
+  for (int64_t n = begin; n < end; ++n) {
+    const Form form = p.stride ? Form(p.w[n * p.stride + p.stride - 1]) : p.form;
+    const Layout layout = kLayouts[form];
+    const int64_t blocks = p.k / layout.values;
+    const uint8_t* row = p.w + n * (p.stride ? p.stride : blocks * layout.bytes);
+    for (int64_t b = 0; b < blocks; ++b) dequantize(form, row + b * layout.bytes, values.get() + b * layout.values);
+    for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = dot(values.get(), p.x + m * p.k, p.k);
+  }
+}
+
+// Chunks of weight rows handed out by an atomic counter: whoever is free takes the next one.
+struct SharedWork {
+  Problem problem;
+  int64_t chunk_rows = 0;
+  int64_t n_chunks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void drain() {
+    for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
+      const int64_t begin = c * chunk_rows;
+      const int64_t end = begin + chunk_rows < problem.n ? begin + chunk_rows : problem.n;
+      weight_rows(problem, begin, end);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
+  // PYHLO_MATVEC_THREADS (read once) caps the threads per product, for measurements.
+  static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
+  int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
+  if (cap != 0) threads = cap > 0 ? cap : 1;
+  auto work = std::make_shared<SharedWork>();
+  work->problem = p;
+  int64_t chunk = (p.n + 4 * threads - 1) / (4 * threads);     // about four chunks per thread
+  chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+  work->chunk_rows = chunk;
+  work->n_chunks = (p.n + chunk - 1) / chunk;
+  const int64_t helpers = threads - 1 < work->n_chunks - 1 ? threads - 1 : work->n_chunks - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->n_chunks) {
+#ifdef PYHLO_GGUF_AVX2
+    _mm_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+// x, w and y checked and described; `form` kForms: rows of mixed forms.
+ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
+               ffi::Result<ffi::AnyBuffer>& y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 || x_dims.size() < 1 ||
+      w.element_type() != ffi::DataType::U8 || w_dims.size() != 2)
+    return ffi::Error::InvalidArgument("pyhlo_matvec (GGUF blocks as stored): need f32 x[..., K] and u8 w[N, bytes]");
+  Problem p{form, static_cast<const float*>(x.untyped_data()), static_cast<const uint8_t*>(w.untyped_data()),
+            static_cast<float*>(y->untyped_data()), 0, w_dims[0], x_dims[x_dims.size() - 1]};
+  p.m = p.k == 0 ? 0 : static_cast<int64_t>(x.element_count()) / p.k;
+  if (y->element_count() != static_cast<size_t>(p.m * p.n))
+    return ffi::Error::InvalidArgument("pyhlo_matvec (GGUF blocks as stored): y must have x's rows and N columns");
+  if (form != kForms) {
+    const Layout layout = kLayouts[form];
+    if (p.k % layout.values != 0 || w_dims[1] != p.k / layout.values * layout.bytes)
+      return ffi::Error::InvalidArgument(
+          "pyhlo_matvec (GGUF blocks as stored): need u8 w[N, K / values * bytes] of whole blocks");
+  } else {
+    // Every row's code names a form whose blocks fit the row.
+    p.stride = w_dims[1];
+    const uint8_t* w_bytes = static_cast<const uint8_t*>(w.untyped_data());
+    for (int64_t n = 0; n < p.n; ++n) {
+      const int code = w_bytes[n * p.stride + p.stride - 1];
+      if (code >= kForms || p.k % kLayouts[code].values != 0 ||
+          p.k / kLayouts[code].values * kLayouts[code].bytes > p.stride - 1)
+        return ffi::Error::InvalidArgument(
+            "pyhlo_matvec_gguf_rows: a row's last byte names no GGUF form whose blocks fit the row");
+    }
+  }
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  return Dispatch(pool, p);
+}
+
+template <Form F>
+ffi::Error MatvecGguf(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  return Run(pool, F, x, w, y);
+}
+
+}  // namespace
+
+#define PYHLO_GGUF_HANDLER(symbol, form)                                                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, MatvecGguf<form>,                                        \
+                                ffi::Ffi::Bind()                                                 \
+                                    .Ctx<ffi::ThreadPool>()                                      \
+                                    .Arg<ffi::AnyBuffer>()                                       \
+                                    .Arg<ffi::AnyBuffer>()                                       \
+                                    .Ret<ffi::AnyBuffer>())
+
+PYHLO_GGUF_HANDLER(PyhloMatvecQ5_0, kQ5_0);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ5_1, kQ5_1);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ2_K, kQ2_K);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ3_K, kQ3_K);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ4_K, kQ4_K);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ5_K, kQ5_K);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ6_K, kQ6_K);
+PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_NL, kIQ4_NL);
+PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_XS, kIQ4_XS);
+PYHLO_GGUF_HANDLER(PyhloMatvecGgufRows, kForms);

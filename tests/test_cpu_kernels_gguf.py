@@ -1,0 +1,113 @@
+"""pyhlo's matrix-vector kernels on weights kept as a GGUF file stores them (Q5_0, Q5_1, the
+K-quants, IQ4_NL, IQ4_XS) equal numpy on the gguf package's dequantization of the same blocks,
+at 1-8 activation rows, in every instruction-set form the host builds."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hlo_run import run_fn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_gguf_kquant_blocks import gguf_dequantized, mixed_rows, random_gguf_blocks
+
+from pyhlo.ops import linalg
+from pyhlo.shape_inference import HloShapeError
+from runtime import cpu_kernels
+
+pytestmark = pytest.mark.cpu_only
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert cpu_kernels.register(), "the CPU kernels did not build"
+
+
+def run_kernel(x: np.ndarray, data: np.ndarray, ggml_type: str) -> np.ndarray:
+    def program(scribe):
+        return linalg.matvec_gguf_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                         scribe.u8[data.shape].Parameter(parameter_number=1), ggml_type)
+
+    (out,) = run_fn(program, x, data)
+    return out
+
+
+# n covers the thread chunks and their tails; rows 1-8 and a 2-d lead.
+@pytest.mark.parametrize("ggml_type", linalg.GGUF_KERNEL_TYPES)
+@settings(max_examples=6, deadline=None)
+@given(lead=st.sampled_from([(1,), (3,), (4,), (5,), (8,), (2, 3)]), n=st.integers(1, 40),
+       blocks=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_each_gguf_kernel_matches_numpy(ggml_type, lead, n, blocks, seed):
+    data = random_gguf_blocks(ggml_type, n, blocks, seed)
+    w = gguf_dequantized(ggml_type, data).astype(np.float64)
+    x = np.random.default_rng(seed + 1).standard_normal((*lead, w.shape[1])).astype(np.float32)
+    out = run_kernel(x, data, ggml_type)
+    expected = x.astype(np.float64) @ w.T
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).T         # the size of the sum's terms
+    assert out.shape == (*lead, n) and out.dtype == np.float32
+    assert (np.abs(out - expected) <= 1e-5 * bound + 1e-30).all()
+
+
+@settings(max_examples=15, deadline=None)
+@given(types=st.lists(st.sampled_from(["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_0", "Q4_1", "Q5_1"]), min_size=1,
+                      max_size=9),
+       lead=st.sampled_from([(1,), (3,), (8,)]), seed=st.integers(0, 2**32 - 1))
+def test_the_kernel_of_rows_of_mixed_forms_matches_numpy(types, lead, seed):
+    forms = tuple(sorted(set(types)))
+    data, w = mixed_rows(types, forms, 512, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((*lead, 512)).astype(np.float32)
+
+    def program(scribe):
+        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                              scribe.u8[data.shape].Parameter(parameter_number=1), forms)
+
+    (out,) = run_fn(program, x, data)
+    w = w.astype(np.float64)
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).T
+    assert out.shape == (*lead, len(types))
+    assert (np.abs(out - x.astype(np.float64) @ w.T) <= 1e-5 * bound + 1e-30).all()
+
+
+def test_a_row_naming_no_form_is_a_clear_error():
+    data, _ = mixed_rows(["Q4_K"], ("Q4_K",), 256, 0)
+    data[0, -1] = 200
+    x = np.ones((1, 256), np.float32)
+
+    def program(scribe):
+        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                              scribe.u8[data.shape].Parameter(parameter_number=1), ("Q4_K",))
+
+    with pytest.raises(Exception, match="names no GGUF form"):
+        run_fn(program, x, data)
+
+
+def test_gguf_kernel_rejects_rows_of_partial_blocks():
+    from pyhlo import compile_py_func
+
+    def program(scribe):
+        return linalg.matvec_gguf_kernel(scribe.f32[1, 256].Parameter(parameter_number=0),
+                                         scribe.u8[4, 150].Parameter(parameter_number=1), "Q4_K")
+
+    with pytest.raises(HloShapeError, match="Q4_K needs f32"):
+        compile_py_func(program)
+
+
+KERNEL_FORMS = {"avx2": "-mno-avx512f", "portable": "-mno-avx2 -mno-avx512f"}
+
+
+@pytest.mark.parametrize("form", sorted(KERNEL_FORMS))
+def test_every_instruction_set_form_of_the_gguf_kernels_matches_numpy(form):
+    """The kernels built without AVX-512 and without AVX2 (the portable form) pass this file's
+    checks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYHLO_KERNEL_FLAGS=KERNEL_FORMS[form], PYTHONPATH=str(here.parent))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           str(here / "test_cpu_kernels_gguf.py"),
+                           "-k", "matches_numpy and not instruction_set"],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout

@@ -1,0 +1,276 @@
+"""GGUF weights kept in Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 and IQ4_NL blocks (the forms of
+llama.cpp's Q4_K_M, Q5_K_M, Q6_K and IQ4_NL files) compute the same function as the same file
+widened to f32 at load: a tiny Llama whose rows are whole 256-value super-blocks, every matrix
+in one form, or in a mix of forms as llama.cpp's Q4_K_M writes them (rows of mixed forms); the
+converted copy of such a file keeps each tensor once."""
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from test_families_mistral_qwen2_mixtral import write_gguf
+from test_llama_golden import relative_error
+from tiny_llama import as_reference
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from decoders import LlamaForSampling, NeuronConfig
+from decoders.weights.stored import BLOCK_FORMS
+
+FORMS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl")
+
+
+@pytest.fixture(scope="module")
+def kquant_file(tmp_path_factory):
+    """A tiny GQA Llama (hidden 256, intermediate 512, tied head) as a GGUF file, its matrices
+    in one form, or in the types a function of the tensor name gives."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)
+    model = as_reference(LlamaForCausalLM(config))
+    state = {name: tensor.float().numpy() for name, tensor in model.state_dict().items()}
+    made = {}
+
+    def get(name: str, types=None):
+        if name not in made:
+            path = tmp_path_factory.mktemp(name) / f"tiny.{name}.gguf"
+            kind = types or gguf.GGMLQuantizationType[BLOCK_FORMS[name].ggml_type]
+            made[name] = write_gguf(path, model, state, "llama", weights_type=kind, vocabulary=True)
+        return made[name]
+
+    return get
+
+
+def build(path, gguf_blocks, kernels, batch_size=2, amp="f32"):
+    return LlamaForSampling.from_pretrained(
+        path, batch_size=batch_size, n_positions=128, amp=amp, context_length_estimate=[16, 64],
+        neuron_config=NeuronConfig(gguf_blocks=gguf_blocks, cpu_kernels=kernels)).to_neuron()
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.cpu_only), False],
+                         ids=["cpu_kernels", "xla_dot"])
+@pytest.mark.parametrize("form", FORMS)
+def test_kquant_blocks_compute_what_the_weights_widened_at_load_compute(kquant_file, form, kernels):
+    path = kquant_file(form)
+    kept, widened = build(path, True, kernels), build(path, False, False)
+    forms = dict(kept.lowering.gguf_blocks)
+    assert set(forms.values()) == {form} and "lm_head.weight" in forms and "mlp.down.weight" in forms
+    # On the device the layers' weights are the file's bytes: block_bytes per block of values.
+    layout = BLOCK_FORMS[form]
+    kept_bytes, f32_bytes = (sum(v.nbytes for layer in m.session.layers for k, v in layer.items()
+                                 if "norm" not in k)
+                             for m in (kept, widened))
+    assert kept_bytes * 4 * layout.block_values == f32_bytes * layout.block_bytes
+    if kernels:                  # a decode step's products run on the form's own kernel
+        from decoders.programs.keys import Block
+
+        module = kept.programs.build(Block(1, 128)).module
+        targets = {i.custom_call_target for c in module.computations for i in c.instructions}
+        assert f"pyhlo_matvec_{form}" in targets
+
+    prompts = [np.arange(3, 40) % 300 + 3, np.arange(90, 101)]
+    tokens, logits = kept.sample(prompts, sequence_length=100, top_k=1, eos_token_id=[], output_scores=True)
+    expected, expected_logits = widened.sample(prompts, sequence_length=100, top_k=1, eos_token_id=[],
+                                               output_scores=True)
+    for step in range(len(logits)):
+        assert relative_error(logits[step], expected_logits[step]) < 1e-5, step
+    np.testing.assert_array_equal(tokens, expected)
+
+
+def q4_k_m_like(name: str):
+    """Types as llama.cpp's Q4_K_M mixes them for a model whose rows are not all whole
+    super-blocks: ffn_down Q6_K in some layers and Q4_K in others, attn_v Q8_0 or Q5_0, the
+    other attention weights Q5_0, the token table and the head Q6_K."""
+    kinds = gguf.GGMLQuantizationType
+    if name.startswith(("token_embd", "output")):
+        return kinds.Q6_K
+    layer = int(name.split(".")[1])
+    if ".ffn_down." in name:
+        return kinds.Q6_K if layer == 0 else kinds.Q4_K
+    if ".attn_v." in name:
+        return kinds.Q8_0 if layer == 0 else kinds.Q5_0
+    return kinds.Q5_0 if ".attn_" in name else kinds.Q4_K
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=pytest.mark.cpu_only), False],
+                         ids=["cpu_kernels", "xla_dot"])
+def test_a_q4_k_m_mix_keeps_every_weight_as_stored(kquant_file, kernels, caplog):
+    """Weights whose types differ between layers (the down projection Q6_K and Q4_K; the fused
+    q|k|v Q5_0 with a Q8_0 or Q5_0 v) keep each row in its own form: nothing is widened."""
+    path = kquant_file("q4_k_m", q4_k_m_like)
+    with caplog.at_level(logging.INFO, logger="pyhlo"):
+        kept = build(path, None, kernels, batch_size=1)
+    forms = dict(kept.lowering.gguf_blocks)
+    assert forms == {"attn.out.weight": "q5_0", "lm_head.weight": "q6_k", "mlp.gate_up.weight": "q4_k",
+                     "attn.qkv.weight": "rows:q5_0+q8_0", "mlp.down.weight": "rows:q4_k+q6_k"}
+    # One line, each type once, and the padding the rows of mixed forms cost.
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF linear weights")]
+    for kind in ("Q4_K", "Q5_0", "Q6_K", "Q8_0"):
+        assert line.count(kind) == 1, (kind, line)
+    assert "widened" not in line and "MB of padding" in line
+    if kernels:                  # a decode step's products run on the kernel of mixed rows
+        from decoders.programs.keys import Block
+
+        module = kept.programs.build(Block(1, 128)).module
+        targets = {i.custom_call_target for c in module.computations for i in c.instructions}
+        assert "pyhlo_matvec_gguf_rows" in targets
+
+    widened = build(path, False, False, batch_size=1)
+    prompt = np.arange(5, 40)[None]
+    tokens, logits = kept.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[], output_scores=True)
+    expected, expected_logits = widened.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[],
+                                               output_scores=True)
+    for step in range(len(logits)):
+        assert relative_error(logits[step], expected_logits[step]) < 1e-5, step
+    np.testing.assert_array_equal(tokens, expected)
+
+
+def test_types_that_cannot_be_kept_are_widened_with_their_cost(kquant_file, caplog):
+    """A tensor of a type pyhlo does not keep (TQ2_0, ternary, among Q4_K ones) leaves its
+    weight widened to the amp type, and the line says so and what it costs."""
+    kinds = gguf.GGMLQuantizationType
+    path = kquant_file("q4_k_tq", lambda name: kinds.TQ2_0 if ".ffn_up." in name else kinds.Q4_K)
+    with caplog.at_level(logging.INFO, logger="pyhlo"):
+        kept = build(path, None, None, batch_size=1, amp="bf16")
+    assert "mlp.gate_up.weight" not in dict(kept.lowering.gguf_blocks)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF linear weights")]
+    assert "TQ2_0 x2 widened to bf16 (not kept as stored)" in line
+    assert "MB more than the file's blocks" in line
+
+
+def test_the_converted_copy_keeps_each_tensor_once(kquant_file, tmp_path, monkeypatch):
+    """Tensors in a form pyhlo keeps are stored as their blocks only, not also widened to f32;
+    a later open widens them from those when asked, equal to the file's own reading."""
+    from safetensors import safe_open
+
+    from decoders.checkpoints import open_checkpoint
+    from decoders.checkpoints.gguf import GGUFCheckpoint
+    from decoders.checkpoints.gguf_cache import BLOCKS, ConvertedGGUF, converted_dir
+
+    monkeypatch.setenv("PYHLO_GGUF_CACHE", str(tmp_path))
+    path = kquant_file("q4_k_m", q4_k_m_like)
+    first = open_checkpoint(path)
+    second = open_checkpoint(path)
+    assert isinstance(first, GGUFCheckpoint) and isinstance(second, ConvertedGGUF)
+    folder = converted_dir(path)
+    with safe_open(str(folder / "model.safetensors"), framework="numpy") as widened:
+        assert sorted(widened.keys()) == sorted(n for n in first.names() if first.block_form(n) is None)
+        assert all(first.quant_type(n) == "F32" for n in widened.keys())     # only the norms are left
+    with safe_open(str(folder / BLOCKS), framework="numpy") as blocks:
+        kept_bytes = sum(blocks.get_tensor(k).nbytes for k in blocks.keys())
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 1.2 * path.stat().st_size
+    assert kept_bytes < path.stat().st_size
+    assert sorted(second.names()) == sorted(first.names())
+    for name in first.names():
+        assert second.shape(name) == first.shape(name)
+        assert second.block_form(name) == first.block_form(name)
+        np.testing.assert_array_equal(second.get(name), first.get(name))
+
+
+def test_int8_activations_need_a_form_with_integer_kernels(kquant_file):
+    with pytest.raises(ValueError, match="other forms kept as stored run exact kernels"):
+        LlamaForSampling.from_pretrained(kquant_file("q4_k"), n_positions=128,
+                                         neuron_config=NeuronConfig(int8_activations=True))
+
+
+def test_a_q4_k_m_file_from_llama_cpps_quantizer_loads_and_answers(kquant_file, tmp_path):
+    """llama.cpp's own quantizer (llama-cpp-python's llama_model_quantize, the .[llamacpp]
+    extra) makes a Q4_K_M file of the tiny f32 model: its K-quant weights run as stored and
+    answer the greedy tokens of the same file widened at load."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]'); it writes "
+        "the Q4_K_M file this test loads")
+    import ctypes
+
+    source = kquant_file("f32", lambda name: None)
+    target = tmp_path / "tiny.Q4_K_M.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    done = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
+    assert done == 0
+    kept, widened = build(target, None, None, batch_size=1), build(target, False, False, batch_size=1)
+    assert "q4_k" in dict(kept.lowering.gguf_blocks).values()
+    prompt = np.arange(5, 40)[None]
+    tokens, logits = kept.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[], output_scores=True)
+    expected, expected_logits = widened.sample(prompt, sequence_length=60, top_k=1, eos_token_id=[],
+                                               output_scores=True)
+    assert relative_error(logits[0], expected_logits[0]) < 1e-5
+    np.testing.assert_array_equal(tokens, expected)
+
+
+@pytest.mark.slow
+def test_smollm2_as_q4_k_m_keeps_its_blocks_and_answers_the_widened_tokens(smollm2_gguf, tmp_path):
+    """SmolLM2-135M (rows of 576 values: not whole super-blocks) made Q4_K_M by llama.cpp's
+    quantizer from its Q4_1 file: Q4_K, Q6_K, Q5_0 and Q8_0 tensors, types differing between
+    layers, all kept as stored. Greedy tokens of 2 prompts equal the widened file's, up to a
+    near-tie of its logits."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llamacpp]'); it writes "
+        "the Q4_K_M file this test loads")
+    import ctypes
+
+    from test_gguf_blocks import first_divergence
+
+    target = tmp_path / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = True
+    source = str(smollm2_gguf).encode()
+    assert llama_cpp.llama_model_quantize(source, str(target).encode(), ctypes.byref(params)) == 0
+    models = [LlamaForSampling.from_pretrained(target, batch_size=2, n_positions=256,
+                                               context_length_estimate=[64],
+                                               neuron_config=NeuronConfig(gguf_blocks=kept))
+              for kept in (True, False)]
+    kept, widened = (m.to_neuron() for m in models)
+    forms = set(dict(kept.lowering.gguf_blocks).values())
+    assert any(f.startswith("rows:") or f == "q4_k" for f in forms) and "q6_k" in "".join(forms)
+    texts = ["The history of the printing press begins", "Photosynthesis is the process by which"]
+    prompt = np.array([(kept.tokenizer(text)["input_ids"] * 64)[:64] for text in texts])
+    tokens, _ = kept.sample(prompt, sequence_length=112, top_k=1, eos_token_id=[], output_scores=True)
+    expected, scores = widened.sample(prompt, sequence_length=112, top_k=1, eos_token_id=[],
+                                      output_scores=True)
+    for line in range(2):
+        step = first_divergence(np.asarray(tokens[line]), np.asarray(expected[line]))
+        if step is not None:
+            logits = np.asarray(scores[step - prompt.shape[1]][line])
+            gap = logits[expected[line][step]] - logits[tokens[line][step]]
+            assert 0 <= gap < 1e-3 * np.abs(logits).max(), (line, step, gap)
+
+
+@pytest.mark.slow
+def test_smollm2_in_q4_k_m_types_keeps_them_as_stored_and_answers_the_widened_tokens(smollm2_gguf, tmp_path):
+    """SmolLM2-135M's file written again with the types llama.cpp's Q4_K_M gives it (Q5_0 x166,
+    Q4_K x16, Q6_K x14, Q8_0 x15; by this file's own quantizer, where llama.cpp is not at hand):
+    every weight kept as stored, the greedy tokens of 2 prompts equal the widened file's, up to
+    a near-tie of its logits."""
+    from collections import Counter
+
+    from gguf_kquants import q4_k_m_types, rewrite
+    from test_gguf_blocks import first_divergence
+
+    target = tmp_path / "SmolLM2-135M-Instruct.q4_k_m_types.gguf"
+    rewrite(smollm2_gguf, target, q4_k_m_types(30))
+    types = Counter(t.tensor_type.name for t in gguf.GGUFReader(target).tensors)
+    assert (types["Q5_0"], types["Q4_K"], types["Q6_K"], types["Q8_0"]) == (166, 16, 14, 15)
+    models = [LlamaForSampling.from_pretrained(target, batch_size=2, n_positions=256,
+                                               context_length_estimate=[64],
+                                               neuron_config=NeuronConfig(gguf_blocks=kept))
+              for kept in (None, False)]
+    kept, widened = (m.to_neuron() for m in models)
+    assert dict(kept.lowering.gguf_blocks) == {
+        "attn.qkv.weight": "rows:q5_0+q8_0", "attn.out.weight": "q5_0", "mlp.gate_up.weight": "q5_0",
+        "mlp.down.weight": "rows:q4_k+q6_k", "lm_head.weight": "q8_0"}
+    texts = ["The history of the printing press begins", "Photosynthesis is the process by which"]
+    prompt = np.array([(kept.tokenizer(text)["input_ids"] * 64)[:64] for text in texts])
+    tokens, _ = kept.sample(prompt, sequence_length=112, top_k=1, eos_token_id=[], output_scores=True)
+    expected, scores = widened.sample(prompt, sequence_length=112, top_k=1, eos_token_id=[],
+                                      output_scores=True)
+    for line in range(2):
+        step = first_divergence(np.asarray(tokens[line]), np.asarray(expected[line]))
+        if step is not None:
+            logits = np.asarray(scores[step - prompt.shape[1]][line])
+            gap = logits[expected[line][step]] - logits[tokens[line][step]]
+            assert 0 <= gap < 1e-3 * np.abs(logits).max(), (line, step, gap)
