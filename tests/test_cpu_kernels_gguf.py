@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from child_env import python_path
 from hlo_run import run_fn
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -104,7 +105,7 @@ def test_every_instruction_set_form_of_the_gguf_kernels_matches_numpy(form):
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYHLO_KERNEL_FLAGS=KERNEL_FORMS[form], PYTHONPATH=str(here.parent))
+    env = dict(os.environ, PYHLO_KERNEL_FLAGS=KERNEL_FORMS[form], PYTHONPATH=python_path(here.parent))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                            str(here / "test_cpu_kernels_gguf.py"),
                            "-k", "matches_numpy and not instruction_set"],
