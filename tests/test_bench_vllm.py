@@ -70,6 +70,13 @@ def test_the_vllm_server_command_and_its_environment(no_vllm, monkeypatch):
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_peer.KV_CACHE_GIB)
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(min(__import__("os").sched_getaffinity(0)))
+    assert "LD_PRELOAD" not in env or "libiomp5" not in env["LD_PRELOAD"]
+    # Intel's OpenMP runtime, where the environment has it, is preloaded as vLLM's CPU guide asks.
+    (no_vllm / "lib").mkdir()
+    (no_vllm / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setenv("LD_PRELOAD", "libother.so")
+    _, env = vllm_peer.server_command(no_vllm / "hf", 8123, 8, 1024, "bfloat16", 1)
+    assert env["LD_PRELOAD"] == f"{no_vllm / 'lib' / 'libiomp5.so'}:libother.so"
     with pytest.raises(ValueError, match="use float32 or bfloat16"):
         vllm_peer.server_command(no_vllm / "hf", 8123, 8, 1024, "f32", 1)
 

@@ -83,7 +83,7 @@ def start(engine: str, model: Path, lines: int, context: int, threads: int,
                                cwd=Path(__file__).resolve().parents[2], env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base, process, timeout=600)
+        _wait_ready(base, process, timeout=vllm_peer.STARTUP_S if engine == "vllm" else 600)
     except RuntimeError:
         process.kill()
         raise

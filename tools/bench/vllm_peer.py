@@ -29,6 +29,9 @@ HOW_TO_INSTALL = "pyhlo bench --install-vllm (a virtual environment of its own, 
 # Written last by install(): a half-made environment is not taken for a working one.
 READY = "pyhlo-vllm-ready"
 KV_CACHE_GIB = 2
+# Its first start compiles the model with torch.compile (inductor): about 7 minutes on a busy
+# 2-core host, kept in vLLM's cache for the next.
+STARTUP_S = 1200
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # its `vllm` command looks for a package named vllm
 
 
@@ -197,7 +200,11 @@ def server_command(hf_dir: pathlib.Path, port: int, slots: int, context: int, dt
         raise RuntimeError(missing_reason())
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"vLLM's dtype {dtype!r}: use float32 or bfloat16")
+    env = server_env(threads)
+    openmp = python.parent.parent / "lib" / "libiomp5.so"
+    if openmp.is_file():                    # as vLLM's CPU guide asks, for its kernels' threads
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(openmp), env.get("LD_PRELOAD")]))
     command = [str(python), "-m", SERVER_MODULE, "--model", str(hf_dir), "--host", "127.0.0.1",
                "--port", str(port), "--max-num-seqs", str(slots), "--max-model-len", str(context),
                "--dtype", dtype, "--disable-uvicorn-access-log"]
-    return command, server_env(threads)
+    return command, env
