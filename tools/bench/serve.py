@@ -33,6 +33,9 @@ SERVERS = ("pyhlo", "llama-server", "llamacpp", "vllm")
 DEFAULT_SERVERS = "pyhlo,llama-server"             # and vllm, where it is installed
 GGUF_ONLY = ("llama-server", "llamacpp")
 SLOTS = 8
+SETUPS = {"pyhlo": f"pyhlo serve with {SLOTS} lines", "llama-server": f"llama-server with {SLOTS} slots",
+          "llamacpp": "llama-cpp-python's server (one request at a time)",
+          "vllm": f"vLLM (f32) with {SLOTS} sequences at most"}
 
 TOPICS = ["the sea", "a cat", "winter", "coffee", "the moon", "trains", "music", "bread", "rain", "a garden",
           "mountains", "a library", "fire", "the desert", "bees", "a clock", "rivers", "a lighthouse", "snow",
@@ -177,7 +180,7 @@ def table(rows: list[dict]) -> str:
     without it, llama-cpp-python's server) and to vLLM. Rows that name their weights get a column
     for them."""
     anchor = next((e for e in ("llama-server", "llamacpp") if any(r["engine"] == e for r in rows)), None)
-    anchors = [anchor or "llama.cpp"] + (["vllm"] if any(r["engine"] == "vllm" for r in rows) else [])
+    anchors = [e for e in (anchor, "vllm") if e and any(r["engine"] == e for r in rows)] or ["llama.cpp"]
     weights = any("weights" in r for r in rows)
     lines = ["| server | " + ("weights | " if weights else "") + "clients | requests | tokens | tok/s | "
              "TTFT p50 ms | TTFT p95 ms | " + "".join(f"pyhlo vs {a} tok/s | " for a in anchors).rstrip(),
@@ -210,9 +213,8 @@ def run(args: argparse.Namespace) -> int:
         row["weights"] = weights(row["engine"], model_path)
     info = machine_info()
     text = (f"Serving: {model_path.name}, {args.serve_requests} chat requests per level, "
-            f"max_tokens {args.new_tokens or 64}, greedy, streamed; pyhlo serve with {SLOTS} lines, "
-            f"llama-server with {SLOTS} slots" + (f", vLLM (f32) with {SLOTS} sequences at most"
-                                                  if "vllm" in engines else "") + "; "
+            f"max_tokens {args.new_tokens or 64}, greedy, streamed; "
+            + ", ".join(SETUPS[e] for e in engines if e in SETUPS) + "; "
             f"CPU {info.get('cpu')}, {args.threads} threads\n\n" + table(rows))
     for engine, why in unavailable.items():
         text += f"\n\n{engine} left out: {why}"
