@@ -136,6 +136,7 @@ def test_the_serving_table_names_each_servers_weights_and_the_ratio_to_vllm():
     assert text[2] == ("| pyhlo | SmolLM2-135M-Instruct.Q4_1.gguf as stored | 4 | 8 | 512 | 300.0 | 50 | "
                        "90 | 2.00x | 1.50x |")
     assert text[4].startswith("| vllm | SmolLM2-135M-Instruct.Q4_1.gguf dequantized, f32 safetensors | 4 |")
+    assert serve.weights("vllm", serve.Path("SmolLM2-135M-Instruct")) == "SmolLM2-135M-Instruct in f32"
     # Without llama.cpp's servers, vLLM is the only peer.
     text = serve.table([rows[0], rows[2]]).splitlines()
     assert text[0].endswith("| TTFT p95 ms | pyhlo vs vllm tok/s |") and text[2].endswith("| 1.50x |")

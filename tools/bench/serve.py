@@ -196,10 +196,11 @@ def table(rows: list[dict]) -> str:
 
 
 def weights(engine: str, model: Path) -> str:
-    """What `engine` runs of `model`, for the table."""
-    if engine != "vllm" or model.suffix != ".gguf":
-        return f"{model.name} as stored"
-    return f"{model.name} dequantized, f32 safetensors"
+    """What `engine` runs of `model`, for the table: a GGUF file as stored (vLLM: dequantized), an
+    HF directory in f32 (pyhlo serve's default, and the dtype vLLM is given)."""
+    if model.suffix != ".gguf":
+        return f"{model.name} in f32"
+    return f"{model.name} dequantized, f32 safetensors" if engine == "vllm" else f"{model.name} as stored"
 
 
 def run(args: argparse.Namespace) -> int:
