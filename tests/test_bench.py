@@ -332,6 +332,7 @@ def test_a_server_that_is_not_found_is_left_out_saying_how_to_get_it(monkeypatch
     monkeypatch.setenv("PYHLO_MODEL_DIR", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.delenv(llama_cpp_programs.BIN_ENV, raising=False)
+    monkeypatch.delenv("PYHLO_VLLM_PYTHON", raising=False)             # vLLM, where installed, joins too
     servers, left_out = serve.resolve_servers(None)
     assert servers == ["pyhlo"]
     assert "pyhlo bench --build-llama-cpp" in left_out["llama-server"]
@@ -345,8 +346,8 @@ def test_a_server_that_is_not_found_is_left_out_saying_how_to_get_it(monkeypatch
     assert command[:3] == [str(program), "--model", str(tmp_path / "m.gguf")]
     assert command[command.index("--parallel") + 1] == "8"
     assert command[command.index("--ctx-size") + 1] == "8192"      # 8 slots of 1024 positions
-    with pytest.raises(ValueError, match="--engines 'vllm' is not one of pyhlo, llama-server, llamacpp"):
-        serve.resolve_servers("pyhlo,vllm")
+    with pytest.raises(ValueError, match="'sglang' is not one of pyhlo, llama-server, llamacpp, vllm"):
+        serve.resolve_servers("pyhlo,sglang")
 
 
 def test_the_speculative_table_gives_each_prompt_and_the_median():

