@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from transformers import TextStreamer
 
 from serving.scheduler import ContinuousBatcher, Request
+from serving.structured import Grammars
 
 log = logging.getLogger("pyhlo")
 request_log = logging.getLogger("pyhlo.requests")
@@ -52,6 +53,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    constraint: Any = None            # serving.structured.Constraint: the tokens it may take, or None
 
 
 class _QueueStreamer(TextStreamer):
@@ -81,6 +83,8 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.batcher = ContinuousBatcher(model)
         self.eos_token_ids = tuple(model.eos_ids(None))
+        # Structured output and tool calls: llguidance's view of the tokenizer, built on first use.
+        self.grammars = Grammars(self.tokenizer, model.decoder.head.vocab_size, self.eos_token_ids)
         # (kind, request, reason): "add" | "cancel" (reason: why, for the request log) | "stop"
         self._inbox: queues.SimpleQueue = queues.SimpleQueue()
         self._ended_by: dict[int, str] = {}          # request id -> why it was cancelled (engine thread)
@@ -155,6 +159,7 @@ class Engine:
         options = dict(do_sample=not greedy, temperature=sampling.temperature if not greedy else 1.0,
                        top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
                        eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish)
+        options["constraint"] = sampling.constraint
         request = self.batcher.request(prompt, sampling.max_tokens, **options)     # a ValueError: bad request
         self.prompt_tokens.inc(len(prompt))
         self._inbox.put(("add", request, None))

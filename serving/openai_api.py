@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from serving import structured, tool_calls
 from serving.engine import Engine, EngineStopped, Sampling
 from serving.stop_strings import cut_at_stop
 
@@ -49,6 +50,7 @@ class _Common(BaseModel):
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
+    response_format: dict | None = None               # structured output (serving/structured.py)
 
 
 class CompletionRequest(_Common):
@@ -57,11 +59,23 @@ class CompletionRequest(_Common):
 
 class Message(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | None = None
+    # Tool calling (serving/tool_calls.py): an assistant's calls, a tool's answer to one.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools are offered: rendered by the chat template, calls read from the answer."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class ApiError(Exception):
@@ -150,15 +164,48 @@ def create_app(engine: Engine) -> FastAPI:
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions",
                            "messages")
-        ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
-                                            add_generation_prompt=True, tokenize=True)
+        try:
+            messages = tool_calls.template_messages([m.model_dump(exclude_none=True) for m in body.messages])
+            tools = {"tools": body.tools} if body.calls_tools else {}
+            if tools:
+                tool_calls.check(body.tools, body.tool_choice)
+                tool_calls.call_format(tokenizer.chat_template)
+        except tool_calls.ToolError as error:
+            raise ApiError(400, str(error), error.param) from None
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **tools)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def constraint(body: _Common) -> tuple[Any, str | None]:
+        """(the request's Constraint or None, its tool-call format or None): from
+        response_format, or from tool_choice "required" or a named function."""
+        calls = isinstance(body, ChatRequest) and body.calls_tools
+        fmt = tool_calls.call_format(engine.tokenizer.chat_template) if calls else None
+        try:
+            grammar = structured.response_format_grammar(body.response_format)
+        except ValueError as error:
+            raise ApiError(400, str(error), "response_format") from None
+        forced = calls and body.tool_choice not in (None, "auto")
+        if forced and grammar is not None:
+            raise ApiError(400, "response_format and a tool_choice that forces a call both shape the answer: "
+                                "send one of them", "response_format")
+        if forced:
+            grammar = tool_calls.grammar(body.tools, tool_calls.check(body.tools, body.tool_choice), fmt,
+                                         engine.grammars)
+        if grammar is None:
+            return None, fmt
+        try:
+            return engine.grammars.constraint(grammar), fmt
+        except ValueError as error:
+            raise ApiError(400, f"the grammar of this request cannot be used: {error}",
+                           "tools" if forced else "response_format") from None
 
     async def run(http: Request, body: _Common, prompt: list[int], chat: bool):
         check_model(body.model)
         if not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
         settings = sampling(body, len(prompt))
+        # Compiling a grammar takes milliseconds (the first one, llguidance's tokenizer: seconds).
+        settings.constraint, tool_format = await asyncio.to_thread(constraint, body)
         loop = asyncio.get_running_loop()
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
@@ -170,7 +217,7 @@ def create_app(engine: Engine) -> FastAPI:
         created = int(time.time())
         stops = _stops(body.stop)
         if body.stream:
-            return StreamingResponse(_stream(http, request, pieces, ident, created, chat, stops),
+            return StreamingResponse(_stream(http, request, pieces, ident, created, chat, stops, tool_format),
                                      media_type="text/event-stream")
         text, stopped = "", False
         try:
@@ -193,8 +240,13 @@ def create_app(engine: Engine) -> FastAPI:
                  "total_tokens": len(prompt) + len(request.tokens),
                  "prompt_tokens_details": {"cached_tokens": request.reused}}
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                      "logprobs": None}
+            message = {"role": "assistant", "content": text}
+            if tool_format is not None:
+                content, calls = tool_calls.parse(text, tool_format)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls" if reason == "stop" else reason
+            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
             return {"id": ident, "object": "chat.completion", "created": created, "model": engine.name,
                     "choices": [choice], "usage": usage}
         choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
@@ -225,11 +277,16 @@ def create_app(engine: Engine) -> FastAPI:
                 getter.cancel()
 
     async def _stream(http: Request, request, pieces: asyncio.Queue, ident: str, created: int, chat: bool,
-                      stops: list[str]):
+                      stops: list[str], tool_format: str | None = None):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        # Text that may be a tool call is held back until the end, then sent as tool_calls deltas.
+        splitter = tool_calls.StreamSplitter(tool_format) if tool_format is not None else None
 
-        def event(text: str | None, reason: str | None, first: bool = False) -> str:
-            if chat:
+        def event(text: str | None, reason: str | None, first: bool = False,
+                  delta: dict | None = None) -> str:
+            if chat and delta is not None:
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            elif chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
             else:
@@ -246,7 +303,9 @@ def create_app(engine: Engine) -> FastAPI:
                 async for piece in _pieces(None, request, pieces):
                     text, stopped = _cut_at_stop(sent + piece, stops)
                     if len(text) > len(sent):
-                        yield event(text[len(sent):], None)
+                        new = text[len(sent):] if splitter is None else splitter.feed(text[len(sent):])
+                        if new:
+                            yield event(new, None)
                         sent = text
                     if stopped:
                         engine.cancel(request, "stop")
@@ -259,7 +318,20 @@ def create_app(engine: Engine) -> FastAPI:
             if failed is not None:           # an error event (as OpenAI's clients read it), then the end
                 yield f"data: {json.dumps(failed)}\n\n"
                 return
-            yield event(None, "stop" if stopped else _reason(request.finish_reason))
+            reason = "stop" if stopped else _reason(request.finish_reason)
+            if splitter is not None:
+                rest, calls = splitter.finish()
+                if rest:
+                    yield event(rest, None)
+                for index, call in enumerate(calls):
+                    function = call["function"]
+                    yield event(None, None, delta={"tool_calls": [
+                        {"index": index, "id": call["id"], "type": "function",
+                         "function": {"name": function["name"], "arguments": ""}}]})
+                    yield event(None, None, delta={"tool_calls": [
+                        {"index": index, "function": {"arguments": function["arguments"]}}]})
+                reason = "tool_calls" if calls and reason == "stop" else reason
+            yield event(None, reason)
             yield "data: [DONE]\n\n"
         finally:
             # The client went away (the generator is closed) or the answer is done: either way

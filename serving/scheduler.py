@@ -55,6 +55,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     on_token: Callable[[Request, int], None] | None = None   # called with each new token
     on_finish: Callable[[Request], None] | None = None
+    # The tokens it may take (serving.structured.Constraint: masked() and accept()), or None.
+    constraint: Any = None
     id: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)     # generated so far
     finish_reason: str | None = None             # "stop" | "length" | "cancelled" | "error"
@@ -308,16 +310,20 @@ class ContinuousBatcher:
             self.fail(request, f"choosing this request's token failed: {type(error).__name__}: {error}")
 
     def _choose(self, request: Request, logits: np.ndarray) -> int:
+        if request.constraint is not None:            # structured output: the grammar's tokens only
+            logits = request.constraint.masked(logits)
         if not request.do_sample:
             return int(np.argmax(logits))
         return choice.draw(choice.probabilities(logits, request.temperature, request.top_k, request.top_p),
                            request._generator)
 
     def _accept(self, request: Request, token: int) -> None:
+        if request.constraint is not None:
+            request.constraint.accept(token)
         request.tokens.append(token)
         if request.on_token is not None:
             request.on_token(request, token)
-        if token in request.eos_token_ids:
+        if token in request.eos_token_ids or (request.constraint is not None and request.constraint.finished):
             self._finish(request, "stop")
         elif len(request.tokens) >= request.max_new_tokens or request.length >= self.session.n_positions:
             self._finish(request, "length")

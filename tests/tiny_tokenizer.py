@@ -12,9 +12,11 @@ def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0")
 
 
-# Special tokens of the byte-level tokenizer: the chat markers of a Hermes-style template, the
-# tool-call markers Hermes and Qwen models emit, and the end of sequence.
+# Added tokens of the byte-level tokenizer: the chat markers of a Hermes-style template, the
+# tool-call markers Hermes and Qwen models emit (not special, as in Qwen's tokenizer: decoded
+# text keeps them), and the end of sequence.
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<|endoftext|>"]
+NOT_SPECIAL = {"<tool_call>", "</tool_call>"}
 
 
 def make_byte_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
@@ -40,6 +42,7 @@ def make_byte_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(vocab, merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(SPECIAL)
+    tokenizer.add_special_tokens([t for t in SPECIAL if t not in NOT_SPECIAL])
+    tokenizer.add_tokens([t for t in SPECIAL if t in NOT_SPECIAL])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
                                   pad_token="<|endoftext|>")
