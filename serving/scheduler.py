@@ -20,7 +20,9 @@ A new request goes to the free line whose kept tokens share the longest prefix w
 prompt (the least recently used free line when none does, so the others' prefixes live
 longest), and only the rest of its prompt is computed: a shared system prompt or a chat's
 earlier turns are not prefilled again. Tokens are chosen on the host: greedy, or HF transformers'
-temperature / top-k / top-p warpers and a seeded torch generator per request.
+temperature / top-k / top-p warpers and a seeded torch generator per request. A request's
+constraint (structured output, serving/structured.py) first sets the logits of the tokens its
+grammar refuses to -inf.
 
 Faults: a request's failure ends that request alone, with finish_reason "error" and its
 `error`; see ContinuousBatcher.step for where that boundary lies.
@@ -311,6 +313,8 @@ class ContinuousBatcher:
 
     def _choose(self, request: Request, logits: np.ndarray) -> int:
         if request.constraint is not None:            # structured output: the grammar's tokens only
+            if not request.do_sample:
+                return request.constraint.greedy(logits)
             logits = request.constraint.masked(logits)
         if not request.do_sample:
             return int(np.argmax(logits))

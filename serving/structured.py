@@ -2,7 +2,8 @@
 
     grammars = Grammars(tokenizer, vocab_size=49152, eos_token_ids=(2,))
     constraint = grammars.constraint(json_schema_grammar(schema))   # ValueError: a bad schema
-    logits = constraint.masked(logits)        # disallowed tokens at -inf, before greedy or sampling
+    logits = constraint.masked(logits)        # disallowed tokens at -inf, before sampling
+    token = constraint.greedy(logits)         # or the allowed token of highest logit
     constraint.accept(token)                  # the chosen token moves the grammar on
 
 llguidance was chosen by measurement (tools/bench/grammar_engines.py, strict JSON schema on
@@ -105,23 +106,39 @@ class Constraint:
         self.matcher, self.vocab_size = matcher, vocab_size
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
 
-    def allowed(self) -> np.ndarray:
-        """bool [vocab_size]: the tokens the grammar allows next."""
+    def _fill(self) -> np.ndarray:
+        """The grammar's bitmask of the tokens allowed next (bit i of word i // 32: token i)."""
         import llguidance.numpy
 
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
         if self.matcher.is_error():
             raise RuntimeError(f"the grammar failed: {self.matcher.get_error()}")
-        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        return bits[:self.vocab_size].astype(bool)
+        return self._bitmask[0]
 
-    def masked(self, logits: np.ndarray) -> np.ndarray:
+    def allowed(self) -> np.ndarray:
+        """bool [vocab_size]: the tokens the grammar allows next."""
+        return self._unpack(self._fill())
+
+    def _unpack(self, bitmask: np.ndarray) -> np.ndarray:
+        return np.unpackbits(bitmask.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
+
+    def masked(self, logits: np.ndarray, bitmask: np.ndarray | None = None) -> np.ndarray:
         """A copy of logits [vocab] (wider rows are cut to vocab_size) with every token the
         grammar refuses at -inf."""
-        allowed = self.allowed()
+        allowed = self._unpack(self._fill() if bitmask is None else bitmask)
         if not allowed.any():
             raise RuntimeError("the grammar allows no token here")
-        return np.where(allowed, np.asarray(logits[:self.vocab_size], np.float32), -np.inf)
+        return np.where(allowed, np.asarray(logits[:self.vocab_size], np.float32), np.float32(-np.inf))
+
+    def greedy(self, logits: np.ndarray) -> int:
+        """The allowed token of highest logit. The unmasked argmax is tried first: where the
+        grammar allows it (most steps of a model that follows the format), no mask over the
+        whole vocabulary is built."""
+        bitmask = self._fill()
+        best = int(np.argmax(logits[:self.vocab_size]))
+        if (int(bitmask[best // 32]) >> (best % 32)) & 1:
+            return best
+        return int(np.argmax(self.masked(logits, bitmask)))
 
     @property
     def finished(self) -> bool:

@@ -98,10 +98,14 @@ def grammar(tools: list[dict], forced: str | None, fmt: str, grammars: Grammars)
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI's messages as chat templates take them: an assistant call's arguments as an object
-    (OpenAI sends a JSON string), the call's own fields beside its function as templates read them."""
+    (OpenAI sends a JSON string). ToolError for a message without content that needs one."""
     shaped = []
-    for message in messages:
+    for i, message in enumerate(messages):
         message = dict(message)
+        calling = message.get("role") == "assistant" and message.get("tool_calls")
+        if message.get("content") is None and not calling:
+            raise ToolError(f"messages[{i}] has no content (only an assistant message with tool_calls may "
+                            "have none)", f"messages.{i}.content")
         if message.get("tool_calls"):
             calls = []
             for call in message["tool_calls"]:

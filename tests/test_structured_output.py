@@ -352,6 +352,15 @@ def test_bad_tools_are_a_400_naming_them(server, tools, tool_choice, param):
     assert answer.json()["error"]["param"] == param
 
 
+def test_a_message_without_content_is_a_400_unless_it_carries_tool_calls(server):
+    import httpx
+
+    base, _ = server
+    answer = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user"}], "max_tokens": 2},
+                        timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages.0.content"
+
+
 # -- reading calls ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt, text, content, calls", [
     ("hermes", 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', "Sure.\n",
@@ -377,3 +386,30 @@ def test_calls_are_read_from_each_format_and_streaming_holds_back_only_calls(fmt
     rest, streamed_calls = splitter.finish()
     assert streamed + rest == (content or "")
     assert [c["function"] for c in streamed_calls] == [c["function"] for c in got_calls]
+
+
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
+     '<tool_call>\n{"name": "get_time", "arguments": {"zone": "PST"}}\n</tool_call>'),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}',
+     '{"name": "get_wether", "parameters": {"city": "Oslo", "unit": "celsius"}}'),
+])
+def test_a_forced_calls_grammar_takes_a_valid_call_and_refuses_an_invalid_one(fmt, good, bad):
+    from tiny_tokenizer import make_byte_tokenizer
+
+    from serving import tool_calls
+    from serving.structured import Grammars
+
+    tokenizer = make_byte_tokenizer()
+    grammars = Grammars(tokenizer, 320, (tokenizer.eos_token_id,))
+
+    def takes(text: str) -> bool:
+        constraint = grammars.constraint(tool_calls.grammar([WEATHER, TIME], None, fmt, grammars))
+        for token in tokenizer(text)["input_ids"]:
+            if not constraint.allowed()[token]:
+                return False
+            constraint.accept(token)
+        return bool(constraint.allowed()[tokenizer.eos_token_id]) or constraint.finished
+
+    assert takes(good) and not takes(bad)
+    assert tool_calls.parse(good, fmt)[1][0]["function"]["name"] in ("get_time", "get_weather")
