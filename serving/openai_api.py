@@ -4,7 +4,9 @@
     POST /v1/chat/completions    messages, through the model's chat template
     GET  /v1/models, /health, /metrics (Prometheus text)
 
-Per request: max_tokens, temperature (0: greedy), top_p, top_k, stop, seed. Errors come in
+Per request: max_tokens, temperature (0: greedy), top_p, top_k, stop, seed; response_format
+(json_object, json_schema: serving/structured.py) and, on chat, tools and tool_choice
+(serving/tool_calls.py). Errors come in
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: a prompt
 over the context length, malformed JSON, a wrong field, an unknown model. A request that
 fails while it runs is a 500 in that shape (an error event, then the end, in a stream), never
