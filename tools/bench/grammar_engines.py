@@ -6,7 +6,8 @@ outlines-core measured on one strict JSON schema, per tokenizer.
 For each engine: the time to compile the schema for the tokenizer (the tokenizer's own set-up
 apart, done once per server), and the time of one token's mask (computing the allowed tokens,
 then consuming the token) along a valid answer's tokens, mean and worst. The server takes
-llguidance (serving/structured.py): the fastest compile and mask of the three here.
+llguidance (serving/structured.py): the fastest compile by far, a mask within microseconds of
+xgrammar's, so the least time per request (compile + mask) for answers under ~900 tokens.
 """
 from __future__ import annotations
 
