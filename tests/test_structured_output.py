@@ -225,15 +225,18 @@ def test_a_streamed_json_answer_equals_the_whole_one(server):
 
 def test_json_object_answers_are_objects(server):
     api = client(server[0])
+    reasons = []
     for seed in range(4):
         done = api.chat.completions.create(model="tiny", messages=user(f"Item {seed}"),
                                            max_tokens=200, temperature=1.0, seed=seed,
                                            response_format={"type": "json_object"})
         text, reason = done.choices[0].message.content, done.choices[0].finish_reason
+        reasons.append(reason)
         if reason == "stop":
             assert isinstance(json.loads(text), dict)
         else:                   # cut by max_tokens: OpenAI's "length", the JSON unfinished
             assert reason == "length" and text.startswith("{")
+    assert "stop" in reasons, reasons
 
 
 def test_json_cut_by_max_tokens_is_length_as_openai_reports_it(server):
