@@ -11,6 +11,8 @@
     request_fields.py   the API's request bodies (pydantic): every field used, or a 400 naming it
     logprobs.py     tokens' log-probabilities, in the API's shapes
     tokenizer_routes.py  /tokenize, /detokenize, /tokenizer_info (vLLM's)
+    structured.py   the tokens a request may take next, by a grammar (llguidance): response_format
+    tool_calls.py   tools rendered by the chat template, calls read back in OpenAI's shape
 
 `pyhlo serve` (tools/serve.py) is the command over them. serving imports decoders; decoders
 never imports serving. The engine and the API need the `serve` extras (fastapi, uvicorn,

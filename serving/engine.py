@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from transformers import TextStreamer
 
 from serving.scheduler import ContinuousBatcher, Request
+from serving.structured import Grammars
 
 log = logging.getLogger("pyhlo")
 request_log = logging.getLogger("pyhlo.requests")
@@ -69,6 +70,7 @@ class Sampling:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None            # each token's logprob and this many top ones (None: none)
     prompt_logprobs: int | None = None     # the same for the prompt's tokens
+    constraint: Any = None            # serving.structured.Constraint: the tokens it may take, or None
 
 
 class _QueueStreamer(TextStreamer):
@@ -111,6 +113,8 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.batcher = ContinuousBatcher(model)
         self.eos_token_ids = tuple(model.eos_ids(None))
+        # Structured output and tool calls: llguidance's view of the tokenizer, built on first use.
+        self.grammars = Grammars(self.tokenizer, model.decoder.head.vocab_size, self.eos_token_ids)
         # (kind, request, reason): "add" | "cancel" (reason: why, for the request log) | "stop"
         self._inbox: queues.SimpleQueue = queues.SimpleQueue()
         self._ended_by: dict[int, str] = {}          # request id -> why it was cancelled (engine thread)
@@ -233,6 +237,7 @@ class Engine:
                        logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
                        eos_token_ids=self.eos_token_ids, on_token=on_token, on_finish=on_finish,
                        shares_prompt_of=shares_prompt_of)
+        options["constraint"] = sampling.constraint
         request = self.batcher.request(prompt, sampling.max_tokens, **options)     # a ValueError: bad request
         self.prompt_tokens.inc(len(prompt))
         with self._open_lock:

@@ -6,7 +6,8 @@
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 The fields each body takes, and the 400 naming any other, are in request_fields.py; the
-logprobs' shapes in logprobs.py. n choices per prompt share its computed prefix. Errors come in
+logprobs' shapes in logprobs.py; response_format (json_object, json_schema) in structured.py;
+tools and tool_choice (chat) in tool_calls.py. n choices per prompt share its computed prefix. Errors come in
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status: a prompt
 over the context length, malformed JSON, a wrong field, an unknown model. A request that
 fails while it runs is a 500 in that shape (an error event, then the end, in a stream), never
@@ -37,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from serving import structured, tool_calls
 from serving.auth import BearerAuth
 from serving.engine import Engine, EngineStopped, QueueFull, Sampling
 from serving.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
@@ -83,6 +85,7 @@ class _Choice:
     pieces: asyncio.Queue
     reported: ChoiceLogprobs | None        # its logprobs, where asked for
     echoed: str = ""                       # the prompt's text before its answer (completions' echo)
+    tool_format: str | None = None         # how its answer writes tool calls, where tools are offered
 
 
 def _error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -176,9 +179,43 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         if not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions",
                            "messages")
-        ids = tokenizer.apply_chat_template([m.for_template() for m in body.messages],
-                                            add_generation_prompt=True, tokenize=True)
+        try:
+            messages = tool_calls.template_messages([m.for_template() for m in body.messages])
+            tools = {"tools": body.tools} if body.calls_tools else {}
+            if tools:
+                tool_calls.check(body.tools, body.tool_choice)
+                tool_calls.call_format(tokenizer.chat_template)
+        except tool_calls.ToolError as error:
+            raise ApiError(400, str(error), error.param) from None
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **tools)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def constraints(body: Common) -> tuple[Any, str | None]:
+        """(a function giving each choice its own Constraint, or None; the answer's tool-call
+        format, or None): from response_format, or from a tool_choice of "required" or a named
+        function. Compiling a grammar takes milliseconds (the first, llguidance's tokenizer:
+        seconds), so this runs in a worker thread."""
+        calls = isinstance(body, ChatRequest) and body.calls_tools
+        fmt = tool_calls.call_format(engine.tokenizer.chat_template) if calls else None
+        try:
+            grammar = structured.response_format_grammar(body.response_format)
+        except ValueError as error:
+            raise ApiError(400, str(error), "response_format") from None
+        forced = calls and body.tool_choice not in (None, "auto")
+        if forced and grammar is not None:
+            raise ApiError(400, "response_format and a tool_choice that forces a call both shape the answer: "
+                                "send one of them", "response_format")
+        if forced:
+            grammar = tool_calls.grammar(body.tools, tool_calls.check(body.tools, body.tool_choice), fmt,
+                                         engine.grammars)
+        if grammar is None:
+            return None, fmt
+        try:
+            made = [engine.grammars.constraint(grammar)]
+        except ValueError as error:
+            raise ApiError(400, f"the grammar of this request cannot be used: {error}",
+                           "tools" if forced else "response_format") from None
+        return (lambda: made.pop() if made else engine.grammars.constraint(grammar)), fmt
 
     async def tokenized(make_prompts, body: Common) -> list[list[int]]:
         """make_prompts(body) in a worker thread (tokenizing a long prompt takes long), once every
@@ -193,9 +230,11 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         may try another replica), 500 otherwise."""
         return 503 if engine.refusal is not None else 500
 
-    def submit(body: Common, prompts: list[list[int]], chat: bool, ident: str) -> list[_Choice]:
+    def submit(body: Common, prompts: list[list[int]], chat: bool, ident: str, constraint=None,
+               tool_format: str | None = None) -> list[_Choice]:
         """Every choice of a request queued: n for each prompt (index prompt * n + k), choice
-        k sampling with seed + k, so each is reproducible; none is queued if one is refused."""
+        k sampling with seed + k, so each is reproducible; none is queued if one is refused.
+        constraint: gives each choice its own grammar state (structured output, forced calls)."""
         if len(prompts) * body.n > MAX_CHOICES:
             raise ApiError(400, f"{len(prompts)} prompts x n {body.n} choices: at most {MAX_CHOICES} per "
                                 "request", "n")
@@ -207,7 +246,9 @@ def create_app(engine: Engine, *, api_key: str | None = None,
             echoed = _echo(body, p, prompt) if not chat and body.echo else ""
             for k in range(body.n):
                 seed = settings.seed if k == 0 or settings.seed is None else (settings.seed + k) % 2**63
-                planned.append((p * body.n + k, prompt, dataclasses.replace(settings, seed=seed), echoed))
+                own = constraint() if constraint is not None else None
+                settings_k = dataclasses.replace(settings, seed=seed, constraint=own)
+                planned.append((p * body.n + k, prompt, settings_k, echoed))
         loop = asyncio.get_running_loop()
         choices: list[_Choice] = []
         try:
@@ -218,7 +259,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                 request, pieces = engine.submit(prompt, settings, loop, label=label, shares_prompt_of=leader)
                 reported = None if settings.logprobs is None else \
                     ChoiceLogprobs(engine.tokenizer, request, chat, text_start=len(echoed))
-                choices.append(_Choice(index, prompt, request, pieces, reported, echoed))
+                choices.append(_Choice(index, prompt, request, pieces, reported, echoed, tool_format))
         except (ValueError, EngineStopped, QueueFull) as error:
             for choice in choices:
                 engine.cancel(choice.request)
@@ -232,7 +273,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     async def run(http: Request, body: Common, prompts: list[list[int]], chat: bool):
         check_model(body.model)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        choices = submit(body, prompts, chat, ident)
+        constraint, tool_format = await run_in_threadpool(constraints, body)
+        choices = submit(body, prompts, chat, ident, constraint, tool_format)
         created = int(time.time())
         stops = _stops(body.stop)
         if body.stream:
@@ -275,8 +317,13 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         reason = "stop" if stopped else _reason(request.finish_reason)
         logprobs = choice.reported.upto(len(text)) if choice.reported else None
         if chat:
-            return {"index": choice.index, "message": {"role": "assistant", "content": text},
-                    "finish_reason": reason, "logprobs": logprobs}
+            message = {"role": "assistant", "content": text}
+            if choice.tool_format is not None:
+                content, calls = tool_calls.parse(text, choice.tool_format)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls" if reason == "stop" else reason
+            return {"index": choice.index, "message": message, "finish_reason": reason, "logprobs": logprobs}
         if choice.echoed:
             text = choice.echoed + text
             if logprobs is not None:
@@ -369,6 +416,8 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         token, when its logprobs are there), the finish_reason last. Raises _ChoiceFailed."""
         request, reported = choice.request, choice.reported
         echoing = [choice.echoed] if choice.echoed else []
+        # Text that may be a tool call is held back until the end, then sent as tool_calls deltas.
+        splitter = tool_calls.StreamSplitter(choice.tool_format) if choice.tool_format is not None else None
 
         def event(text: str | None, reason: str | None, sent: str = "") -> list[dict[str, Any]]:
             before = []
@@ -390,8 +439,10 @@ def create_app(engine: Engine, *, api_key: str | None = None,
             text, stopped = _cut_at_stop(text + piece, stops)
             ready = len(text) if stopped else len(text) - held_back(text, stops)
             if ready > sent:
-                for one in event(text[sent:ready], None, sent=text[:ready]):
-                    yield one
+                new = text[sent:ready] if splitter is None else splitter.feed(text[sent:ready])
+                if new:
+                    for one in event(new, None, sent=text[:ready]):
+                        yield one
                 sent = ready
             if stopped:
                 engine.cancel(request, "stop")
@@ -399,9 +450,27 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         if not stopped and request.finish_reason == "error":
             raise _ChoiceFailed(_error_body(failure_status(), request.error or "the request failed"))
         if len(text) > sent:              # held back, and no stop string came: it is text
-            for one in event(text[sent:], None, sent=text):
-                yield one
-        for one in event(None, "stop" if stopped else _reason(request.finish_reason), sent=text):
+            new = text[sent:] if splitter is None else splitter.feed(text[sent:])
+            if new:
+                for one in event(new, None, sent=text):
+                    yield one
+        reason = "stop" if stopped else _reason(request.finish_reason)
+        if splitter is not None:
+            rest, calls = splitter.finish()
+            if rest:
+                for one in event(rest, None, sent=text):
+                    yield one
+            def call_delta(call: dict[str, Any]) -> dict[str, Any]:
+                return {"index": choice.index, "delta": {"tool_calls": [call]}, "finish_reason": None,
+                        "logprobs": None}
+
+            for number, call in enumerate(calls):
+                function = call["function"]
+                yield call_delta({"index": number, "id": call["id"], "type": "function",
+                                  "function": {"name": function["name"], "arguments": ""}})
+                yield call_delta({"index": number, "function": {"arguments": function["arguments"]}})
+            reason = "tool_calls" if calls and reason == "stop" else reason
+        for one in event(None, reason, sent=text):
             yield one
 
     @app.post("/v1/completions")

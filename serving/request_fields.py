@@ -5,8 +5,10 @@ gateways send that change nothing here (accepted, their types checked, then igno
 other field is a 400 naming it, so a misspelt `temprature` or an unsupported `tools` is never
 silently dropped. Values are checked strictly (no "0.5" for a number, no 1 for a boolean),
 with OpenAI's ranges (vLLM's where it takes more: any finite temperature, top_k, up to 20
-logprobs). Fields pyhlo knows but takes only at their "off" value (tools: [], tool_choice:
-"none", response_format: {"type": "text"} ...) say so in their error. describe() turns
+logprobs). Fields pyhlo knows but takes only at their "off" value (functions: [],
+function_call: "none", modalities: ["text"] ...) say so in their error. response_format, tools
+and tool_choice are read here as JSON and checked by serving/structured.py and
+serving/tool_calls.py. describe() turns
 pydantic's errors into OpenAI's message and param.
 """
 from __future__ import annotations
@@ -25,17 +27,16 @@ IGNORED = {
     "service_tier": "OpenAI's processing tier",
     "prompt_cache_key": "a hint for OpenAI's prompt cache (pyhlo's prefix cache needs none)",
     "safety_identifier": "an end-user id, for OpenAI's safety checks",
-    "parallel_tool_calls": "meaningless without tools",
+    "parallel_tool_calls": "a tool_choice that forces a call forces one; with auto, the calls the model "
+                           "writes are all read",
 }
 
 # OpenAI's fields that pyhlo does not support at all (an unknown field's error says so).
-UNSUPPORTED = {"audio", "prediction", "web_search_options", "reasoning_effort", "verbosity", "tools",
-               "tool_choice", "functions", "function_call", "response_format", "modalities", "suffix",
-               "best_of"}
+UNSUPPORTED = {"audio", "prediction", "web_search_options", "reasoning_effort", "verbosity",
+               "functions", "function_call", "modalities", "suffix", "best_of"}
 
 # Fields taken only at their off value: what the error says that value is.
-OFF_ONLY = {"tools": "[] or null", "tool_choice": '"none" or null', "functions": "[] or null",
-            "function_call": '"none" or null', "response_format": '{"type": "text"} or null',
+OFF_ONLY = {"functions": "[] or null (use tools)", "function_call": '"none" or null (use tool_choice)',
             "modalities": '["text"] or null', "suffix": '"" or null', "best_of": "1 or null"}
 
 MAX_LOGPROBS = 20          # vLLM's default limit (OpenAI's: 20 on chat, 5 on completions)
@@ -68,22 +69,29 @@ class TextPart(BaseModel):
         return part
 
 
-class TextFormat(BaseModel):
-    model_config = _FORBID
-    type: Literal["text"]
-
-
 class Message(BaseModel):
     model_config = _FORBID
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    # A string, or a list of text parts (joined with newlines, as vLLM joins them).
-    content: str | list[TextPart]
+    # A string, or a list of text parts (joined with newlines, as vLLM joins them); none only
+    # for an assistant message that carries tool calls.
+    content: str | list[TextPart] | None = None
     name: str | None = None                # passed to the chat template, which may use it
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None        # a tool message's answer to this call
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, min_length=1)   # an assistant's calls
+
+    @model_validator(mode="after")
+    def _content_unless_calls(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("request_field", "a message needs content (only an assistant message "
+                                      "with tool_calls may leave it out)", {"field": "content"})
+        return self
 
     def for_template(self) -> dict[str, Any]:
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {**self.model_dump(exclude_none=True), "content": text}
+        fields = self.model_dump(exclude_none=True)
+        if self.content is not None:
+            text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+            fields["content"] = text
+        return fields
 
 
 class Common(BaseModel):
@@ -107,6 +115,8 @@ class Common(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)   # vLLM's, HF's
     logit_bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked by serving/structured.py
+    response_format: dict[str, Any] | None = None
 
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -148,13 +158,25 @@ class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: Literal["none"] | None = None
+    # Checked by serving/tool_calls.py (each a function with a name and a parameters schema).
+    tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     functions: Annotated[list[Any], Field(max_length=0)] | None = None
     function_call: Literal["none"] | None = None
-    response_format: TextFormat | None = None
     modalities: list[Literal["text"]] | None = None
     parallel_tool_calls: bool | None = None
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools are offered: rendered by the chat template, calls read from the answer."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatRequest:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise PydanticCustomError("request_field", "tool_choice is only allowed when tools are given",
+                                      {"param": "tool_choice"})
+        return self
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -187,7 +209,10 @@ def describe(errors: list[dict[str, Any]], known: set[str] | None = None) -> tup
         return "invalid request", None
     error = max(errors, key=lambda e: (len(_field_path(e)), e.get("type") == "extra_forbidden"))
     path = _field_path(error)
-    param = (error.get("ctx") or {}).get("param") or ".".join(str(p) for p in path) or None
+    context = error.get("ctx") or {}
+    if context.get("field"):               # a check of one field of the model at `path`
+        path = [*path, context["field"]]
+    param = context.get("param") or ".".join(str(p) for p in path) or None
     kind, message = error.get("type"), error.get("msg", "invalid value")
     if kind == "json_invalid":
         return "the request body is not valid JSON", None

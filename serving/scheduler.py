@@ -20,7 +20,9 @@ A new request goes to the free line whose kept tokens share the longest prefix w
 prompt (the least recently used free line when none does, so the others' prefixes live
 longest), and only the rest of its prompt is computed: a shared system prompt or a chat's
 earlier turns are not prefilled again. Tokens are chosen on the host: greedy, or HF transformers'
-temperature / top-k / top-p warpers and a seeded torch generator per request.
+temperature / top-k / top-p warpers and a seeded torch generator per request. A request's
+constraint (structured output, serving/structured.py) first sets the logits of the tokens its
+grammar refuses to -inf.
 
 Faults: a request's failure ends that request alone, with finish_reason "error" and its
 `error`; see ContinuousBatcher.step for where that boundary lies.
@@ -66,6 +68,8 @@ class Request:
     shares_prompt_of: Request | None = dataclasses.field(default=None, repr=False)
     on_token: Callable[[Request, int], None] | None = None   # called with each new token
     on_finish: Callable[[Request], None] | None = None
+    # The tokens it may take (serving.structured.Constraint: masked() and accept()), or None.
+    constraint: Any = None
     id: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)     # generated so far
     finish_reason: str | None = None             # "stop" | "length" | "cancelled" | "error"
@@ -395,16 +399,22 @@ class ContinuousBatcher:
                 or request.logit_bias:
             logits = choice.penalized(logits, request.prompt, request.tokens, request.repetition_penalty,
                                       request.presence_penalty, request.frequency_penalty, request.logit_bias)
+        if request.constraint is not None:            # structured output: the grammar's tokens only
+            if not request.do_sample:
+                return request.constraint.greedy(logits)
+            logits = request.constraint.masked(logits)
         if not request.do_sample:
             return int(np.argmax(logits))
         return choice.draw(choice.probabilities(logits, request.temperature, request.top_k, request.top_p),
                            request._generator)
 
     def _accept(self, request: Request, token: int) -> None:
+        if request.constraint is not None:
+            request.constraint.accept(token)
         request.tokens.append(token)
         if request.on_token is not None:
             request.on_token(request, token)
-        if token in request.eos_token_ids:
+        if token in request.eos_token_ids or (request.constraint is not None and request.constraint.finished):
             self._finish(request, "stop")
         elif len(request.tokens) >= request.max_new_tokens or request.length >= self.session.n_positions:
             self._finish(request, "length")
