@@ -152,9 +152,10 @@ def test_the_converted_copy_keeps_each_tensor_once(kquant_file, tmp_path, monkey
 
     monkeypatch.setenv("PYHLO_GGUF_CACHE", str(tmp_path))
     path = kquant_file("q4_k_m", q4_k_m_like)
-    first = open_checkpoint(path)
+    first = GGUFCheckpoint(path)                 # the file itself
+    open_checkpoint(path)                        # converts it, then reads the copy
     second = open_checkpoint(path)
-    assert isinstance(first, GGUFCheckpoint) and isinstance(second, ConvertedGGUF)
+    assert isinstance(second, ConvertedGGUF)
     folder = converted_dir(path)
     with safe_open(str(folder / "model.safetensors"), framework="numpy") as widened:
         assert sorted(widened.keys()) == sorted(n for n in first.names() if first.block_form(n) is None)
