@@ -7,6 +7,8 @@ norms, another MLP piece.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from decoders.blocks import MLP, Attention, Decoder, DecoderLayer, Embedding, Head, MoE, Norm, Rotary
 from decoders.description import ConfigReader, Family, rope_inverse_frequencies
 from decoders.model import DecoderForSampling
@@ -22,7 +24,6 @@ def llama_layout(config: ConfigReader, fuse_qkv: bool, *, qkv_bias: bool, out_bi
     hidden = int(config.get("hidden_size"))
     n_heads = int(config.get("num_attention_heads"))
     head_dim = int(config.get("head_dim", default=hidden // n_heads))
-    vocab = int(config.get("vocab_size"))
     eps = float(config.get("rms_norm_eps", default=1e-6))
     rope = config.rope()
     theta = float(rope.get("rope_theta") or config.get("rope_theta", default=default_theta))
@@ -44,6 +45,15 @@ def llama_layout(config: ConfigReader, fuse_qkv: bool, *, qkv_bias: bool, out_bi
                   hidden=hidden, intermediate=int(config.get("intermediate_size")),
                   activation=config.get("hidden_act", default="silu"),
                   bias=bool(config.get("mlp_bias", default=False)))
+    return llama_stack(config, attention, mlp, norm)
+
+
+def llama_stack(config: ConfigReader, attention: Attention, mlp: MLP | MoE,
+                norm: Callable[[str], Norm]) -> Decoder:
+    """Llama's layer wiring (a norm before attention and before the MLP, sequential residual),
+    token table and final norm + LM head (tied where the config says) around `attention` and
+    `mlp`; norm(name) gives a norm of the hidden width."""
+    hidden, vocab = int(config.get("hidden_size")), int(config.get("vocab_size"))
     layer = DecoderLayer(norm(LAYER + "input_layernorm"), attention, mlp,
                          norm(LAYER + "post_attention_layernorm"))
     tied = bool(config.get("tie_word_embeddings", default=False))

@@ -4,11 +4,11 @@ of each head (partial_rotary_factor), LongRoPE scaling where rope_scaling says s
 window on every layer where the config gives one."""
 from __future__ import annotations
 
-from decoders.blocks import MLP, Attention, Decoder, DecoderLayer, Embedding, Head, Norm, Rotary
+from decoders.blocks import MLP, Attention, Decoder, Norm, Rotary
 from decoders.description import ConfigReader, Family, longrope, rope_inverse_frequencies
+from decoders.families.llama import LAYER, llama_stack
 from decoders.model import DecoderForSampling
 
-LAYER = "model.layers.{i}."
 # Older Phi-3 configs name LongRoPE "su" (and "yarn"), as HF's Phi3Config reads them.
 LONGROPE_NAMES = ("longrope", "su", "yarn")
 
@@ -29,7 +29,6 @@ def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
     hidden = int(config.get("hidden_size"))
     n_heads = int(config.get("num_attention_heads"))
     head_dim = int(config.get("head_dim", default=hidden // n_heads))
-    vocab = int(config.get("vocab_size"))
     eps = float(config.get("rms_norm_eps", default=1e-5))
     window = config.get("sliding_window", default=None)
 
@@ -44,13 +43,7 @@ def describe(config: ConfigReader, fuse_qkv: bool = True) -> Decoder:
     mlp = MLP(up=LAYER + "mlp.gate_up_proj", down=LAYER + "mlp.down_proj", gate_up_fused=True, hidden=hidden,
               intermediate=int(config.get("intermediate_size")),
               activation=config.get("hidden_act", default="silu"))
-    layer = DecoderLayer(norm(LAYER + "input_layernorm"), attention, mlp,
-                         norm(LAYER + "post_attention_layernorm"))
-    tied = bool(config.get("tie_word_embeddings", default=False))
-    embedding = Embedding("model.embed_tokens.weight", vocab, hidden)
-    head = Head(norm("model.norm"), vocab, hidden, None if tied else "lm_head.weight",
-                tied_to=embedding.tokens)
-    return Decoder(embedding, layer, head, int(config.get("num_hidden_layers")))
+    return llama_stack(config, attention, mlp, norm)
 
 
 PHI3 = Family("phi3", ("phi3",), describe)
