@@ -478,3 +478,21 @@ def test_a_random_model_runs_as_a_gguf_file_of_the_type_asked(tmp_path, monkeypa
 def test_random_model_options_that_do_not_go_together_are_named(argv, message, tmp_path, capsys):
     assert main(["bench", *argv, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_structured_measures_the_json_schema_overhead_at_the_batches_asked(monkeypatch, capsys):
+    from tools.bench import structured_overhead
+
+    asked = {}
+
+    def measure(model_path, batches, tokens, rounds):
+        asked.update(batches=batches, tokens=tokens, rounds=rounds)
+        return {(b, "greedy"): {"free_ms": 10.0, "json_schema_ms": 10.5, "grammar_ms": 0.1,
+                                "overhead_ab": 0.05, "overhead_grammar": 0.01} for b in batches}
+
+    monkeypatch.setattr(structured_overhead, "measure", measure)
+    assert main(["bench", "--structured", "--model", "m.gguf", "--batch", "1,4", "--repeats", "2"]) == 0
+    assert asked == {"batches": [1, 4], "tokens": 64, "rounds": 2}
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("batch 1 greedy  : decode step   10.00 ms free")
+    assert out[0].endswith("(1.0% of the free step)")

@@ -59,7 +59,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from tools.bench import cpu, device, llama_cpp_programs, serve, speculative, vllm_peer
+from tools.bench import cpu, device, llama_cpp_programs, serve, speculative, structured_overhead, vllm_peer
 from tools.bench.settings import DEFAULTS
 from tools.random_checkpoint import SHAPES as RANDOM_SHAPES
 from tools.random_gguf import GGUF_TYPES
@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve", action="store_true",
                         help="instead: `pyhlo serve` against llama.cpp's server on the model's GGUF file, 1, "
                              "4 and 8 concurrent streaming clients (tools/bench/serve.py)")
+    parser.add_argument("--structured", action="store_true",
+                        help="instead: what a JSON schema (response_format, llguidance's token mask) costs a "
+                             "decode step of pyhlo serve's batcher, greedy and sampled, at --batch (default "
+                             "1,8) (tools/bench/structured_overhead.py)")
     parser.add_argument("--serve-requests", type=int, default=24, metavar="N",
                         help="--serve: requests per concurrency level (default 24)")
     parser.add_argument("--speculative", type=int, metavar="K",
@@ -146,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
                          "(or give a GGUF file with --model)")
     if args.serve:
         return serve.run(args)
+    if args.structured:
+        return structured_overhead.run(args)
     if args.speculative is not None:
         return speculative.run(args)
     return cpu.run(args)

@@ -88,6 +88,25 @@ def measure(model_path: str, batches: list[int], tokens: int, rounds: int) -> di
     return figures
 
 
+def report(figures: dict[tuple[int, str], dict]) -> str:
+    """One line per batch size and choice."""
+    return "\n".join(
+        f"batch {batch} {mode:8s}: decode step {f['free_ms']:7.2f} ms free, {f['json_schema_ms']:7.2f} ms "
+        f"with a JSON schema ({f['overhead_ab']:+.1%}); the grammar's own work {f['grammar_ms']:.3f} ms a "
+        f"step ({f['overhead_grammar']:.1%} of the free step)" for (batch, mode), f in figures.items())
+
+
+def run(args: argparse.Namespace) -> int:
+    """`pyhlo bench --structured`: --model (default: the default model), --batch (default 1,8),
+    --new-tokens (default 64), --repeats (rounds, default 5)."""
+    from tools.bench.settings import csv, default_or_given_model
+
+    batches = [int(b) for b in csv(args.batch)] if args.batch else [1, 8]
+    figures = measure(str(default_or_given_model(args)), batches, args.new_tokens or 64, args.repeats or 5)
+    print(report(figures))
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,10 +120,7 @@ def main() -> None:
         from decoders.checkpoints.default_model import default_model_path
 
         path = str(default_model_path())
-    for (batch, mode), f in measure(path, args.batch, args.tokens, args.rounds).items():
-        print(f"batch {batch} {mode:8s}: decode step {f['free_ms']:7.2f} ms free, "
-              f"{f['json_schema_ms']:7.2f} ms with a JSON schema ({f['overhead_ab']:+.1%}); the grammar's "
-              f"own work {f['grammar_ms']:.3f} ms a step ({f['overhead_grammar']:.1%} of the free step)")
+    print(report(measure(path, args.batch, args.tokens, args.rounds)))
 
 
 if __name__ == "__main__":
