@@ -75,6 +75,7 @@ def build(jobs: int | None = None) -> pathlib.Path:
         _run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs),
               "--target", *PROGRAMS])
         staging = pathlib.Path(tempfile.mkdtemp(dir=_ensure(target.parent), prefix=".bin."))
+        os.chmod(staging, 0o755)  # mkdtemp's folder is private; the cache's folders are readable
         for program in PROGRAMS:
             shutil.copy2(build_dir / "bin" / program, staging / program)
         if target.exists():
