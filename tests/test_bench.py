@@ -454,8 +454,8 @@ def test_device_options_have_their_own_defaults_and_checks():
         device.resolve_engines("pyhlo,llamacpp")
     with pytest.raises(ValueError, match="not both"):
         device.resolve_model(parser.parse_args(["--device", "cpu", "--model", "m", "--random-model", "tiny"]))
-    with pytest.raises(ValueError, match="add --device"):
-        command.run(parser.parse_args(["--random-model", "tiny"]))
+    with pytest.raises(ValueError, match="--amp gguf runs a GGUF model's weights as stored; .* not a .gguf"):
+        command.run(parser.parse_args(["--random-model", "tiny", "--amp", "f32,gguf"]))
 
 
 def test_a_random_model_runs_as_a_gguf_file_of_the_type_asked(tmp_path, monkeypatch, capsys):

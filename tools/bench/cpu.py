@@ -100,6 +100,14 @@ def run(args: argparse.Namespace) -> int:
     notes = [f"{e} left out: {why}" for e, why in unavailable.items() if e not in engines]
     if "llamacpp" in engines and "llamacpp" not in unavailable and model_path.suffix != ".gguf":
         unavailable["llamacpp"] = "llama.cpp reads .gguf models only"
+    as_stored = [amp for amp in settings["amps"] if amp in ("gguf", "gguf-x8")]
+    if as_stored and model_path.suffix != ".gguf":
+        # Said before anything is measured: asked for, an error; by default, left out.
+        if args.amp:
+            raise ValueError(f"--amp {','.join(as_stored)} runs a GGUF model's weights as stored; "
+                             f"{model_path} is not a .gguf")
+        settings["amps"] = [amp for amp in settings["amps"] if amp not in as_stored]
+        notes.append(f"{', '.join(as_stored)} left out: {model_path.name} is not a GGUF file")
 
     load = OtherLoad(settings["quiet_wait"])
 
