@@ -336,6 +336,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
         still there (_ClientLeft if not). Streams pass no http: their response listens for the
         disconnect itself, and two readers would take each other's messages."""
         getter: asyncio.Future | None = None
+        checked = time.monotonic()
         try:
             while True:
                 getter = getter or asyncio.ensure_future(pieces.get())
@@ -347,8 +348,12 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                     yield piece
                 elif not engine.alive:
                     raise EngineStopped(engine.failure or "the engine is not running")
-                elif http is not None and await http.is_disconnected():
-                    raise _ClientLeft()
+                # Pieces may come faster than POLL_S (a fast step): the client is checked every
+                # POLL_S all the same, not only when the engine is quiet.
+                if http is not None and time.monotonic() - checked >= POLL_S:
+                    checked = time.monotonic()
+                    if await http.is_disconnected():
+                        raise _ClientLeft()
         finally:
             if getter is not None:
                 getter.cancel()
