@@ -50,6 +50,8 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            MATVEC_GGUF_ROWS_TARGET: "PyhloMatvecGgufRows"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("matvec.cc", "matvec_gguf.cc", "decode_attention.cc")]
+# Included by the sources: part of what the library's cache name hashes.
+_HEADERS = [pathlib.Path(__file__).with_name("kernels") / "half.h"]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 
@@ -94,7 +96,7 @@ def build(compiler: str | None = None) -> pathlib.Path:
     compiler = compiler or _compiler()
     if compiler is None:
         raise KernelBuildError("no C++ compiler found (set CXX, or install g++)")
-    sources = b"\0".join(path.read_bytes() for path in _SOURCES)
+    sources = b"\0".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     digest = hashlib.sha256(b"\0".join([
         sources, " ".join(_flags()).encode(), compiler.encode(), jaxlib.__version__.encode(),
         _cpu_flags().encode(),

@@ -37,6 +37,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "half.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PYHLO_AVX512 1
@@ -83,24 +85,7 @@ constexpr int64_t kBlock = 32;
 // VM: SmolLM2 Q4_1 decode with int8 activations 11.0 -> 8.5 ms a step).
 constexpr int64_t kPrefetchAhead = 1024;
 
-inline float half_to_f32(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    exponent = 113;
-    while (!(mantissa & 0x400u)) { mantissa <<= 1; --exponent; }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
-  }
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+using pyhlo_kernels::half_to_f32;
 
 #ifdef PYHLO_AVX2
 inline float sum8(__m256 v) {

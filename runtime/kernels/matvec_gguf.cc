@@ -21,6 +21,8 @@
 #include <cstdlib>
 #include <memory>
 
+#include "half.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PYHLO_GGUF_AVX2 1
@@ -49,26 +51,7 @@ constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 
 float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    exponent = 113;
-    while (!(mantissa & 0x400u)) { mantissa <<= 1; --exponent; }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
-  }
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-#endif
+  return pyhlo_kernels::half_to_f32(h);
 }
 
 // Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes.
