@@ -273,7 +273,9 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     async def run(http: Request, body: Common, prompts: list[list[int]], chat: bool):
         check_model(body.model)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        constraint, tool_format = await run_in_threadpool(constraints, body)
+        shaped = body.response_format is not None or (chat and body.calls_tools)
+        # A grammar's compile goes to a worker thread; a request without one needs no hop there.
+        constraint, tool_format = await run_in_threadpool(constraints, body) if shaped else (None, None)
         choices = submit(body, prompts, chat, ident, constraint, tool_format)
         created = int(time.time())
         stops = _stops(body.stop)
