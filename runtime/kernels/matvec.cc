@@ -161,8 +161,8 @@ void row_blocks_x8_portable(const Problem& p, int64_t n, int64_t m0) {
 #if defined(PYHLO_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 // Four blocks a step: 128 weights against 128 int8 activations, vpdpbusd summing four
 // unsigned-by-signed byte products into each int32 lane, 8 lanes per block. The form is a
-// template argument, so the loop has no branch on it (measured: the branches and the scalar
-// scale products took a third of a Q4_0 decode step at 1.7 B). Q4: one 64-byte load holds the
+// template argument, so the loop has no branch on it (a profile of a Q4_0 decode step at 1.7 B
+// put about a third of this kernel's samples on those branches and the scalar scale products). Q4: one 64-byte load holds the
 // four blocks' nibbles, spread to two vectors of two blocks each, every block's low nibbles
 // (values 0-15) then its high ones (16-31), in x's order. Q8_0's signed weights go in as |w|
 // with x's sign flipped where w < 0.
