@@ -346,7 +346,7 @@ def test_a_server_that_is_not_found_is_left_out_saying_how_to_get_it(monkeypatch
     assert command[:3] == [str(program), "--model", str(tmp_path / "m.gguf")]
     assert command[command.index("--parallel") + 1] == "8"
     assert command[command.index("--ctx-size") + 1] == "8192"      # 8 slots of 1024 positions
-    with pytest.raises(ValueError, match="'sglang' is not one of pyhlo, llama-server, llamacpp, vllm"):
+    with pytest.raises(ValueError, match="'sglang' is not one of pyhlo, pyhlo-x8, llama-server, llamacpp"):
         serve.resolve_servers("pyhlo,sglang")
 
 

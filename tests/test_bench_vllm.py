@@ -48,10 +48,31 @@ def test_vllm_joins_the_default_servers_once_installed(no_vllm, monkeypatch):
 
 def test_on_an_hf_directory_the_gguf_servers_are_left_out(no_vllm, tmp_path):
     model = tmp_path / "SmolLM2-135M-Instruct"
-    servers, left_out = serve.resolve_servers("pyhlo,llama-server,llamacpp", model)
+    servers, left_out = serve.resolve_servers("pyhlo,pyhlo-x8,llama-server,llamacpp", model)
     assert servers == ["pyhlo"]
     for name in ("llama-server", "llamacpp"):
         assert left_out[name].startswith("it reads .gguf files only, and SmolLM2-135M-Instruct is an HF")
+    assert left_out["pyhlo-x8"].startswith("int8 activations apply to a GGUF file's block weights")
+
+
+def test_pyhlo_x8_serves_with_int8_activations(monkeypatch, tmp_path):
+    """The pyhlo-x8 server is pyhlo serve with --int8-activations; plain pyhlo is not."""
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(command, **_):
+        started.append(command)
+        raise Stop
+
+    monkeypatch.setattr(serve.subprocess, "Popen", popen)
+    for engine in ("pyhlo", "pyhlo-x8"):
+        with pytest.raises(Stop):
+            serve.start(engine, tmp_path / "m.gguf", 8, 1024, 2, tmp_path / "log")
+    assert "--int8-activations" not in started[0] and started[1][-1] == "--int8-activations"
+    for command in started:
+        assert command[2:5] == ["tools.cli", "serve", str(tmp_path / "m.gguf")]
 
 
 def test_the_vllm_server_command_and_its_environment(no_vllm, monkeypatch):

@@ -28,12 +28,17 @@ from tools.bench import llama_cpp_programs, peers, vllm_peer
 from tools.bench.machine import machine_info
 from tools.bench.settings import csv, default_or_given_model
 
-# Servers --serve can drive; llamacpp is llama-cpp-python's server (one request at a time).
-SERVERS = ("pyhlo", "llama-server", "llamacpp", "vllm")
+# Servers --serve can drive; llamacpp is llama-cpp-python's server (one request at a time);
+# pyhlo-x8 is pyhlo serve rounding the activations of a GGUF's block products to int8 per 32
+# values (--int8-activations), the arithmetic llama.cpp's servers use.
+SERVERS = ("pyhlo", "pyhlo-x8", "llama-server", "llamacpp", "vllm")
+PYHLO_SERVERS = ("pyhlo", "pyhlo-x8")
 DEFAULT_SERVERS = "pyhlo,llama-server"             # and vllm, where it is installed
 GGUF_ONLY = ("llama-server", "llamacpp")
 SLOTS = 8
-SETUPS = {"pyhlo": f"pyhlo serve with {SLOTS} lines", "llama-server": f"llama-server with {SLOTS} slots",
+SETUPS = {"pyhlo": f"pyhlo serve with {SLOTS} lines",
+          "pyhlo-x8": f"pyhlo serve --int8-activations with {SLOTS} lines",
+          "llama-server": f"llama-server with {SLOTS} slots",
           "llamacpp": "llama-cpp-python's server (one request at a time)",
           "vllm": f"vLLM (f32) with {SLOTS} sequences at most"}
 
@@ -68,9 +73,11 @@ def start(engine: str, model: Path, lines: int, context: int, threads: int,
           log: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = dict(os.environ)
-    if engine == "pyhlo":
+    if engine in PYHLO_SERVERS:
         command = [sys.executable, "-m", "tools.cli", "serve", str(model), "--port", str(port),
                    "--batch-size", str(lines), "--n-positions", str(context)]
+        if engine == "pyhlo-x8":
+            command.append("--int8-activations")
     elif engine == "llama-server":
         command = llama_cpp_programs.server_command(model, port, lines, context, threads)
     elif engine == "vllm":
@@ -171,6 +178,8 @@ def resolve_servers(requested: str | None, model: Path | None = None) -> tuple[l
     if model is not None and model.suffix != ".gguf":
         reasons.update({name: f"it reads .gguf files only, and {model.name} is an HF directory (give a .gguf "
                               "--model to compare with it)" for name in GGUF_ONLY})
+        reasons["pyhlo-x8"] = (f"int8 activations apply to a GGUF file's block weights, and {model.name} is "
+                               "an HF directory")
     unavailable = {n: reasons[n] for n in names if reasons.get(n)}
     return [n for n in names if n not in unavailable], unavailable
 
@@ -188,7 +197,7 @@ def table(rows: list[dict]) -> str:
     rates = {a: {r["clients"]: r["tokens_per_s"] for r in rows if r["engine"] == a} for a in anchors}
     for r in rows:
         ratios = [f"{r['tokens_per_s'] / rates[a][r['clients']]:.2f}x"
-                  if r["engine"] == "pyhlo" and r["clients"] in rates[a] else "" for a in anchors]
+                  if r["engine"] in PYHLO_SERVERS and r["clients"] in rates[a] else "" for a in anchors]
         lines.append(f"| {r['engine']} | " + (f"{r.get('weights', '')} | " if weights else "")
                      + f"{r['clients']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
                      f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | " + " | ".join(ratios) + " |")
