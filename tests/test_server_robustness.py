@@ -7,6 +7,7 @@ Every wait is bounded. SmolLM2 on a loopback port, behind pyhlo's own uvicorn se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -510,9 +511,37 @@ def _stream_all(http: httpx.Client, prompt: str, max_tokens: int) -> tuple[str, 
     return text, reason, error
 
 
-def _start_load(base: str, engine, prompts: list[str], waiting: int, max_tokens: int):
-    """len(prompts) streams (one per line) and `waiting` plain requests behind them, in threads;
-    returns once every line is generating and the rest wait. Results land in the returned dict."""
+class _HeldSteps:
+    """Holds an engine's thread before a step once `when()` is true there, until release().
+    The thread that steps reads `when` between two steps, so the state it waits for cannot
+    pass unseen however slow the machine, and it lasts while a test acts on it. Bounded:
+    the thread goes on by itself after `seconds`."""
+
+    def __init__(self, engine, when, seconds: float = 300):
+        self.reached = threading.Event()
+        self._released = threading.Event()
+        self._batcher = engine.batcher
+        step = engine.batcher.step
+
+        def held_step():
+            if not self._released.is_set() and when():
+                self.reached.set()
+                self._released.wait(timeout=seconds)
+            step()
+
+        self._batcher.step = held_step
+
+    def release(self) -> None:
+        self._released.set()
+        del self._batcher.step                  # the batcher's own step again
+
+
+@contextlib.contextmanager
+def _load(base: str, engine, prompts: list[str], waiting: int, max_tokens: int):
+    """len(prompts) streams and `waiting` plain requests after them, in threads. Inside the
+    block the engine is held between two steps with every stream generating and the others
+    submitted and in no line; leaving the block lets it step again. Yields (results: filled
+    as the requests end, the threads, an http client)."""
     results: dict = {}
 
     def stream(i):
@@ -530,16 +559,24 @@ def _start_load(base: str, engine, prompts: list[str], waiting: int, max_tokens:
             except httpx.HTTPError as error:
                 results[f"waiting-{i}"] = error
 
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    wait_for(lambda: sum(r is not None and len(r.tokens) > 1 for r in engine.batcher.lines) == len(prompts),
-             "every line generating")
-    threads += [threading.Thread(target=plain, args=(i,), daemon=True) for i in range(waiting)]
-    for thread in threads[len(prompts):]:
-        thread.start()
-    wait_for(lambda: engine.waiting_requests() == waiting, "the others waiting")
-    return results, threads, httpx.Client(base_url=base, timeout=60)
+    # A request that finds a free line is admitted in the next step: "waiting" lasts less than
+    # a step unless the engine is held, and polling for it from here would miss it.
+    held = _HeldSteps(engine, when=lambda: sum(r is not None and len(r.tokens) > 1
+                                               for r in engine.batcher.lines) == len(prompts))
+    http = httpx.Client(base_url=base, timeout=60)
+    try:
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        assert held.reached.wait(timeout=60), "every line generating: not within 60 s"
+        threads += [threading.Thread(target=plain, args=(i,), daemon=True) for i in range(waiting)]
+        for thread in threads[len(prompts):]:
+            thread.start()
+        wait_for(lambda: engine.waiting_requests() == waiting, "the others waiting")
+        yield results, threads, http
+    finally:
+        held.release()
+        http.close()
 
 
 def test_sigterm_lets_running_requests_finish_fails_waiting_ones_and_refuses_new_ones(served, second_engine,
@@ -547,14 +584,13 @@ def test_sigterm_lets_running_requests_finish_fails_waiting_ones_and_refuses_new
     model, text = request.getfixturevalue("alone")
     running = serve(second_engine, shutdown_timeout=120)
     prompts = [f"Here is a long story about {thing}:" for thing in ("a fox", "a ship", "a town", "a bell")]
-    results, threads, http = _start_load(running.base, second_engine, prompts, waiting=2, max_tokens=48)
-    running.server.handle_exit(signal.SIGTERM, None)
-    refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-    health = http.get("/health")
+    with _load(running.base, second_engine, prompts, waiting=2, max_tokens=48) as (results, threads, http):
+        running.server.handle_exit(signal.SIGTERM, None)
+        refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        health = http.get("/health")
     for thread in threads:
         thread.join(timeout=120)
     running.thread.join(timeout=60)
-    http.close()
     assert not running.thread.is_alive(), "the server did not exit once its requests were done"
     for response in (refused, health):
         assert "shutting down" in assert_openai_error(response, 503)["message"]
@@ -572,12 +608,11 @@ def test_sigterm_ends_what_still_runs_at_the_timeout_and_a_second_signal_exits_a
     # --shutdown-timeout 0: the running requests end with an error at once, as a 503.
     running = serve(second_engine, shutdown_timeout=0)
     prompts = [f"Count slowly, {thing}:" for thing in ("one", "two")]
-    results, threads, http = _start_load(running.base, second_engine, prompts, waiting=0, max_tokens=200)
-    running.server.handle_exit(signal.SIGTERM, None)
+    with _load(running.base, second_engine, prompts, waiting=0, max_tokens=200) as (results, threads, _):
+        running.server.handle_exit(signal.SIGTERM, None)
     for thread in threads:
         thread.join(timeout=120)
     running.thread.join(timeout=60)
-    http.close()
     assert not running.thread.is_alive()
     for i in range(len(prompts)):
         _, reason, error = results[i]
@@ -588,22 +623,24 @@ def test_sigterm_ends_what_still_runs_at_the_timeout_and_a_second_signal_exits_a
     third = Engine(served.engine.model, "smollm2").start()
     try:
         running = serve(third, shutdown_timeout=600)
-        results, threads, http = _start_load(running.base, third, prompts, waiting=1, max_tokens=200)
-        with third._open_lock:
-            held = list(third._open.values())
-        assert len(held) == len(prompts) + 1
-        running.server.handle_exit(signal.SIGTERM, None)
-        running.server.handle_exit(signal.SIGTERM, None)
+        with _load(running.base, third, prompts, waiting=1, max_tokens=200) as (_, threads, _):
+            with third._open_lock:
+                held = list(third._open.values())
+            assert len(held) == len(prompts) + 1
+            running.server.handle_exit(signal.SIGTERM, None)
+            running.server.handle_exit(signal.SIGTERM, None)
         running.thread.join(timeout=60)
         assert not running.thread.is_alive(), "a second signal did not stop the server"
         wait_for(third.idle, "every request ended")
         for thread in threads:
             thread.join(timeout=60)
-        http.close()
         for request in held:
-            # The waiting one may have been failed by the first signal's drain already.
-            assert request.finish_reason == "error" and ("stopped" in request.error or (
-                "shutting down" in request.error and "waiting" in request.error)), request.error
+            # The first signal's drain ends the waiting one; the second, the running ones.
+            if request.line is None:
+                assert request.finish_reason == "error" and "shutting down" in request.error and \
+                    "waiting" in request.error, request.error
+            else:
+                assert request.finish_reason == "error" and "stopped" in request.error, request.error
             assert len(request.tokens) < 200
     finally:
         third.stop()
