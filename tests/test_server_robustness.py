@@ -10,67 +10,35 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import pytest
-from test_server import alone  # noqa: F401  (a fixture, read by getfixturevalue: sample()'s text alone)
+from server_harness import (
+    LINES,
+    batched_model,
+    free_port,
+    openai_client,
+    sample_alone,  # noqa: F401  (the fixture `alone`)
+    serve,
+    serving,
+    wait_for,
+)
 
-LINES = 4
 KEY = "sk-pyhlo-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 1 << 20                   # 1 MiB: the tests' server; pyhlo serve's default is 8 MiB
 
 
-@dataclass
-class Served:
-    base: str
-    engine: Any
-    server: Any
-    thread: threading.Thread
-
-
-def serve(engine, port: int | None = None, shutdown_timeout: float = 30.0, **app_options) -> Served:
-    """A started GracefulServer (uvicorn) over `engine` on a free loopback port, in a thread."""
-    import uvicorn
-
-    from serving.openai_api import create_app
-    from serving.shutdown import GracefulServer
-
-    if port is None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    server = GracefulServer(uvicorn.Config(create_app(engine, **app_options), host="127.0.0.1", port=port,
-                                           log_level="warning"), engine, shutdown_timeout=shutdown_timeout)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start in 30 s"
-        time.sleep(0.02)
-    return Served(f"http://127.0.0.1:{port}", engine, server, thread)
-
-
 @pytest.fixture(scope="module")
 def served(smollm2_gguf):
-    from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
     from serving.engine import Engine
 
-    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=LINES))
-    model = LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=LINES, n_positions=256,
-                                             context_length_estimate=[32, 64],
-                                             neuron_config=config).to_neuron()
-    engine = Engine(model, "smollm2").start()
-    running = serve(engine, api_key=KEY, max_request_bytes=BODY_LIMIT)
-    yield running
-    running.server.should_exit = True
-    running.thread.join(timeout=30)
-    engine.stop()
+    model = batched_model(smollm2_gguf, n_positions=256, context_length_estimate=[32, 64])
+    with serving(Engine(model, "smollm2").start(), shutdown_timeout=30, api_key=KEY,
+                 max_request_bytes=BODY_LIMIT) as running:
+        yield running
 
 
 @pytest.fixture
@@ -88,9 +56,8 @@ def second_engine(served):
 
 
 def api(base: str, key: str = KEY):
-    from openai import OpenAI
-
-    return OpenAI(base_url=base + "/v1", api_key=key, timeout=60, max_retries=0)
+    """The openai client, with this module's API key."""
+    return openai_client(base, api_key=key)
 
 
 def metric(base: str, name: str) -> float:
@@ -230,8 +197,8 @@ def test_a_bad_request_gets_a_4xx_in_openais_shape_and_never_reaches_the_model(s
     assert engine.prompt_tokens._value.get() == before, "a bad request reached the model"
 
 
-def test_after_every_bad_request_the_server_answers_right_and_is_idle(served, request):
-    model, text = request.getfixturevalue("alone")
+def test_after_every_bad_request_the_server_answers_right_and_is_idle(served, alone):
+    model, text = alone
     prompt = "The capital of France is"
     done = api(served.base).completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0)
     assert done.choices[0].text == text(list(model.tokenizer(prompt)["input_ids"]), 8)
@@ -421,13 +388,6 @@ def test_a_stream_never_shows_any_part_of_a_stop_string(served, chat):
 
 
 # -- load: gauges, the queue's bound ---------------------------------------------------------
-def wait_for(condition, what: str, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
-        time.sleep(0.01)
-
-
 def test_gauges_are_zero_once_requests_finish(served):
     """Twelve one-token requests over four lines: some wait, and each ends in the step that
     admits it. Once they are done, every gauge reads 0."""
@@ -580,8 +540,8 @@ def _load(base: str, engine, prompts: list[str], waiting: int, max_tokens: int):
 
 
 def test_sigterm_lets_running_requests_finish_fails_waiting_ones_and_refuses_new_ones(served, second_engine,
-                                                                                      request):
-    model, text = request.getfixturevalue("alone")
+                                                                                      alone):
+    model, text = alone
     running = serve(second_engine, shutdown_timeout=120)
     prompts = [f"Here is a long story about {thing}:" for thing in ("a fox", "a ship", "a town", "a bell")]
     with _load(running.base, second_engine, prompts, waiting=2, max_tokens=48) as (results, threads, http):
@@ -654,9 +614,7 @@ def test_pyhlo_serve_drains_on_a_real_sigterm_and_exits(smollm2_gguf, served):
     import subprocess
     import sys
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "tools", "serve", "-m", str(smollm2_gguf), "--max-num-seqs", str(LINES),
                "--max-model-len", "256", "--context-length-estimate", "32,64", "--port", str(port),
                "--shutdown-timeout", "120", "--no-request-log"]
