@@ -606,6 +606,29 @@ def test_sigterm_ends_what_still_runs_at_the_timeout_and_a_second_signal_exits_a
         third.stop()
 
 
+def test_the_engine_is_not_idle_while_its_thread_takes_a_request_in(second_engine):
+    """Between the inbox and the batcher's queue a request is in neither: a graceful shutdown
+    reading idle() at that moment would exit under it."""
+    from serving.engine import Sampling
+
+    engine, seen = second_engine, []
+    add = engine.batcher.add
+
+    def add_and_look(request):
+        seen.append(engine.idle())               # on the engine thread, the request taken from the inbox
+        add(request)
+
+    engine.batcher.add = add_and_look
+    loop = asyncio.new_event_loop()              # the request's text goes to its queue, unread
+    try:
+        request, _ = engine.submit([1, 2, 3], Sampling(max_tokens=2), loop)
+        wait_for(lambda: request.done, "the request ended")
+    finally:
+        loop.close()
+    assert seen == [False] and request.finish_reason in ("length", "stop")
+    wait_for(engine.idle, "the engine idle once the request ended", seconds=10)
+
+
 def test_pyhlo_serve_drains_on_a_real_sigterm_and_exits(smollm2_gguf, served):
     """The command itself: SIGTERM mid-answer; the stream finishes whole, a new request is
     refused, and the process exits. (The module's server ran first: the programs for these
