@@ -22,14 +22,30 @@ class Replicas(list):
     holds that replica."""
 
 
+def _asked(replicas: int) -> str:
+    """The replica count as users set it: from_pretrained(tp_degree=...) or --tp-degree."""
+    return f"tp_degree={replicas} (--tp-degree {replicas})"
+
+
+def _too_few_devices(backend: Any, replicas: int, count: int) -> str:
+    platform = getattr(backend, "platform", "?")
+    processes = getattr(backend, "process_count", 1)
+    where = f" over its {processes} processes" if processes > 1 else ""
+    message = (f"{_asked(replicas)} needs {replicas} devices; the {platform} backend has {count}{where}: "
+               f"pass a tp_degree of at most {count}")
+    if platform == "cpu":
+        message += (f", or give XLA:CPU {replicas} devices: XLA_FLAGS="
+                    f"--xla_force_host_platform_device_count={replicas} set before the process starts (the "
+                    f"pyhlo commands set it for --tp-degree; across processes: PYHLO_LOCAL_DEVICES, or "
+                    f"distributed.initialize(local_device_count=...))")
+    return message
+
+
 class Placement:
     def __init__(self, backend: Any, replicas: int = 1):
         count = getattr(backend, "device_count", 1)
         if replicas > count:
-            raise ValueError(
-                f"tp_degree {replicas} needs {replicas} devices; the {getattr(backend, 'platform', '?')} "
-                f"backend has {count} (on CPU, set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before the process starts)")
+            raise ValueError(_too_few_devices(backend, replicas, count))
         self.backend = backend
         self.replicas = replicas
         # The replicas this process holds: all of them, except across several processes.
@@ -38,9 +54,10 @@ class Placement:
                                  else list(range(replicas)))
         if not self.local:
             raise ValueError(
-                f"tp_degree {replicas} runs on the first {replicas} of the {count} devices of "
-                f"{backend.process_count} processes, none of them in this process "
-                f"({backend.process_index}): use a tp_degree that reaches every process's devices")
+                f"{_asked(replicas)} runs on the first {replicas} of the {count} devices of "
+                f"{backend.process_count} processes, none of them in this process ({backend.process_index}): "
+                f"pass the same tp_degree in every process, large enough to reach each one's devices "
+                f"(tp_degree={count}: every device)")
         self._is_local = [r in self.local for r in range(replicas)]
 
     def put(self, array: Any) -> Any:

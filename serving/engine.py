@@ -251,8 +251,12 @@ class Engine:
         self._inbox.put(("cancel", request, reason))
 
     def idle(self) -> bool:
-        """No request queued, running, or on its way in."""
-        return self._inbox.empty() and not self.batcher.busy
+        """No request queued, running, or on its way in: every request submitted has ended.
+        (Not "the inbox is empty and the batcher idle": the thread moving a request from
+        the one to the other holds it in neither, and a shutdown that read idle then would
+        exit under it.)"""
+        with self._open_lock:
+            return not self._open
 
     # -- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:

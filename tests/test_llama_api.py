@@ -50,9 +50,27 @@ def test_tp_degree_beyond_the_devices_says_how_to_get_them(checkpoint):
     backend = get_backend()
     if backend.device_count > 1:
         pytest.skip(f"{backend.device_count} {backend.platform} devices here")
-    with pytest.raises(ValueError, match=f"tp_degree 2 needs 2 devices; the {backend.platform} backend has 1 "
-                                         ".*device_count=2"):
+    how = ".*device_count=2 .*--tp-degree" if backend.platform == "cpu" else ""
+    with pytest.raises(ValueError, match=rf"tp_degree=2 \(--tp-degree 2\) needs 2 devices; the "
+                                         rf"{backend.platform} backend has 1: pass a tp_degree of at most "
+                                         rf"1{how}"):
         LlamaForSampling.from_pretrained(checkpoint, tp_degree=2)
+
+
+def test_tp_degree_that_reaches_no_device_of_this_process_says_what_to_pass():
+    from runtime.placement import Placement
+
+    class SecondOfTwoProcesses:            # two processes of two devices each; this one holds 2 and 3
+        platform, device_count, process_count, process_index = "cpu", 4, 2, 1
+
+        def local_replicas(self, replicas: int) -> list[int]:
+            return [r for r in range(replicas) if r >= 2]
+
+    assert Placement(SecondOfTwoProcesses(), 4).local == [2, 3]
+    with pytest.raises(ValueError, match=r"tp_degree=2 \(--tp-degree 2\) runs on the first 2 of the 4 "
+                                         r"devices of 2 processes, none of them in this process \(1\): "
+                                         r".*tp_degree=4"):
+        Placement(SecondOfTwoProcesses(), 2)
 
 
 def test_options_not_built_yet_say_so(checkpoint):

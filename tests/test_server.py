@@ -8,68 +8,28 @@ import argparse
 import asyncio
 import json
 import logging
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-
-LINES = 4
+from server_harness import (
+    LINES,
+    async_openai_client,
+    batched_model,
+    openai_client,
+    sample_alone,  # noqa: F401  (the fixture `alone`)
+    serving,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
-    import uvicorn
-
-    from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
     from serving.engine import Engine
-    from serving.openai_api import create_app
 
-    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=LINES))
-    model = LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=LINES, n_positions=256,
-                                             context_length_estimate=[32, 64],
-                                             neuron_config=config).to_neuron()
-    engine = Engine(model, "smollm2").start()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    running = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port,
-                                            log_level="warning"))
-    thread = threading.Thread(target=running.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not running.started:
-        assert time.monotonic() < deadline, "the server did not start in 30 s"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    running.should_exit = True
-    thread.join(timeout=30)
-    engine.stop()
-
-
-@pytest.fixture(scope="module")
-def alone(smollm2_gguf):
-    """The text sample() gives a prompt alone (greedy, batch 1, no continuous batching)."""
-    from decoders import LlamaForSampling
-
-    model = LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=1, n_positions=256,
-                                             context_length_estimate=[32, 64]).to_neuron()
-    tokenizer = model.tokenizer
-    eos = set(model.eos_ids())
-
-    def text(prompt_ids: list[int], max_tokens: int) -> str:
-        out = model.sample([prompt_ids], sequence_length=len(prompt_ids) + max_tokens, top_k=1)
-        new = [t for t in out[0, len(prompt_ids):].tolist() if t not in eos]
-        return tokenizer.decode(new, skip_special_tokens=True)
-
-    return model, text
-
-
-def client(base: str):
-    from openai import OpenAI
-
-    return OpenAI(base_url=base + "/v1", api_key="none", timeout=60, max_retries=0)
+    model = batched_model(smollm2_gguf, n_positions=256, context_length_estimate=[32, 64])
+    with serving(Engine(model, "smollm2").start()) as running:
+        yield running.base, running.engine
 
 
 def chat_ids(tokenizer, content: str) -> list[int]:
@@ -81,7 +41,7 @@ def chat_ids(tokenizer, content: str) -> list[int]:
 def test_the_openai_client_gets_a_completion_and_a_streamed_chat_completion(server, alone):
     base, _ = server
     model, text = alone
-    api = client(base)
+    api = openai_client(base)
     done = api.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=12,
                                   temperature=0)
     prompt_ids = list(model.tokenizer("The capital of France is")["input_ids"])
@@ -105,14 +65,12 @@ def test_the_openai_client_gets_a_completion_and_a_streamed_chat_completion(serv
 
 
 def test_sixteen_concurrent_streams_each_get_what_sample_gives_their_prompt_alone(server, alone):
-    from openai import AsyncOpenAI
-
     base, engine = server
     model, text = alone
     topics = ["the sea", "a cat", "winter", "coffee", "the moon", "trains", "music", "bread", "rain",
               "a garden", "mountains", "a library", "fire", "the desert", "bees", "a clock"]
     questions = [f"Write one sentence about {topic}." for topic in topics]
-    api = AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
+    api = async_openai_client(base)
 
     async def one(question: str) -> str:
         stream = await api.chat.completions.create(model="smollm2",
@@ -162,7 +120,7 @@ def test_bad_requests_get_4xx_in_openais_shape_and_the_server_keeps_answering(se
 
 def test_stop_strings_and_seeds(server):
     base, _ = server
-    api = client(base)
+    api = openai_client(base)
     whole = api.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=20,
                                    temperature=0).choices[0].text
     stop = whole.strip().split(",")[1].strip()             # a number the answer goes on to write
@@ -197,10 +155,7 @@ def test_fifty_clients_a_quarter_leaving_mid_stream_leave_no_line_in_use(server)
 
     received = asyncio.run(everyone())
     assert all(count >= 2 for count in received)
-    deadline = time.monotonic() + 60
-    while not engine.idle():
-        assert time.monotonic() < deadline, "lines still in use 60 s after every client finished or left"
-        time.sleep(0.1)
+    wait_for(engine.idle, "every line free once every client finished or left", seconds=60)
     assert engine.batcher.active == 0 and not engine.batcher.waiting
     with httpx.Client(base_url=base, timeout=30) as http:
         metrics = http.get("/metrics").text
@@ -263,7 +218,7 @@ def test_each_finished_request_gives_one_log_line_unless_quieted(server):
     from serving.engine import request_log, show_request_log
 
     base, _ = server
-    api = client(base)
+    api = openai_client(base)
     lines = _Lines()
     request_log.addHandler(lines)
     try:
@@ -296,8 +251,6 @@ def test_one_request_failing_inside_a_step_ends_alone_and_seven_others_get_their
     """Fault injection: of 8 concurrent greedy requests, one fails while its tokens are chosen
     (mid-answer). It gets a 500 in OpenAI's shape; the 7 others, streamed or not, get what
     sample() gives their prompts alone."""
-    from openai import AsyncOpenAI
-
     base, engine = server
     model, text = alone
     prompts = [f"Here is a short list of {thing}:" for thing in
@@ -311,7 +264,7 @@ def test_one_request_failing_inside_a_step_ends_alone_and_seven_others_get_their
         return choose(request, logits)
 
     monkeypatch.setattr(engine.batcher, "_choose", failing_choice)
-    api = AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
+    api = async_openai_client(base)
 
     async def one(i: int, http: httpx.AsyncClient):
         if i == 3:
@@ -367,7 +320,7 @@ def test_a_streamed_request_that_fails_gets_an_error_event_and_the_stream_ends(s
     assert last["error"]["type"] == "server_error" and "injected fault" in last["error"]["message"]
     assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
     with pytest.raises(openai.APIError, match="injected fault"):
-        for _ in client(base).chat.completions.create(model="smollm2", **body):
+        for _ in openai_client(base).chat.completions.create(model="smollm2", **body):
             pass
 
 
@@ -470,10 +423,7 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it_within_a_step(server
             return request, at_leaving
 
     request, at_leaving = asyncio.run(leave())
-    deadline = time.monotonic() + 30
-    while not request.done:
-        assert time.monotonic() < deadline, "the request still ran 30 s after its client left"
-        time.sleep(0.01)
+    wait_for(lambda: request.done, "the request ended after its client left", seconds=30)
     assert request.finish_reason == "cancelled"
     # Within a step or so of leaving (a step here is tens of milliseconds; the server checks every 20 ms).
     assert len(request.tokens) <= at_leaving + 3, (at_leaving, len(request.tokens))

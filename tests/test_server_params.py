@@ -6,16 +6,13 @@ here is bounded."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from server_harness import batched_model, openai_client, serving
 
-LINES = 4
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
@@ -23,50 +20,23 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 def tiny_server(tiny_llama):
     """(base url, engine, HF model) of a server over tests/tiny_llama.py's model and a word-level
     tokenizer ("t0" .. "t319") with a chat template that joins the messages' contents."""
-    import uvicorn
     from tiny_tokenizer import make_tokenizer
 
-    from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
     from serving.engine import Engine
-    from serving.openai_api import create_app
 
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
-    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=LINES))
-    model = LlamaForSampling.from_pretrained(
-        path, batch_size=LINES, n_positions=64, context_length_estimate=[8, 16], neuron_config=config
-    ).to_neuron()
+    model = batched_model(path, n_positions=64, context_length_estimate=[8, 16])
     tokenizer = make_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     model._tokenizer = tokenizer
-    engine = Engine(model, "tiny").start()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    running = uvicorn.Server(
-        uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=running.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not running.started:
-        assert time.monotonic() < deadline, "the server did not start in 30 s"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, hf
-    running.should_exit = True
-    thread.join(timeout=30)
-    engine.stop()
+    with serving(Engine(model, "tiny").start()) as running:
+        yield running.base, running.engine, hf
 
 
 @pytest.fixture(scope="module")
 def http(tiny_server):
     with httpx.Client(base_url=tiny_server[0], timeout=60) as client:
         yield client
-
-
-def openai_client(base: str):
-    from openai import OpenAI
-
-    return OpenAI(base_url=base + "/v1", api_key="none", timeout=60, max_retries=0)
 
 
 def words(ids: list[int]) -> str:

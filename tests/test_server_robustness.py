@@ -7,69 +7,38 @@ Every wait is bounded. SmolLM2 on a loopback port, behind pyhlo's own uvicorn se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
-import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import pytest
-from test_server import alone  # noqa: F401  (a fixture, read by getfixturevalue: sample()'s text alone)
+from server_harness import (
+    LINES,
+    batched_model,
+    free_port,
+    openai_client,
+    sample_alone,  # noqa: F401  (the fixture `alone`)
+    serve,
+    serving,
+    wait_for,
+)
 
-LINES = 4
 KEY = "sk-pyhlo-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 1 << 20                   # 1 MiB: the tests' server; pyhlo serve's default is 8 MiB
 
 
-@dataclass
-class Served:
-    base: str
-    engine: Any
-    server: Any
-    thread: threading.Thread
-
-
-def serve(engine, port: int | None = None, shutdown_timeout: float = 30.0, **app_options) -> Served:
-    """A started GracefulServer (uvicorn) over `engine` on a free loopback port, in a thread."""
-    import uvicorn
-
-    from serving.openai_api import create_app
-    from serving.shutdown import GracefulServer
-
-    if port is None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    server = GracefulServer(uvicorn.Config(create_app(engine, **app_options), host="127.0.0.1", port=port,
-                                           log_level="warning"), engine, shutdown_timeout=shutdown_timeout)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start in 30 s"
-        time.sleep(0.02)
-    return Served(f"http://127.0.0.1:{port}", engine, server, thread)
-
-
 @pytest.fixture(scope="module")
 def served(smollm2_gguf):
-    from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
     from serving.engine import Engine
 
-    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=LINES))
-    model = LlamaForSampling.from_pretrained(smollm2_gguf, batch_size=LINES, n_positions=256,
-                                             context_length_estimate=[32, 64],
-                                             neuron_config=config).to_neuron()
-    engine = Engine(model, "smollm2").start()
-    running = serve(engine, api_key=KEY, max_request_bytes=BODY_LIMIT)
-    yield running
-    running.server.should_exit = True
-    running.thread.join(timeout=30)
-    engine.stop()
+    model = batched_model(smollm2_gguf, n_positions=256, context_length_estimate=[32, 64])
+    with serving(Engine(model, "smollm2").start(), shutdown_timeout=30, api_key=KEY,
+                 max_request_bytes=BODY_LIMIT) as running:
+        yield running
 
 
 @pytest.fixture
@@ -87,9 +56,8 @@ def second_engine(served):
 
 
 def api(base: str, key: str = KEY):
-    from openai import OpenAI
-
-    return OpenAI(base_url=base + "/v1", api_key=key, timeout=60, max_retries=0)
+    """The openai client, with this module's API key."""
+    return openai_client(base, api_key=key)
 
 
 def metric(base: str, name: str) -> float:
@@ -229,8 +197,8 @@ def test_a_bad_request_gets_a_4xx_in_openais_shape_and_never_reaches_the_model(s
     assert engine.prompt_tokens._value.get() == before, "a bad request reached the model"
 
 
-def test_after_every_bad_request_the_server_answers_right_and_is_idle(served, request):
-    model, text = request.getfixturevalue("alone")
+def test_after_every_bad_request_the_server_answers_right_and_is_idle(served, alone):
+    model, text = alone
     prompt = "The capital of France is"
     done = api(served.base).completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0)
     assert done.choices[0].text == text(list(model.tokenizer(prompt)["input_ids"]), 8)
@@ -420,13 +388,6 @@ def test_a_stream_never_shows_any_part_of_a_stop_string(served, chat):
 
 
 # -- load: gauges, the queue's bound ---------------------------------------------------------
-def wait_for(condition, what: str, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
-        time.sleep(0.01)
-
-
 def test_gauges_are_zero_once_requests_finish(served):
     """Twelve one-token requests over four lines: some wait, and each ends in the step that
     admits it. Once they are done, every gauge reads 0."""
@@ -510,9 +471,37 @@ def _stream_all(http: httpx.Client, prompt: str, max_tokens: int) -> tuple[str, 
     return text, reason, error
 
 
-def _start_load(base: str, engine, prompts: list[str], waiting: int, max_tokens: int):
-    """len(prompts) streams (one per line) and `waiting` plain requests behind them, in threads;
-    returns once every line is generating and the rest wait. Results land in the returned dict."""
+class _HeldSteps:
+    """Holds an engine's thread before a step once `when()` is true there, until release().
+    The thread that steps reads `when` between two steps, so the state it waits for cannot
+    pass unseen however slow the machine, and it lasts while a test acts on it. Bounded:
+    the thread goes on by itself after `seconds`."""
+
+    def __init__(self, engine, when, seconds: float = 300):
+        self.reached = threading.Event()
+        self._released = threading.Event()
+        self._batcher = engine.batcher
+        step = engine.batcher.step
+
+        def held_step():
+            if not self._released.is_set() and when():
+                self.reached.set()
+                self._released.wait(timeout=seconds)
+            step()
+
+        self._batcher.step = held_step
+
+    def release(self) -> None:
+        self._released.set()
+        del self._batcher.step                  # the batcher's own step again
+
+
+@contextlib.contextmanager
+def _load(base: str, engine, prompts: list[str], waiting: int, max_tokens: int):
+    """len(prompts) streams and `waiting` plain requests after them, in threads. Inside the
+    block the engine is held between two steps with every stream generating and the others
+    submitted and in no line; leaving the block lets it step again. Yields (results: filled
+    as the requests end, the threads, an http client)."""
     results: dict = {}
 
     def stream(i):
@@ -530,31 +519,38 @@ def _start_load(base: str, engine, prompts: list[str], waiting: int, max_tokens:
             except httpx.HTTPError as error:
                 results[f"waiting-{i}"] = error
 
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    wait_for(lambda: sum(r is not None and len(r.tokens) > 1 for r in engine.batcher.lines) == len(prompts),
-             "every line generating")
-    threads += [threading.Thread(target=plain, args=(i,), daemon=True) for i in range(waiting)]
-    for thread in threads[len(prompts):]:
-        thread.start()
-    wait_for(lambda: engine.waiting_requests() == waiting, "the others waiting")
-    return results, threads, httpx.Client(base_url=base, timeout=60)
+    # A request that finds a free line is admitted in the next step: "waiting" lasts less than
+    # a step unless the engine is held, and polling for it from here would miss it.
+    held = _HeldSteps(engine, when=lambda: sum(r is not None and len(r.tokens) > 1
+                                               for r in engine.batcher.lines) == len(prompts))
+    http = httpx.Client(base_url=base, timeout=60)
+    try:
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        assert held.reached.wait(timeout=60), "every line generating: not within 60 s"
+        threads += [threading.Thread(target=plain, args=(i,), daemon=True) for i in range(waiting)]
+        for thread in threads[len(prompts):]:
+            thread.start()
+        wait_for(lambda: engine.waiting_requests() == waiting, "the others waiting")
+        yield results, threads, http
+    finally:
+        held.release()
+        http.close()
 
 
 def test_sigterm_lets_running_requests_finish_fails_waiting_ones_and_refuses_new_ones(served, second_engine,
-                                                                                      request):
-    model, text = request.getfixturevalue("alone")
+                                                                                      alone):
+    model, text = alone
     running = serve(second_engine, shutdown_timeout=120)
     prompts = [f"Here is a long story about {thing}:" for thing in ("a fox", "a ship", "a town", "a bell")]
-    results, threads, http = _start_load(running.base, second_engine, prompts, waiting=2, max_tokens=48)
-    running.server.handle_exit(signal.SIGTERM, None)
-    refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-    health = http.get("/health")
+    with _load(running.base, second_engine, prompts, waiting=2, max_tokens=48) as (results, threads, http):
+        running.server.handle_exit(signal.SIGTERM, None)
+        refused = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        health = http.get("/health")
     for thread in threads:
         thread.join(timeout=120)
     running.thread.join(timeout=60)
-    http.close()
     assert not running.thread.is_alive(), "the server did not exit once its requests were done"
     for response in (refused, health):
         assert "shutting down" in assert_openai_error(response, 503)["message"]
@@ -572,12 +568,11 @@ def test_sigterm_ends_what_still_runs_at_the_timeout_and_a_second_signal_exits_a
     # --shutdown-timeout 0: the running requests end with an error at once, as a 503.
     running = serve(second_engine, shutdown_timeout=0)
     prompts = [f"Count slowly, {thing}:" for thing in ("one", "two")]
-    results, threads, http = _start_load(running.base, second_engine, prompts, waiting=0, max_tokens=200)
-    running.server.handle_exit(signal.SIGTERM, None)
+    with _load(running.base, second_engine, prompts, waiting=0, max_tokens=200) as (results, threads, _):
+        running.server.handle_exit(signal.SIGTERM, None)
     for thread in threads:
         thread.join(timeout=120)
     running.thread.join(timeout=60)
-    http.close()
     assert not running.thread.is_alive()
     for i in range(len(prompts)):
         _, reason, error = results[i]
@@ -588,25 +583,50 @@ def test_sigterm_ends_what_still_runs_at_the_timeout_and_a_second_signal_exits_a
     third = Engine(served.engine.model, "smollm2").start()
     try:
         running = serve(third, shutdown_timeout=600)
-        results, threads, http = _start_load(running.base, third, prompts, waiting=1, max_tokens=200)
-        with third._open_lock:
-            held = list(third._open.values())
-        assert len(held) == len(prompts) + 1
-        running.server.handle_exit(signal.SIGTERM, None)
-        running.server.handle_exit(signal.SIGTERM, None)
+        with _load(running.base, third, prompts, waiting=1, max_tokens=200) as (_, threads, _):
+            with third._open_lock:
+                held = list(third._open.values())
+            assert len(held) == len(prompts) + 1
+            running.server.handle_exit(signal.SIGTERM, None)
+            running.server.handle_exit(signal.SIGTERM, None)
         running.thread.join(timeout=60)
         assert not running.thread.is_alive(), "a second signal did not stop the server"
         wait_for(third.idle, "every request ended")
         for thread in threads:
             thread.join(timeout=60)
-        http.close()
         for request in held:
-            # The waiting one may have been failed by the first signal's drain already.
-            assert request.finish_reason == "error" and ("stopped" in request.error or (
-                "shutting down" in request.error and "waiting" in request.error)), request.error
+            # The first signal's drain ends the waiting one; the second, the running ones.
+            if request.line is None:
+                assert request.finish_reason == "error" and "shutting down" in request.error and \
+                    "waiting" in request.error, request.error
+            else:
+                assert request.finish_reason == "error" and "stopped" in request.error, request.error
             assert len(request.tokens) < 200
     finally:
         third.stop()
+
+
+def test_the_engine_is_not_idle_while_its_thread_takes_a_request_in(second_engine):
+    """Between the inbox and the batcher's queue a request is in neither: a graceful shutdown
+    reading idle() at that moment would exit under it."""
+    from serving.engine import Sampling
+
+    engine, seen = second_engine, []
+    add = engine.batcher.add
+
+    def add_and_look(request):
+        seen.append(engine.idle())               # on the engine thread, the request taken from the inbox
+        add(request)
+
+    engine.batcher.add = add_and_look
+    loop = asyncio.new_event_loop()              # the request's text goes to its queue, unread
+    try:
+        request, _ = engine.submit([1, 2, 3], Sampling(max_tokens=2), loop)
+        wait_for(lambda: request.done, "the request ended")
+    finally:
+        loop.close()
+    assert seen == [False] and request.finish_reason in ("length", "stop")
+    wait_for(engine.idle, "the engine idle once the request ended", seconds=10)
 
 
 def test_pyhlo_serve_drains_on_a_real_sigterm_and_exits(smollm2_gguf, served):
@@ -617,9 +637,7 @@ def test_pyhlo_serve_drains_on_a_real_sigterm_and_exits(smollm2_gguf, served):
     import subprocess
     import sys
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "tools", "serve", "-m", str(smollm2_gguf), "--max-num-seqs", str(LINES),
                "--max-model-len", "256", "--context-length-estimate", "32,64", "--port", str(port),
                "--shutdown-timeout", "120", "--no-request-log"]

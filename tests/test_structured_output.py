@@ -4,16 +4,13 @@ the batcher and through the official openai client. Every wait here is bounded."
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import jsonschema
 import numpy as np
 import pytest
 import torch
+from server_harness import batched_model, openai_client, serving
 
-LINES = 4
 SHAPE = dict(n_positions=1024, context_length_estimate=[64, 256])
 
 # A Hermes-style chat template (as Qwen's): tools in the system turn, calls as <tool_call> JSON.
@@ -72,42 +69,15 @@ def tiny_chat_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def batched(tiny_chat_model):
-    from decoders import ContinuousBatchingConfig, LlamaForSampling, NeuronConfig
-
-    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=LINES))
-    return LlamaForSampling.from_pretrained(tiny_chat_model[1], batch_size=LINES, neuron_config=config,
-                                            **SHAPE).to_neuron()
+    return batched_model(tiny_chat_model[1], **SHAPE)
 
 
 @pytest.fixture(scope="module")
 def server(batched):
-    import uvicorn
-
     from serving.engine import Engine
-    from serving.openai_api import create_app
 
-    engine = Engine(batched, "tiny").start()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    running = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port,
-                                            log_level="warning"))
-    thread = threading.Thread(target=running.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not running.started:
-        assert time.monotonic() < deadline, "the server did not start in 30 s"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    running.should_exit = True
-    thread.join(timeout=30)
-    engine.stop()
-
-
-def client(base: str):
-    from openai import OpenAI
-
-    return OpenAI(base_url=base + "/v1", api_key="none", timeout=60, max_retries=0)
+    with serving(Engine(batched, "tiny").start()) as running:
+        yield running.base, running.engine
 
 
 def person_format(strict: bool = True) -> dict:
@@ -194,7 +164,7 @@ def test_constrained_lines_take_the_grammars_greedy_tokens_beside_free_lines(tin
 
 # -- response_format through the API --------------------------------------------------------------
 def test_json_schema_answers_parse_and_validate_on_chat_and_completions(server):
-    api = client(server[0])
+    api = openai_client(server[0])
     free = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Describe Ann."}],
                                        max_tokens=40, temperature=0)
     assert not parses(free.choices[0].message.content)          # the mask is what makes it JSON
@@ -212,7 +182,7 @@ def test_json_schema_answers_parse_and_validate_on_chat_and_completions(server):
 
 
 def test_a_streamed_json_answer_equals_the_whole_one(server):
-    api = client(server[0])
+    api = openai_client(server[0])
     messages = [{"role": "user", "content": "Describe Bob."}]
     whole = api.chat.completions.create(model="tiny", messages=messages, max_tokens=120, temperature=0,
                                         response_format=person_format())
@@ -224,7 +194,7 @@ def test_a_streamed_json_answer_equals_the_whole_one(server):
 
 
 def test_json_object_answers_are_objects(server):
-    api = client(server[0])
+    api = openai_client(server[0])
     reasons = []
     for seed in range(4):
         done = api.chat.completions.create(model="tiny", messages=user(f"Item {seed}"),
@@ -240,7 +210,7 @@ def test_json_object_answers_are_objects(server):
 
 
 def test_json_cut_by_max_tokens_is_length_as_openai_reports_it(server):
-    api = client(server[0])
+    api = openai_client(server[0])
     done = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Describe Cy."}],
                                        max_tokens=5, temperature=0, response_format=person_format())
     assert done.choices[0].finish_reason == "length"
@@ -274,7 +244,7 @@ def validate_call(call, tools: list[dict]) -> None:
 
 
 def test_required_and_named_tool_choices_give_valid_calls(server):
-    api = client(server[0])
+    api = openai_client(server[0])
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
     for choice in ["required", {"type": "function", "function": {"name": "get_time"}}]:
         for seed in range(3):
@@ -288,7 +258,7 @@ def test_required_and_named_tool_choices_give_valid_calls(server):
 
 
 def test_tool_calls_stream_as_deltas_that_add_up_to_the_whole_answer(server):
-    api = client(server[0])
+    api = openai_client(server[0])
     options = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
                    tool_choice="required", max_tokens=120, temperature=0)
     whole = api.chat.completions.create(**options).choices[0].message.tool_calls[0]
@@ -302,7 +272,7 @@ def test_tool_calls_stream_as_deltas_that_add_up_to_the_whole_answer(server):
 
 def test_auto_and_none_let_the_model_answer_in_text(server):
     base, engine = server
-    api = client(base)
+    api = openai_client(base)
     messages = [{"role": "user", "content": "Hello"}]
     for choice in ["auto", "none"]:
         done = api.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
@@ -320,7 +290,7 @@ def test_auto_and_none_let_the_model_answer_in_text(server):
 
 def test_a_call_and_its_result_go_back_through_the_template(server):
     base, engine = server
-    api = client(base)
+    api = openai_client(base)
     first = [{"role": "user", "content": "Weather in Oslo?"}]
     call = api.chat.completions.create(model="tiny", messages=first, tools=[WEATHER], tool_choice="required",
                                        max_tokens=120, temperature=0).choices[0].message.tool_calls[0]
