@@ -5,8 +5,8 @@
 // An unpacked super-block: value i = d * scale[i / 16] * q[i] + dlow * low[i / 16], q unsigned
 // (0..63), scale and low small integers per 16 values. Q3_K and Q6_K store centred values (q -
 // 4, q - 32); they say so by `centre`, with low = centre * scale and dlow = -d, so that the
-// exact kernel computes d * scale * (q - centre) as the gguf package does and the integer one
-// takes the centre through the sums of the rounded activations, as llama.cpp does.
+// exact kernel multiplies by q - centre as the gguf package does and the integer one takes the
+// centre through the sums of the rounded activations, as llama.cpp does.
 //
 // Paths: AVX-512 (BW, VL; the integer dot on VNNI where the CPU has it), AVX2, portable, as
 // the compiler flags allow. Q4_K, Q5_K and Q6_K are unpacked with vector instructions, Q2_K
@@ -243,40 +243,6 @@ inline void unpack(KQuant form, const uint8_t* b, SuperBlock* s, bool with_pairs
   if (with_pairs) pair_scales(s);
 }
 
-// The exact values as the gguf package computes them: (d * scale) * q + (dlow * low), or
-// (d * scale) * (q - centre); each product in f32, so an FMA would round differently.
-inline void to_floats(const SuperBlock& s, float* out) {
-  alignas(64) float step[16], offset[16];
-#ifdef PYHLO_KQ_AVX512
-  const __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(s.scale))));
-  const __m512 lows = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(s.low))));
-  _mm512_store_ps(step, _mm512_mul_ps(_mm512_set1_ps(s.d), scales));
-  _mm512_store_ps(offset, s.centre ? _mm512_setzero_ps() : _mm512_mul_ps(_mm512_set1_ps(s.dlow), lows));
-  const __m512i centre = _mm512_set1_epi32(s.centre);
-  for (int j = 0; j < 16; ++j) {
-    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-        _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(s.q + 16 * j))), centre));
-    _mm512_storeu_ps(out + 16 * j, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(step[j]), v), _mm512_set1_ps(offset[j])));
-  }
-#else
-  for (int j = 0; j < 16; ++j) {
-    step[j] = s.d * float(s.scale[j]);
-    offset[j] = s.centre ? 0.0f : s.dlow * float(s.low[j]);
-  }
-#ifdef PYHLO_KQ_AVX2
-  const __m256i centre = _mm256_set1_epi32(s.centre);
-  for (int j = 0; j < 32; ++j) {
-    const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.q + 8 * j))), centre));
-    _mm256_storeu_ps(out + 8 * j,
-                     _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(step[j / 2]), v), _mm256_set1_ps(offset[j / 2])));
-  }
-#else
-  for (int i = 0; i < kSuperValues; ++i) out[i] = step[i / 16] * float(int(s.q[i]) - s.centre) + offset[i / 16];
-#endif
-#endif
-}
-
 // One activation row rounded per 256 values as llama.cpp's quantize_row_q8_K does: the value
 // of largest magnitude `max` (the first, if several), iscale = -127 / max, q = nearest
 // integer to iscale * x (ties to even), at most 127; d = 1 / iscale (negative where max is
@@ -327,6 +293,83 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+// The exact product of unpacked super-blocks w with G activation rows x[g] (and the sums of
+// each 16 of them, x_sums[g]), added to out[g]: per 16 values, (d * scale) * sum (q - centre) x,
+// plus (dlow * low) * sum x where the form is not centred. The same terms as the gguf
+// package's values times x, summed in another order (f32 sums either way).
+template <int G>
+void dot_f32(const SuperBlock* w, int64_t blocks, const float* const* x, const float* const* x_sums, float* out) {
+#ifdef PYHLO_KQ_AVX512
+  // Two sums a row, even and odd groups of 16, so that the multiply-adds do not wait on each other.
+  __m512 acc[G][2];
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const SuperBlock& s = w[b];
+    alignas(64) float step[16];
+    const __m512 d = _mm512_set1_ps(s.d);
+    _mm512_store_ps(step, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                                               _mm256_load_si256(reinterpret_cast<const __m256i*>(s.scale))))));
+    const __m512i centre = _mm512_set1_epi32(s.centre);
+    for (int j = 0; j < 16; ++j) {
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+          _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(s.q + 16 * j))), centre));
+      const __m512 scale = _mm512_set1_ps(step[j]);
+      for (int g = 0; g < G; ++g)
+        acc[g][j & 1] = _mm512_fmadd_ps(_mm512_mul_ps(q, _mm512_loadu_ps(x[g] + b * kSuperValues + 16 * j)), scale,
+                                        acc[g][j & 1]);
+    }
+    if (!s.centre) {
+      const __m512 offsets = _mm512_mul_ps(_mm512_set1_ps(s.dlow), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                                               _mm256_load_si256(reinterpret_cast<const __m256i*>(s.low)))));
+      for (int g = 0; g < G; ++g) acc[g][0] = _mm512_fmadd_ps(offsets, _mm512_loadu_ps(x_sums[g] + 16 * b), acc[g][0]);
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g] += _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
+#elif defined(PYHLO_KQ_AVX2)
+  __m256 acc[G][2];
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const SuperBlock& s = w[b];
+    alignas(32) float step[16];
+    for (int half = 0; half < 2; ++half)
+      _mm256_store_ps(step + 8 * half, _mm256_mul_ps(_mm256_set1_ps(s.d), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+                                           _mm_load_si128(reinterpret_cast<const __m128i*>(s.scale + 8 * half))))));
+    const __m256i centre = _mm256_set1_epi32(s.centre);
+    for (int j = 0; j < 32; ++j) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.q + 8 * j))), centre));
+      const __m256 scale = _mm256_set1_ps(step[j / 2]);
+      for (int g = 0; g < G; ++g)
+        acc[g][j & 1] = _mm256_fmadd_ps(_mm256_mul_ps(q, _mm256_loadu_ps(x[g] + b * kSuperValues + 8 * j)), scale,
+                                        acc[g][j & 1]);
+    }
+    if (!s.centre)
+      for (int half = 0; half < 2; ++half) {
+        const __m256 offsets = _mm256_mul_ps(_mm256_set1_ps(s.dlow), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+                                                 _mm_load_si128(reinterpret_cast<const __m128i*>(s.low + 8 * half)))));
+        for (int g = 0; g < G; ++g)
+          acc[g][half] = _mm256_fmadd_ps(offsets, _mm256_loadu_ps(x_sums[g] + 16 * b + 8 * half), acc[g][half]);
+      }
+  }
+  for (int g = 0; g < G; ++g) out[g] += sum8(_mm256_add_ps(acc[g][0], acc[g][1]));
+#else
+  for (int64_t b = 0; b < blocks; ++b) {
+    const SuperBlock& s = w[b];
+    for (int g = 0; g < G; ++g) {
+      const float* xb = x[g] + b * kSuperValues;
+      float total = 0;
+      for (int j = 0; j < 16; ++j) {
+        float part = 0;
+        for (int i = 0; i < 16; ++i) part += float(int(s.q[16 * j + i]) - s.centre) * xb[16 * j + i];
+        total += s.d * float(s.scale[j]) * part;
+        if (!s.centre) total += s.dlow * float(s.low[j]) * x_sums[g][16 * b + j];
+      }
+      out[g] += total;
+    }
+  }
+#endif
+}
 
 // sum over `blocks` unpacked super-blocks w of the product with one rounded activation row
 // (q, d, bsum): per block, d_x * (d * sum_i scale * q_w * q_x + dlow * sum_16 low * bsum).

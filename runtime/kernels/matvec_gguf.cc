@@ -202,6 +202,7 @@ struct Problem {
   float* y;
   int64_t m, n, k;
   int64_t stride = 0;    // rows of mixed forms: bytes a row, its form's code last; 0: one form
+  const float* x_sums = nullptr;        // exact K-quant products: the sums of each 16 of x [m, K / 16]
   // The _x8 targets: x rounded as llama.cpp's Q8_K (pyhlo_kernels::quantize_q8_k), per row:
   const int8_t* x_q8 = nullptr;         // [m, K]
   const float* x_q8_scale = nullptr;    // [m, K / 256]
@@ -217,8 +218,35 @@ KQuant k_quant(Form form) { return KQuant(int(form) - int(kQ2_K)); }
 constexpr int64_t kPieceValues = 2048;
 
 // Each piece of a weight row is dequantized into a buffer once, then multiplied by every
-// activation row. A K-quant piece is first unpacked (kquants.h); with rounded activations its
-// unpacked super-blocks are multiplied as integers instead.
+// activation row. A K-quant piece is unpacked instead (kquants.h) and multiplied by up to
+// kGroup activation rows at a time in f32, or with rounded activations as integers.
+constexpr int kGroup = 4;
+
+void k_quant_piece(const Problem& p, const SuperBlock* unpacked, int64_t blocks, int64_t start, float* sums) {
+  const int64_t super_blocks = p.k / pyhlo_kernels::kSuperValues, first = start / pyhlo_kernels::kSuperValues;
+  if (p.x_q8 != nullptr) {
+    for (int64_t m = 0; m < p.m; ++m)
+      sums[m] += pyhlo_kernels::dot_q8_k(unpacked, p.x_q8 + m * p.k + start, p.x_q8_scale + m * super_blocks + first,
+                                         p.x_q8_sums + m * (p.k / 16) + start / 16, blocks);
+    return;
+  }
+  for (int64_t m0 = 0; m0 < p.m; m0 += kGroup) {
+    const float* x[kGroup];
+    const float* x_sums[kGroup];
+    const int group = int(std::min<int64_t>(kGroup, p.m - m0));
+    for (int g = 0; g < group; ++g) {
+      x[g] = p.x + (m0 + g) * p.k + start;
+      x_sums[g] = p.x_sums + (m0 + g) * (p.k / 16) + start / 16;
+    }
+    switch (group) {
+      case 4: pyhlo_kernels::dot_f32<4>(unpacked, blocks, x, x_sums, sums + m0); break;
+      case 3: pyhlo_kernels::dot_f32<3>(unpacked, blocks, x, x_sums, sums + m0); break;
+      case 2: pyhlo_kernels::dot_f32<2>(unpacked, blocks, x, x_sums, sums + m0); break;
+      default: pyhlo_kernels::dot_f32<1>(unpacked, blocks, x, x_sums, sums + m0); break;
+    }
+  }
+}
+
 void weight_rows(const Problem& p, int64_t begin, int64_t end) {
   std::unique_ptr<float[]> values(new float[kPieceValues]);
   std::unique_ptr<SuperBlock[]> unpacked(new SuperBlock[kPieceValues / pyhlo_kernels::kSuperValues]);
@@ -234,23 +262,13 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
       const int64_t blocks = length / layout.values;
       const uint8_t* piece = row + first * layout.bytes;
       if (is_k_quant(form)) {
-        for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t b = 0; b < blocks; ++b)
           pyhlo_kernels::unpack(k_quant(form), piece + b * layout.bytes, &unpacked[b], integer);
-          if (!integer) pyhlo_kernels::to_floats(unpacked[b], values.get() + b * layout.values);
-        }
-      } else {
-        for (int64_t b = 0; b < blocks; ++b) dequantize(form, piece + b * layout.bytes, values.get() + b * layout.values);
+        k_quant_piece(p, unpacked.get(), blocks, start, sums.data());
+        continue;
       }
-      for (int64_t m = 0; m < p.m; ++m) {
-        if (integer) {
-          const int64_t super_blocks = p.k / pyhlo_kernels::kSuperValues;
-          sums[m] += pyhlo_kernels::dot_q8_k(unpacked.get(), p.x_q8 + m * p.k + start,
-                                             p.x_q8_scale + m * super_blocks + first,
-                                             p.x_q8_sums + m * (p.k / 16) + start / 16, blocks);
-        } else {
-          sums[m] += dot(values.get(), p.x + m * p.k + start, length);
-        }
-      }
+      for (int64_t b = 0; b < blocks; ++b) dequantize(form, piece + b * layout.bytes, values.get() + b * layout.values);
+      for (int64_t m = 0; m < p.m; ++m) sums[m] += dot(values.get(), p.x + m * p.k + start, length);
     }
     for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
   }
@@ -333,8 +351,14 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
   }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   std::vector<int8_t> x_q8;
-  std::vector<float> x_q8_scale;
+  std::vector<float> x_q8_scale, x_sums;
   std::vector<int16_t> x_q8_sums;
+  if (!int8_x && (form == kForms || is_k_quant(form))) {
+    x_sums.assign(p.m * (p.k / 16), 0.0f);
+    for (int64_t i = 0; i < p.m * (p.k / 16); ++i)
+      for (int j = 0; j < 16; ++j) x_sums[i] += p.x[16 * i + j];
+    p.x_sums = x_sums.data();
+  }
   if (int8_x) {
     const int64_t blocks = p.k / pyhlo_kernels::kSuperValues;
     x_q8.resize(p.m * p.k);
