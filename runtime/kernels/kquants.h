@@ -295,9 +295,9 @@ inline float sum8(__m256 v) {
 #endif
 
 // The exact product of unpacked super-blocks w with G activation rows x[g] (and the sums of
-// each 16 of them, x_sums[g]), added to out[g]: per 16 values, (d * scale) * sum (q - centre) x,
-// plus (dlow * low) * sum x where the form is not centred. The same terms as the gguf
-// package's values times x, summed in another order (f32 sums either way).
+// each 16 of them, x_sums[g]), added to out[g]: sum_i (d * scale) * (q_i - centre) * x_i, plus
+// (dlow * low) * (the sum of the 16 x) where the form is not centred; (d * scale) * (q - centre)
+// is the gguf package's value of a centred form, rounded once as there (f32 sums either way).
 template <int G>
 void dot_f32(const SuperBlock* w, int64_t blocks, const float* const* x, const float* const* x_sums, float* out) {
 #ifdef PYHLO_KQ_AVX512
@@ -314,10 +314,9 @@ void dot_f32(const SuperBlock* w, int64_t blocks, const float* const* x, const f
     for (int j = 0; j < 16; ++j) {
       const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(
           _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(s.q + 16 * j))), centre));
-      const __m512 scale = _mm512_set1_ps(step[j]);
+      const __m512 v = _mm512_mul_ps(q, _mm512_set1_ps(step[j]));
       for (int g = 0; g < G; ++g)
-        acc[g][j & 1] = _mm512_fmadd_ps(_mm512_mul_ps(q, _mm512_loadu_ps(x[g] + b * kSuperValues + 16 * j)), scale,
-                                        acc[g][j & 1]);
+        acc[g][j & 1] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x[g] + b * kSuperValues + 16 * j), acc[g][j & 1]);
     }
     if (!s.centre) {
       const __m512 offsets = _mm512_mul_ps(_mm512_set1_ps(s.dlow), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
@@ -339,10 +338,9 @@ void dot_f32(const SuperBlock* w, int64_t blocks, const float* const* x, const f
     for (int j = 0; j < 32; ++j) {
       const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.q + 8 * j))), centre));
-      const __m256 scale = _mm256_set1_ps(step[j / 2]);
+      const __m256 v = _mm256_mul_ps(q, _mm256_set1_ps(step[j / 2]));
       for (int g = 0; g < G; ++g)
-        acc[g][j & 1] = _mm256_fmadd_ps(_mm256_mul_ps(q, _mm256_loadu_ps(x[g] + b * kSuperValues + 8 * j)), scale,
-                                        acc[g][j & 1]);
+        acc[g][j & 1] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x[g] + b * kSuperValues + 8 * j), acc[g][j & 1]);
     }
     if (!s.centre)
       for (int half = 0; half < 2; ++half) {
@@ -360,9 +358,8 @@ void dot_f32(const SuperBlock* w, int64_t blocks, const float* const* x, const f
       const float* xb = x[g] + b * kSuperValues;
       float total = 0;
       for (int j = 0; j < 16; ++j) {
-        float part = 0;
-        for (int i = 0; i < 16; ++i) part += float(int(s.q[16 * j + i]) - s.centre) * xb[16 * j + i];
-        total += s.d * float(s.scale[j]) * part;
+        const float step = s.d * float(s.scale[j]);
+        for (int i = 0; i < 16; ++i) total += step * float(int(s.q[16 * j + i]) - s.centre) * xb[16 * j + i];
         if (!s.centre) total += s.dlow * float(s.low[j]) * x_sums[g][16 * b + j];
       }
       out[g] += total;
