@@ -114,11 +114,11 @@ def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str,
                        int8_activations: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] kept as a GGUF file stores
     it: rows of whole blocks of `ggml_type`, u8 [n, k / values * bytes] (pyhlo.ops.gguf_blocks
-    has the layouts). Each block is dequantized to f32 as the gguf package reads it and the
-    sums are f32; with int8_activations (GGUF_X8_KERNEL_TYPES), x is rounded per 256 values to
-    int8 as llama.cpp's Q8_K does and each block's product is an integer sum (the _x8 targets).
-    The kernel must be registered with the backend (runtime.cpu_kernels.register()) before a
-    program using it is compiled."""
+    has the layouts). Each block's values are the gguf package's reading of it (a K-quant's
+    minimums applied through the sums of x) and the sums are f32; with int8_activations
+    (GGUF_X8_KERNEL_TYPES), x is rounded per 256 values to int8 as llama.cpp's Q8_K does and
+    each block's product is an integer sum (the _x8 targets). The kernel must be registered
+    with the backend (runtime.cpu_kernels.register()) before a program using it is compiled."""
     from pyhlo.ops.gguf_blocks import LAYOUTS
 
     values, size = LAYOUTS.get(ggml_type, (0, 0)) if ggml_type in GGUF_KERNEL_TYPES else (0, 0)

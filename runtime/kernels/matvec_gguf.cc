@@ -10,16 +10,17 @@
 //
 // The exact form: each block is dequantized to f32 as the gguf package's numpy reading does
 // (the same products, each exact in f32), once for all activation rows, and multiplied by
-// them with f32 sums. Weight rows are split between the caller and XLA's thread pool.
+// them with f32 sums; a K-quant's values are scaled per 16 as there and its minimums come
+// through the sums of x over each 16 (kquants.h). Weight rows are split between the caller
+// and XLA's thread pool, and each is taken 2048 values at a time.
 //
 // The int8-activation form (the _x8 targets: pyhlo_matvec_q4_k_x8 ..., pyhlo_matvec_gguf_rows_x8
 // for rows all K-quants), as llama.cpp multiplies K-quants: x rounded per 256 values as its
 // Q8_K (kquants.h), each super-block's product a sum of integer products scaled once.
 //
-// Paths: AVX2 + FMA sums (8 floats a vector) where the CPU has them (AVX-512 hosts too);
-// elsewhere a portable form of 16 partial sums that compilers vectorize as they can. The
-// K-quants are unpacked with AVX-512 or AVX2 where the CPU has them (kquants.h), the other
-// forms in plain C++ (Q5_0 and Q5_1 with AVX2).
+// Paths: AVX-512 or AVX2 + FMA where the CPU has them, elsewhere portable forms that
+// compilers vectorize as they can. The K-quants are unpacked with AVX-512 or AVX2
+// (kquants.h), Q5_0 and Q5_1 with AVX2, the other forms in plain C++.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
