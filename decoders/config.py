@@ -218,9 +218,10 @@ class NeuronConfig:
     # a quarter of f32 caches' bytes and half of bf16's. True is "s8"; False keeps the amp type.
     kv_cache_quant: bool | str = False
     # Products of GGUF block weights on pyhlo's CPU kernels (decode steps, the LM head) round
-    # the activations to int8 per 32 values (max |x| / 127, as llama.cpp does) and multiply
-    # integers: faster, within the rounding of the exact product (off: activations stay f32).
-    # Q8_0, Q4_0 and Q4_1 only: the forms kept as the file's bytes (K-quants ...) stay exact.
+    # the activations to int8 as llama.cpp does and multiply integers: faster, within the
+    # rounding of the exact product (off: activations stay f32). Q8_0, Q4_0 and Q4_1 round per
+    # 32 values (max |x| / 127), the K-quants Q2_K to Q6_K per 256 (llama.cpp's Q8_K); the
+    # other forms (Q5_0, Q5_1, IQ4_NL, IQ4_XS) stay exact.
     int8_activations: bool = False
     on_device_generation: GenerationConfig | None = None
     # The token embedding runs inside the device program (transformers-neuronx's
@@ -307,8 +308,8 @@ class NeuronConfig:
             raise ValueError("NeuronConfig.int8_activations must be True or False, got "
                              f"{self.int8_activations!r}")
         if self.int8_activations and (self.gguf_blocks is False or self.quant is not None):
-            raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept "
-                             "in their blocks: it cannot go with gguf_blocks=False or quant")
+            raise ValueError("NeuronConfig.int8_activations applies to GGUF weights kept in their blocks "
+                             "(Q8_0, Q4_0, Q4_1, the K-quants): it cannot go with gguf_blocks=False or quant")
         if self.kv_cache_quant == "s8":
             self.kv_cache_quant = True
         if self.kv_cache_quant not in (True, False):

@@ -46,6 +46,7 @@ from pyhlo.ops.collectives import all_reduce_sum
 from pyhlo.ops.gguf_blocks import dequantize_gguf, dequantize_gguf_rows
 from pyhlo.ops.linalg import (
     BLOCK_KERNEL_FORMS,
+    GGUF_X8_KERNEL_TYPES,
     matmul,
     matmul_transposed,
     matvec_blocks_kernel,
@@ -92,7 +93,8 @@ class XlaLowering:
     gguf_blocks: tuple[tuple[str, str], ...] = ()
     # KV caches of packed int8 rows, a scale per line, head and slot (NeuronConfig.kv_cache_quant).
     kv_cache_quant: bool = False
-    # Kernel products of GGUF block weights round the activations to int8 (NeuronConfig.int8_activations).
+    # Kernel products of GGUF block weights whose forms have integer kernels round the activations
+    # to int8 (NeuronConfig.int8_activations; has_int8_activation_kernel).
     int8_activations: bool = False
     # How exactly f32 products are computed (NeuronConfig.f32_matmul_precision): "highest" is
     # f32 on every platform; "default" lets a GPU use TF32.
@@ -228,11 +230,13 @@ class CpuKernelLowering(XlaLowering):
         first, last = dict(self.kernel_rows).get("blocks" if blocks else weight.dtype, (0, 0))
         if 0 < first <= int(np.prod(x.dims[:-1])) <= last:
             rows = ew.convert(x, "f32")
-            form = block_form(self.block_forms[param.name]) if blocks else None
-            if blocks and self.block_forms[param.name].startswith(ROWS):
-                product = matvec_gguf_rows_kernel(rows, weight, ggml_types(self.block_forms[param.name]))
-            elif form is not None and form.as_file:   # the exact kernel (int8 activations: Q8_0, Q4_0, Q4_1)
-                product = matvec_gguf_kernel(rows, weight, form.ggml_type)
+            quant = self.block_forms[param.name] if blocks else None
+            form = block_form(quant) if blocks else None
+            rounded = blocks and self.int8_activations and has_int8_activation_kernel(quant)
+            if blocks and quant.startswith(ROWS):
+                product = matvec_gguf_rows_kernel(rows, weight, ggml_types(quant), rounded)
+            elif form is not None and form.as_file:
+                product = matvec_gguf_kernel(rows, weight, form.ggml_type, rounded)
             elif blocks:
                 product = matvec_blocks_kernel(rows, weight, scale, mins, self.int8_activations)
             else:
@@ -259,6 +263,16 @@ def widened_blocks(form: str, weight: HloValue, scale: HloValue | None, mins: Hl
     if BLOCK_FORMS[form].as_file:
         return dequantize_gguf(weight, BLOCK_FORMS[form].ggml_type, dtype)
     return dequantize_blocks(weight, scale, mins, dtype)
+
+
+def has_int8_activation_kernel(form: str) -> bool:
+    """Whether the kernel of a GGUF block weight's form can round the activations to int8
+    (NeuronConfig.int8_activations): Q8_0, Q4_0 and Q4_1 split into arrays (per 32 values), and
+    the K-quants kept as the file's bytes, rows of mixed K-quants too (per 256, as llama.cpp's
+    Q8_K). The other forms run exact kernels."""
+    if not block_form(form).as_file:
+        return True
+    return all(t in GGUF_X8_KERNEL_TYPES for t in ggml_types(form))
 
 
 def ggml_types(form: str) -> tuple[str, ...]:

@@ -12,9 +12,8 @@ from typing import Any
 
 from decoders.config import NeuronConfig
 from decoders.kernel_calibration import kernel_rows
-from decoders.lowering import CpuKernelLowering, XlaLowering
+from decoders.lowering import CpuKernelLowering, XlaLowering, has_int8_activation_kernel
 from decoders.parallel.kv_sharding import KVSharding
-from decoders.weights.stored import block_form
 
 
 def preferred_weight_layout(dtype: str, batch_size: int) -> str:
@@ -52,10 +51,12 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
     the kernels: it saves the launch of one block program per layer, about 37 us each).
     """
     wanted = neuron_config.cpu_kernels
-    if neuron_config.int8_activations and all(block_form(form).as_file for _, form in gguf_blocks):
-        raise ValueError("NeuronConfig.int8_activations applies to GGUF Q8_0 / Q4_0 / Q4_1 weights kept in "
-                         "their blocks (the other forms kept as stored run exact kernels), and this model "
-                         "has none (a .gguf file with such tensors, tp_degree 1)")
+    rounding = [form for _, form in gguf_blocks if has_int8_activation_kernel(form)]
+    if neuron_config.int8_activations and not rounding:
+        raise ValueError("NeuronConfig.int8_activations applies to GGUF weights kept in their blocks in a "
+                         "form with integer kernels: Q8_0, Q4_0, Q4_1 and the K-quants Q2_K to Q6_K (the "
+                         "other forms kept as stored run exact kernels), and this model has none (a .gguf "
+                         "file with such tensors, tp_degree 1)")
     if wanted is not False:
         reasons = _cpu_kernel_obstacles(neuron_config, backend, dtype)
         if reasons and wanted:

@@ -3,7 +3,8 @@
     from runtime import cpu_kernels
     if cpu_kernels.register():          # builds once, then registers with XLA:CPU
         ...emit custom-calls "pyhlo_matvec", "pyhlo_matvec_s8", "pyhlo_matvec_q8_0" (_q4_0, _q4_1),
-        "pyhlo_matvec_q4_k" (_q5_k, _q6_k, _q5_0 ...: GGUF blocks as the file stores them),
+        "pyhlo_matvec_q4_k" (_q5_k, _q6_k, _q5_0 ...: GGUF blocks as the file stores them;
+        "pyhlo_matvec_q4_k_x8" ...: the K-quants with int8 activations),
         "pyhlo_decode_attention" in CPU programs...
 
 The sources live in runtime/kernels/. They are compiled with the machine's C++ compiler
@@ -38,8 +39,14 @@ MATVEC_BLOCK_X8_TARGETS = {form: f"pyhlo_matvec_{form}_x8" for form in ("q8_0", 
 MATVEC_GGUF_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}"
                        for ggml_type in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                                          "IQ4_NL", "IQ4_XS")}
-# A weight whose rows come in several GGUF forms, each row's form in its last byte.
+# The same with the activations rounded to int8 per 256 values as llama.cpp's Q8_K
+# (NeuronConfig(int8_activations=True)): the K-quants.
+MATVEC_GGUF_X8_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}_x8"
+                          for ggml_type in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+# A weight whose rows come in several GGUF forms, each row's form in its last byte (_x8: rows
+# all K-quants, activations rounded as above).
 MATVEC_GGUF_ROWS_TARGET = "pyhlo_matvec_gguf_rows"
+MATVEC_GGUF_ROWS_X8_TARGET = "pyhlo_matvec_gguf_rows_x8"
 # custom-call target -> the handler symbol the library exports
 TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            DECODE_ATTENTION_TARGET: "PyhloDecodeAttention",
@@ -47,11 +54,13 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            **{target: f"PyhloMatvec{form.capitalize()}X8"
               for form, target in MATVEC_BLOCK_X8_TARGETS.items()},
            **{target: f"PyhloMatvec{ggml_type}" for ggml_type, target in MATVEC_GGUF_TARGETS.items()},
-           MATVEC_GGUF_ROWS_TARGET: "PyhloMatvecGgufRows"}
+           **{target: f"PyhloMatvec{ggml_type}X8" for ggml_type, target in MATVEC_GGUF_X8_TARGETS.items()},
+           MATVEC_GGUF_ROWS_TARGET: "PyhloMatvecGgufRows",
+           MATVEC_GGUF_ROWS_X8_TARGET: "PyhloMatvecGgufRowsX8"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("matvec.cc", "matvec_gguf.cc", "decode_attention.cc")]
 # Included by the sources: part of what the library's cache name hashes.
-_HEADERS = [pathlib.Path(__file__).with_name("kernels") / "half.h"]
+_HEADERS = [pathlib.Path(__file__).with_name("kernels") / name for name in ("half.h", "kquants.h")]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 

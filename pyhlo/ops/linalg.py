@@ -98,14 +98,27 @@ def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: 
 
 # GGML types with a kernel of their own on the file's bytes (Q8_0, Q4_0, Q4_1: matvec_blocks_kernel).
 GGUF_KERNEL_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+# Those with an int8-activation kernel too (the _x8 targets): x rounded per 256 values as
+# llama.cpp's Q8_K rounds it, each block's product an integer sum.
+GGUF_X8_KERNEL_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
-def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str) -> HloValue:
+def _gguf_target(name: str, int8_activations: bool, ggml_types: tuple[str, ...]) -> str:
+    if int8_activations and not set(ggml_types) <= set(GGUF_X8_KERNEL_TYPES):
+        raise HloShapeError(f"{name}: no int8-activation kernel for {'/'.join(ggml_types)} (those with one: "
+                            f"{', '.join(GGUF_X8_KERNEL_TYPES)}); run it with int8_activations=False")
+    return "_x8" if int8_activations else ""
+
+
+def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str,
+                       int8_activations: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] kept as a GGUF file stores
     it: rows of whole blocks of `ggml_type`, u8 [n, k / values * bytes] (pyhlo.ops.gguf_blocks
-    has the layouts). Each block is dequantized to f32 as the gguf package reads it and the
-    sums are f32. The kernel must be registered with the backend (runtime.cpu_kernels.register())
-    before a program using it is compiled."""
+    has the layouts). Each block's values are the gguf package's reading of it (a K-quant's
+    minimums applied through the sums of x) and the sums are f32; with int8_activations
+    (GGUF_X8_KERNEL_TYPES), x is rounded per 256 values to int8 as llama.cpp's Q8_K does and
+    each block's product is an integer sum (the _x8 targets). The kernel must be registered
+    with the backend (runtime.cpu_kernels.register()) before a program using it is compiled."""
     from pyhlo.ops.gguf_blocks import LAYOUTS
 
     values, size = LAYOUTS.get(ggml_type, (0, 0)) if ggml_type in GGUF_KERNEL_TYPES else (0, 0)
@@ -115,15 +128,18 @@ def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str) -> HloValue:
         raise HloShapeError(f"matvec_gguf_kernel: {ggml_type} needs f32 x[..., k] and u8 "
                             f"w[n, k / {values} * {size}]; got {x.dtype}{list(x.dims)} and "
                             f"{data.dtype}{list(data.dims)}")
+    suffix = _gguf_target("matvec_gguf_kernel", int8_activations, (ggml_type,))
     shape = x.scribe.f32[(*x.dims[:-1], data.dims[0])]
-    return ffi_call(shape, [x, data], f"pyhlo_matvec_{ggml_type.lower()}")
+    return ffi_call(shape, [x, data], f"pyhlo_matvec_{ggml_type.lower()}{suffix}")
 
 
-def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...]) -> HloValue:
+def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...],
+                            int8_activations: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] in rows of mixed GGUF forms
     (`ggml_types`): u8 [n, widest row + 1], each row its blocks, padding, its form's code last
     (pyhlo.ops.gguf_blocks.dequantize_gguf_rows has the layout). The kernel checks each row's
-    code when it runs."""
+    code when it runs. int8_activations as matvec_gguf_kernel's, for rows all of
+    GGUF_X8_KERNEL_TYPES."""
     from pyhlo.ops.gguf_blocks import row_bytes
 
     k = x.dims[-1] if x.dims else -1
@@ -132,4 +148,5 @@ def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, 
         raise HloShapeError(f"matvec_gguf_rows_kernel: rows of {'/'.join(ggml_types)} need f32 x[..., k] "
                             f"and u8 w[n, {width}]; got {x.dtype}{list(x.dims)} and "
                             f"{data.dtype}{list(data.dims)}")
-    return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], "pyhlo_matvec_gguf_rows")
+    suffix = _gguf_target("matvec_gguf_rows_kernel", int8_activations, tuple(ggml_types))
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], "pyhlo_matvec_gguf_rows" + suffix)

@@ -10,18 +10,27 @@
 //
 // The exact form: each block is dequantized to f32 as the gguf package's numpy reading does
 // (the same products, each exact in f32), once for all activation rows, and multiplied by
-// them with f32 sums. Weight rows are split between the caller and XLA's thread pool.
+// them with f32 sums; a K-quant's values are scaled per 16 as there and its minimums come
+// through the sums of x over each 16 (kquants.h). Weight rows are split between the caller
+// and XLA's thread pool, and each is taken 2048 values at a time.
 //
-// Paths: AVX2 + FMA sums (8 floats a vector) where the CPU has them (AVX-512 hosts too);
-// elsewhere a portable form of 16 partial sums that compilers vectorize as they can. The
-// unpacking is plain C++ either way.
+// The int8-activation form (the _x8 targets: pyhlo_matvec_q4_k_x8 ..., pyhlo_matvec_gguf_rows_x8
+// for rows all K-quants), as llama.cpp multiplies K-quants: x rounded per 256 values as its
+// Q8_K (kquants.h), each super-block's product a sum of integer products scaled once.
+//
+// Paths: AVX-512 or AVX2 + FMA where the CPU has them, elsewhere portable forms that
+// compilers vectorize as they can. The K-quants are unpacked with AVX-512 or AVX2
+// (kquants.h), Q5_0 and Q5_1 with AVX2, the other forms in plain C++.
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <cstdlib>
 #include <memory>
+#include <vector>
 
 #include "half.h"
+#include "kquants.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -35,6 +44,9 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+using pyhlo_kernels::KQuant;
+using pyhlo_kernels::SuperBlock;
 
 enum Form { kQ5_0, kQ5_1, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS, kQ8_0, kQ4_0, kQ4_1, kForms };
 
@@ -52,17 +64,6 @@ float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
   return pyhlo_kernels::half_to_f32(h);
-}
-
-// Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes.
-void scale_min(int j, const uint8_t* q, int* scale, int* min) {
-  if (j < 4) {
-    *scale = q[j] & 63;
-    *min = q[j + 4] & 63;
-  } else {
-    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
 }
 
 // One block of `form` at `b` as f32 values in `out`.
@@ -113,84 +114,6 @@ void dequantize(Form form, const uint8_t* b, float* out) {
 #endif
       break;
     }
-    case kQ2_K: {
-      const uint8_t* scales = b;
-      const uint8_t* qs = b + 16;
-      const float d = half(b + 80), dmin = half(b + 82);
-      // Value 128 r + 32 i + j: bits 2i of byte 32 r + j; sub-blocks of 16 values.
-      for (int r = 0; r < 2; ++r)
-        for (int i = 0; i < 4; ++i)
-          for (int half16 = 0; half16 < 2; ++half16) {
-            const uint8_t s = scales[r * 8 + i * 2 + half16];
-            const float scale = d * float(s & 0xF), low = dmin * float(s >> 4);
-            for (int j = half16 * 16; j < half16 * 16 + 16; ++j)
-              out[r * 128 + i * 32 + j] = scale * float((qs[r * 32 + j] >> (2 * i)) & 3) - low;
-          }
-      break;
-    }
-    case kQ3_K: {
-      const uint8_t* mask = b;
-      const uint8_t* qs = b + 32;
-      const uint8_t* packed = b + 96;
-      const float d = half(b + 108);
-      float scale[16];
-      for (int s = 0; s < 16; ++s) {
-        const int low = s < 8 ? packed[s] & 0xF : packed[s - 8] >> 4;
-        const int top = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
-        scale[s] = d * float((low | (top << 4)) - 32);
-      }
-      // Value 128 r + 32 i + j: bits 2i of byte 32 r + j, high bit 4 r + i of mask byte j.
-      int8_t q[256];
-      for (int r = 0; r < 2; ++r)
-        for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 32; ++j)
-            q[r * 128 + i * 32 + j] = int8_t(((qs[r * 32 + j] >> (2 * i)) & 3)
-                                             - ((((mask[j] >> (4 * r + i)) & 1) ^ 1) << 2));
-      for (int s = 0; s < 16; ++s)
-        for (int i = 0; i < 16; ++i) out[16 * s + i] = scale[s] * float(q[16 * s + i]);
-      break;
-    }
-    case kQ4_K:
-    case kQ5_K: {
-      const float d = half(b), dmin = half(b + 2);
-      const uint8_t* packed = b + 4;
-      const uint8_t* high = b + 16;                         // Q5_K
-      const uint8_t* qs = b + (form == kQ5_K ? 48 : 16);
-      for (int j = 0; j < 8; ++j) {
-        int sc, mn;
-        scale_min(j, packed, &sc, &mn);
-        const float scale = d * float(sc), low = dmin * float(mn);
-        for (int i = 0; i < 32; ++i) {
-          const uint8_t byte = qs[(j / 2) * 32 + i];
-          int q = j % 2 ? byte >> 4 : byte & 0xF;
-          if (form == kQ5_K) q |= ((high[i] >> j) & 1) << 4;
-          out[j * 32 + i] = scale * float(q) - low;
-        }
-      }
-      break;
-    }
-    case kQ6_K: {
-      const uint8_t* ql = b;
-      const uint8_t* qh = b + 128;
-      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = half(b + 208);
-      // Each half h of 128 values: value 32 s + i takes a nibble of byte 64 h + 32 (s % 2) + i
-      // (low for s < 2) and bits 2 s of byte 32 h + i. Integer values first, then floats.
-      uint8_t q[256];
-      for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < 32; ++i) {
-          const uint8_t a = ql[64 * h + i], c = ql[64 * h + 32 + i], top = qh[32 * h + i];
-          q[128 * h + i] = uint8_t((a & 0xF) | ((top & 3) << 4));
-          q[128 * h + 32 + i] = uint8_t((c & 0xF) | (((top >> 2) & 3) << 4));
-          q[128 * h + 64 + i] = uint8_t((a >> 4) | (((top >> 4) & 3) << 4));
-          q[128 * h + 96 + i] = uint8_t((c >> 4) | (((top >> 6) & 3) << 4));
-        }
-      for (int s = 0; s < 16; ++s) {
-        const float scale = d * float(scales[s]);
-        for (int i = 0; i < 16; ++i) out[16 * s + i] = scale * float(int(q[16 * s + i]) - 32);
-      }
-      break;
-    }
     case kQ8_0: {
       const float d = half(b);
       const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
@@ -215,6 +138,11 @@ void dequantize(Form form, const uint8_t* b, float* out) {
       }
       break;
     }
+    case kQ2_K:
+    case kQ3_K:
+    case kQ4_K:
+    case kQ5_K:
+    case kQ6_K:   // K-quants: pyhlo_kernels::unpack() and to_floats()
     case kForms:
       break;
     case kIQ4_NL: {
@@ -246,16 +174,18 @@ void dequantize(Form form, const uint8_t* b, float* out) {
 
 // sum_i w[i] * x[i] over `n` values, n a multiple of 32.
 float dot(const float* w, const float* x, int64_t n) {
-#ifdef PYHLO_GGUF_AVX2
+#if defined(__AVX512F__)
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t i = 0; i < n; i += 32)
+    for (int u = 0; u < 2; ++u)
+      acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16 * u), _mm512_loadu_ps(x + i + 16 * u), acc[u]);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+#elif defined(PYHLO_GGUF_AVX2)
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t i = 0; i < n; i += 32)
     for (int u = 0; u < 4; ++u)
       acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8 * u), _mm256_loadu_ps(x + i + 8 * u), acc[u]);
-  __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return pyhlo_kernels::sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 #else
   float part[16] = {0};
   for (int64_t i = 0; i < n; i += 16)
@@ -273,19 +203,75 @@ struct Problem {
   float* y;
   int64_t m, n, k;
   int64_t stride = 0;    // rows of mixed forms: bytes a row, its form's code last; 0: one form
+  const float* x_sums = nullptr;        // exact K-quant products: the sums of each 16 of x [m, K / 16]
+  // The _x8 targets: x rounded as llama.cpp's Q8_K (pyhlo_kernels::quantize_q8_k), per row:
+  const int8_t* x_q8 = nullptr;         // [m, K]
+  const float* x_q8_scale = nullptr;    // [m, K / 256]
+  const int16_t* x_q8_sums = nullptr;   // [m, K / 16]
 };
 
-// Each weight row is dequantized whole into a buffer (K floats: a few KB, in the caches), then
-// multiplied by every activation row: one sum per row, whatever the block size.
+bool is_k_quant(Form form) { return form >= kQ2_K && form <= kQ6_K; }
+
+KQuant k_quant(Form form) { return KQuant(int(form) - int(kQ2_K)); }
+
+// Values of a weight row taken at a time: unpacked, they and the activations they meet stay
+// in the first-level cache (a whole row of 8192 floats did not, and read at half the speed).
+constexpr int64_t kPieceValues = 2048;
+
+// Each piece of a weight row is dequantized into a buffer once, then multiplied by every
+// activation row. A K-quant piece is unpacked instead (kquants.h) and multiplied by up to
+// kGroup activation rows at a time in f32, or with rounded activations as integers.
+constexpr int kGroup = 4;
+
+void k_quant_piece(const Problem& p, const SuperBlock* unpacked, int64_t blocks, int64_t start, float* sums) {
+  const int64_t super_blocks = p.k / pyhlo_kernels::kSuperValues, first = start / pyhlo_kernels::kSuperValues;
+  if (p.x_q8 != nullptr) {
+    for (int64_t m = 0; m < p.m; ++m)
+      sums[m] += pyhlo_kernels::dot_q8_k(unpacked, p.x_q8 + m * p.k + start, p.x_q8_scale + m * super_blocks + first,
+                                         p.x_q8_sums + m * (p.k / 16) + start / 16, blocks);
+    return;
+  }
+  for (int64_t m0 = 0; m0 < p.m; m0 += kGroup) {
+    const float* x[kGroup];
+    const float* x_sums[kGroup];
+    const int group = int(std::min<int64_t>(kGroup, p.m - m0));
+    for (int g = 0; g < group; ++g) {
+      x[g] = p.x + (m0 + g) * p.k + start;
+      x_sums[g] = p.x_sums + (m0 + g) * (p.k / 16) + start / 16;
+    }
+    switch (group) {
+      case 4: pyhlo_kernels::dot_f32<4>(unpacked, blocks, x, x_sums, sums + m0); break;
+      case 3: pyhlo_kernels::dot_f32<3>(unpacked, blocks, x, x_sums, sums + m0); break;
+      case 2: pyhlo_kernels::dot_f32<2>(unpacked, blocks, x, x_sums, sums + m0); break;
+      default: pyhlo_kernels::dot_f32<1>(unpacked, blocks, x, x_sums, sums + m0); break;
+    }
+  }
+}
+
 void weight_rows(const Problem& p, int64_t begin, int64_t end) {
-  std::unique_ptr<float[]> values(new float[p.k]);
+  std::unique_ptr<float[]> values(new float[kPieceValues]);
+  std::unique_ptr<SuperBlock[]> unpacked(new SuperBlock[kPieceValues / pyhlo_kernels::kSuperValues]);
+  std::vector<float> sums(p.m);
+  const bool integer = p.x_q8 != nullptr;
   for (int64_t n = begin; n < end; ++n) {
     const Form form = p.stride ? Form(p.w[n * p.stride + p.stride - 1]) : p.form;
     const Layout layout = kLayouts[form];
-    const int64_t blocks = p.k / layout.values;
-    const uint8_t* row = p.w + n * (p.stride ? p.stride : blocks * layout.bytes);
-    for (int64_t b = 0; b < blocks; ++b) dequantize(form, row + b * layout.bytes, values.get() + b * layout.values);
-    for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = dot(values.get(), p.x + m * p.k, p.k);
+    const uint8_t* row = p.w + n * (p.stride ? p.stride : p.k / layout.values * layout.bytes);
+    std::fill(sums.begin(), sums.end(), 0.0f);
+    for (int64_t start = 0; start < p.k; start += kPieceValues) {
+      const int64_t length = std::min(kPieceValues, p.k - start), first = start / layout.values;
+      const int64_t blocks = length / layout.values;
+      const uint8_t* piece = row + first * layout.bytes;
+      if (is_k_quant(form)) {
+        for (int64_t b = 0; b < blocks; ++b)
+          pyhlo_kernels::unpack(k_quant(form), piece + b * layout.bytes, &unpacked[b], integer);
+        k_quant_piece(p, unpacked.get(), blocks, start, sums.data());
+        continue;
+      }
+      for (int64_t b = 0; b < blocks; ++b) dequantize(form, piece + b * layout.bytes, values.get() + b * layout.values);
+      for (int64_t m = 0; m < p.m; ++m) sums[m] += dot(values.get(), p.x + m * p.k + start, length);
+    }
+    for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
   }
 }
 
@@ -329,8 +315,9 @@ ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
   return ffi::Error::Success();
 }
 
-// x, w and y checked and described; `form` kForms: rows of mixed forms.
-ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
+// x, w and y checked and described; `form` kForms: rows of mixed forms. int8_x: the _x8
+// target, for K-quants only.
+ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                ffi::Result<ffi::AnyBuffer>& y) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
@@ -348,7 +335,7 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuff
       return ffi::Error::InvalidArgument(
           "pyhlo_matvec (GGUF blocks as stored): need u8 w[N, K / values * bytes] of whole blocks");
   } else {
-    // Every row's code names a form whose blocks fit the row.
+    // Every row's code names a form whose blocks fit the row (a K-quant, for the _x8 target).
     p.stride = w_dims[1];
     const uint8_t* w_bytes = static_cast<const uint8_t*>(w.untyped_data());
     for (int64_t n = 0; n < p.n; ++n) {
@@ -357,34 +344,65 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuff
           p.k / kLayouts[code].values * kLayouts[code].bytes > p.stride - 1)
         return ffi::Error::InvalidArgument(
             "pyhlo_matvec_gguf_rows: a row's last byte names no GGUF form whose blocks fit the row");
+      if (int8_x && !is_k_quant(Form(code)))
+        return ffi::Error::InvalidArgument(
+            "pyhlo_matvec_gguf_rows_x8: a row's form is not a K-quant (Q2_K ... Q6_K), which the "
+            "int8-activation kernel needs; use pyhlo_matvec_gguf_rows");
     }
   }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  std::vector<int8_t> x_q8;
+  std::vector<float> x_q8_scale, x_sums;
+  std::vector<int16_t> x_q8_sums;
+  if (!int8_x && (form == kForms || is_k_quant(form))) {
+    x_sums.assign(p.m * (p.k / 16), 0.0f);
+    for (int64_t i = 0; i < p.m * (p.k / 16); ++i)
+      for (int j = 0; j < 16; ++j) x_sums[i] += p.x[16 * i + j];
+    p.x_sums = x_sums.data();
+  }
+  if (int8_x) {
+    const int64_t blocks = p.k / pyhlo_kernels::kSuperValues;
+    x_q8.resize(p.m * p.k);
+    x_q8_scale.resize(p.m * blocks);
+    x_q8_sums.resize(p.m * (p.k / 16));
+    for (int64_t m = 0; m < p.m; ++m)
+      pyhlo_kernels::quantize_q8_k(p.x + m * p.k, p.k, x_q8.data() + m * p.k, x_q8_scale.data() + m * blocks,
+                                   x_q8_sums.data() + m * (p.k / 16));
+    p.x_q8 = x_q8.data();
+    p.x_q8_scale = x_q8_scale.data();
+    p.x_q8_sums = x_q8_sums.data();
+  }
   return Dispatch(pool, p);
 }
 
-template <Form F>
+template <Form F, bool Int8X>
 ffi::Error MatvecGguf(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
-  return Run(pool, F, x, w, y);
+  return Run(pool, F, Int8X, x, w, y);
 }
 
 }  // namespace
 
-#define PYHLO_GGUF_HANDLER(symbol, form)                                                        \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, MatvecGguf<form>,                                        \
+#define PYHLO_GGUF_HANDLER(symbol, form, int8_x)                                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, (MatvecGguf<form, int8_x>),                              \
                                 ffi::Ffi::Bind()                                                 \
                                     .Ctx<ffi::ThreadPool>()                                      \
                                     .Arg<ffi::AnyBuffer>()                                       \
                                     .Arg<ffi::AnyBuffer>()                                       \
                                     .Ret<ffi::AnyBuffer>())
 
-PYHLO_GGUF_HANDLER(PyhloMatvecQ5_0, kQ5_0);
-PYHLO_GGUF_HANDLER(PyhloMatvecQ5_1, kQ5_1);
-PYHLO_GGUF_HANDLER(PyhloMatvecQ2_K, kQ2_K);
-PYHLO_GGUF_HANDLER(PyhloMatvecQ3_K, kQ3_K);
-PYHLO_GGUF_HANDLER(PyhloMatvecQ4_K, kQ4_K);
-PYHLO_GGUF_HANDLER(PyhloMatvecQ5_K, kQ5_K);
-PYHLO_GGUF_HANDLER(PyhloMatvecQ6_K, kQ6_K);
-PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_NL, kIQ4_NL);
-PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_XS, kIQ4_XS);
-PYHLO_GGUF_HANDLER(PyhloMatvecGgufRows, kForms);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ5_0, kQ5_0, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ5_1, kQ5_1, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ2_K, kQ2_K, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ3_K, kQ3_K, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ4_K, kQ4_K, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ5_K, kQ5_K, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ6_K, kQ6_K, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_NL, kIQ4_NL, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_XS, kIQ4_XS, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecGgufRows, kForms, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ2_KX8, kQ2_K, true);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ3_KX8, kQ3_K, true);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ4_KX8, kQ4_K, true);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ5_KX8, kQ5_K, true);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ6_KX8, kQ6_K, true);
+PYHLO_GGUF_HANDLER(PyhloMatvecGgufRowsX8, kForms, true);

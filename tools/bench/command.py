@@ -32,9 +32,9 @@ modules. Embeddings, LM head and norms stay f32 in all three. gguf is the GGUF m
 as it is stored (SmolLM2's: Q4_1 layers, Q8_0 embedding and LM head): pyhlo runs its blocks
 as stored (NeuronConfig(gguf_blocks=True)), llama.cpp reads that very file; HF transformers
 widens GGUF weights to f32 at load, so it has no row there. gguf-x8 is the same with pyhlo's
-kernels rounding the activations to int8 per 32 values (NeuronConfig(int8_activations=True)),
-as llama.cpp does. The other precisions widen a GGUF's weights at load (gguf_blocks=False)
-and llama.cpp reads a file written from them.
+kernels rounding the activations to int8 per 32 values, K-quants' per 256
+(NeuronConfig(int8_activations=True)), as llama.cpp does. The other precisions widen a
+GGUF's weights at load (gguf_blocks=False) and llama.cpp reads a file written from them.
 
 Results: a markdown table on stdout, and DIR/bench.json, DIR/bench.md, DIR/bench.png
 (worker logs in DIR/logs/).

@@ -58,7 +58,8 @@ AMP_NOTES = {
             "inside its kernels, llama.cpp reads the same file (and quantizes the activations to 8 bits for "
             "its products).",
     "gguf-x8": "gguf-x8: the same file, with pyhlo's kernels rounding the activations of the block products "
-               "to int8 per 32 values and multiplying integers (NeuronConfig(int8_activations=True)), as "
+               "to int8 per 32 values (K-quants per 256) and multiplying integers "
+               "(NeuronConfig(int8_activations=True)), as "
                "llama.cpp does; llama.cpp's row is the same as gguf's, run again.",
 }
 

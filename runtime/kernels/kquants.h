@@ -1,0 +1,437 @@
+// llama.cpp's K-quant super-blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: 256 values each) unpacked
+// to one shape that both kernels of matvec_gguf.cc read, and the activations rounded as
+// llama.cpp's Q8_K rounds them for the integer form.
+//
+// An unpacked super-block: value i = d * scale[i / 16] * q[i] + dlow * low[i / 16], q unsigned
+// (0..63), scale and low small integers per 16 values. Q3_K and Q6_K store centred values (q -
+// 4, q - 32); they say so by `centre`, with low = centre * scale and dlow = -d, so that the
+// exact kernel multiplies by q - centre as the gguf package does and the integer one takes the
+// centre through the sums of the rounded activations, as llama.cpp does.
+//
+// Paths: AVX-512 (BW, VL; the integer dot on VNNI where the CPU has it), AVX2, portable, as
+// the compiler flags allow. Q4_K, Q5_K and Q6_K are unpacked with vector instructions, Q2_K
+// and Q3_K in plain C++.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "half.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PYHLO_KQ_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PYHLO_KQ_AVX2 1
+#endif
+
+namespace pyhlo_kernels {
+
+constexpr int kSuperValues = 256;
+
+enum class KQuant { kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K };
+
+struct SuperBlock {
+  alignas(64) uint8_t q[kSuperValues];
+  alignas(64) int16_t pair_scale[kSuperValues / 2];   // scale of values 2p and 2p + 1
+  alignas(32) int16_t scale[16];
+  alignas(32) int16_t low[16];
+  float d, dlow;
+  int centre;
+};
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return half_to_f32(h);
+}
+
+// Q4_K / Q5_K: the 6-bit scales and minimums of the 8 sub-blocks of 32, from their 12 bytes
+// (scale j < 4: bits 0-5 of byte j; j >= 4: the low nibble of byte j + 4 and bits 6-7 of byte
+// j - 4; minimums likewise from bytes j + 4, and the high nibbles and byte j), each given to
+// its two groups of 16. Rearranged four bytes at a time, as llama.cpp does.
+inline void k4_scales(const uint8_t* packed, SuperBlock* s) {
+  uint32_t words[4];
+  std::memcpy(words, packed, 12);
+  const uint32_t six = 0x3f3f3f3f, nibble = 0x0f0f0f0f, two = 0x03030303;
+  words[3] = ((words[2] >> 4) & nibble) | (((words[1] >> 6) & two) << 4);
+  const uint32_t mins = words[1] & six;
+  words[1] = (words[2] & nibble) | (((words[0] >> 6) & two) << 4);
+  words[2] = mins;
+  words[0] &= six;
+#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));   // 8 scales, 8 minimums
+  _mm256_store_si256(reinterpret_cast<__m256i*>(s->scale), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(bytes, bytes)));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(s->low), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(bytes, bytes)));
+#else
+  uint8_t bytes[16];
+  std::memcpy(bytes, words, sizeof(bytes));
+  for (int j = 0; j < 16; ++j) {
+    s->scale[j] = bytes[j / 2];
+    s->low[j] = bytes[8 + j / 2];
+  }
+#endif
+}
+
+inline void centred(int centre, SuperBlock* s) {
+  s->centre = centre;
+  s->dlow = -s->d;
+  for (int j = 0; j < 16; ++j) s->low[j] = int16_t(centre * s->scale[j]);
+}
+
+inline void pair_scales(SuperBlock* s) {
+#ifdef PYHLO_KQ_AVX512
+  // Pair p of a group of 64 values c takes the scale of its 16 values: 4 c + p / 8.
+  const __m512i scales = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(s->scale)));
+  alignas(64) static const int16_t eighth[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+  const __m512i index = _mm512_load_si512(eighth);
+  for (int c = 0; c < 4; ++c)
+    _mm512_store_si512(s->pair_scale + 32 * c,
+                       _mm512_permutexvar_epi16(_mm512_add_epi16(index, _mm512_set1_epi16(int16_t(4 * c))), scales));
+#else
+  for (int p = 0; p < kSuperValues / 2; ++p) s->pair_scale[p] = s->scale[p / 8];
+#endif
+}
+
+inline void unpack_q2_k(const uint8_t* b, SuperBlock* s) {
+  const uint8_t* scales = b;
+  const uint8_t* qs = b + 16;
+  s->d = f16_at(b + 80);
+  s->dlow = -f16_at(b + 82);
+  s->centre = 0;
+  // Value 128 r + 32 i + j: bits 2i of byte 32 r + j; 16 groups of 16, each a scale and a minimum.
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 32; ++j) s->q[128 * r + 32 * i + j] = uint8_t((qs[32 * r + j] >> (2 * i)) & 3);
+  for (int j = 0; j < 16; ++j) {
+    s->scale[j] = int16_t(scales[j] & 0xF);
+    s->low[j] = int16_t(scales[j] >> 4);
+  }
+}
+
+inline void unpack_q3_k(const uint8_t* b, SuperBlock* s) {
+  const uint8_t* mask = b;
+  const uint8_t* qs = b + 32;
+  const uint8_t* packed = b + 96;
+  s->d = f16_at(b + 108);
+  for (int j = 0; j < 16; ++j) {
+    const int low = j < 8 ? packed[j] & 0xF : packed[j - 8] >> 4;
+    const int top = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
+    s->scale[j] = int16_t((low | (top << 4)) - 32);
+  }
+  // Value 128 r + 32 i + j: bits 2i of byte 32 r + j, plus 4 where bit 4 r + i of mask byte j is
+  // set (the file's value is that minus 4).
+  for (int r = 0; r < 2; ++r)
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 32; ++j)
+        s->q[128 * r + 32 * i + j] = uint8_t(((qs[32 * r + j] >> (2 * i)) & 3) | (((mask[j] >> (4 * r + i)) & 1) << 2));
+  centred(4, s);
+}
+
+// Q4_K (high = nullptr) and Q5_K: value 64 c + l takes the low nibble of byte 32 c + l of qs,
+// value 64 c + 32 + l its high nibble; Q5_K's value 32 j + l adds bit j of high[l] as 16.
+inline void unpack_q45_k(const uint8_t* b, const uint8_t* high, const uint8_t* qs, SuperBlock* s) {
+  s->d = f16_at(b);
+  s->dlow = -f16_at(b + 2);
+  s->centre = 0;
+  k4_scales(b + 4, s);
+#ifdef PYHLO_KQ_AVX512
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m512i top = high ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)))
+                           : _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, nibble)),
+                                   _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), 1);
+    if (high) {
+      const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << (2 * c))),
+                                              _mm256_set1_epi8(char(1 << (2 * c + 1))), 1);
+      q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(top, bits), q, _mm512_set1_epi8(16));
+    }
+    _mm512_store_si512(s->q + 64 * c, q);
+  }
+#elif defined(PYHLO_KQ_AVX2)
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i top = high ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)) : _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    __m256i q[2] = {_mm256_and_si256(bytes, nibble), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble)};
+    for (int h = 0; h < 2 && high; ++h) {
+      const __m256i bit = _mm256_set1_epi8(char(1 << (2 * c + h)));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(top, bit), bit);
+      q[h] = _mm256_or_si256(q[h], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s->q + 64 * c), q[0]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(s->q + 64 * c + 32), q[1]);
+  }
+#else
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 32; ++i) {
+      const uint8_t byte = qs[(j / 2) * 32 + i];
+      int q = j % 2 ? byte >> 4 : byte & 0xF;
+      if (high) q |= ((high[i] >> j) & 1) << 4;
+      s->q[j * 32 + i] = uint8_t(q);
+    }
+#endif
+}
+
+// Q6_K: each half h of 128 values: value 32 s + i takes a nibble of byte 64 h + 32 (s % 2) + i
+// of ql (low for s < 2) and, as 16 and 32, bits 2 s of byte 32 h + i of qh.
+inline void unpack_q6_k(const uint8_t* b, SuperBlock* s) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  s->d = f16_at(b + 208);
+  for (int j = 0; j < 16; ++j) s->scale[j] = int16_t(int8_t(b[192 + j]));
+#ifdef PYHLO_KQ_AVX512
+  const __m512i nibble = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
+  // Within a 16-bit lane both bytes shift alike, and the bits taken (4 and 5 of each byte)
+  // come from the same byte: the first 32 values take bits 0-1 (shifted up 4), the next
+  // 32 bits 2-3 (up 2); after a shift down by 4, bits 4-5 and 6-7.
+  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i low = _mm512_loadu_si512(ql + 64 * h);
+    const __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+    const __m512i first = _mm512_or_si512(_mm512_and_si512(low, nibble),
+                                          _mm512_and_si512(_mm512_sllv_epi16(top, up), pair));
+    const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
+                                           _mm512_and_si512(_mm512_sllv_epi16(_mm512_srli_epi16(top, 4), up), pair));
+    _mm512_store_si512(s->q + 128 * h, first);
+    _mm512_store_si512(s->q + 128 * h + 64, second);
+  }
+#elif defined(PYHLO_KQ_AVX2)
+  const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+    const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+    // Bits 2 s and 2 s + 1 of each byte of qh moved to bits 4 and 5 (a 16-bit shift keeps
+    // them within their byte).
+    const __m256i tops[4] = {_mm256_and_si256(_mm256_slli_epi16(top, 4), pair),
+                             _mm256_and_si256(_mm256_slli_epi16(top, 2), pair), _mm256_and_si256(top, pair),
+                             _mm256_and_si256(_mm256_srli_epi16(top, 2), pair)};
+    const __m256i lows[4] = {_mm256_and_si256(a, nibble), _mm256_and_si256(c, nibble),
+                             _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble),
+                             _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble)};
+    for (int part = 0; part < 4; ++part)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s->q + 128 * h + 32 * part),
+                         _mm256_or_si256(lows[part], tops[part]));
+  }
+#else
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 32; ++i) {
+      const uint8_t a = ql[64 * h + i], c = ql[64 * h + 32 + i], top = qh[32 * h + i];
+      s->q[128 * h + i] = uint8_t((a & 0xF) | ((top & 3) << 4));
+      s->q[128 * h + 32 + i] = uint8_t((c & 0xF) | (((top >> 2) & 3) << 4));
+      s->q[128 * h + 64 + i] = uint8_t((a >> 4) | (((top >> 4) & 3) << 4));
+      s->q[128 * h + 96 + i] = uint8_t((c >> 4) | (((top >> 6) & 3) << 4));
+    }
+#endif
+  centred(32, s);
+}
+
+// The super-block of `form` at `b`; with_pairs: pair_scale too (the integer dot reads it).
+inline void unpack(KQuant form, const uint8_t* b, SuperBlock* s, bool with_pairs) {
+  switch (form) {
+    case KQuant::kQ2_K: unpack_q2_k(b, s); break;
+    case KQuant::kQ3_K: unpack_q3_k(b, s); break;
+    case KQuant::kQ4_K: unpack_q45_k(b, nullptr, b + 16, s); break;
+    case KQuant::kQ5_K: unpack_q45_k(b, b + 16, b + 48, s); break;
+    case KQuant::kQ6_K: unpack_q6_k(b, s); break;
+  }
+  if (with_pairs) pair_scales(s);
+}
+
+// One activation row rounded per 256 values as llama.cpp's quantize_row_q8_K does: the value
+// of largest magnitude `max` (the first, if several), iscale = -127 / max, q = nearest
+// integer to iscale * x (ties to even), at most 127; d = 1 / iscale (negative where max is
+// positive: the signs cancel); bsum: the sums of q over each 16. A block of zeros is d = 0.
+inline int nearest_int(float value) {
+  // llama.cpp's rounding: adding 1.5 * 2^23 leaves the integer in the low mantissa bits.
+  const float shifted = value + 12582912.f;
+  int32_t bits;
+  std::memcpy(&bits, &shifted, sizeof(bits));
+  return (bits & 0x007fffff) - 0x00400000;
+}
+
+inline void quantize_q8_k(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsum) {
+  for (int64_t b = 0; b < k / kSuperValues; ++b, x += kSuperValues, q += kSuperValues) {
+    float max = 0, amax = 0;
+    for (int j = 0; j < kSuperValues; ++j) {
+      const float ax = x[j] < 0 ? -x[j] : x[j];
+      if (ax > amax) {
+        amax = ax;
+        max = x[j];
+      }
+    }
+    if (amax == 0) {
+      d[b] = 0;
+      std::memset(q, 0, kSuperValues);
+      std::memset(bsum + 16 * b, 0, 16 * sizeof(int16_t));
+      continue;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < kSuperValues; ++j) {
+      const int v = nearest_int(iscale * x[j]);
+      q[j] = int8_t(v < 127 ? v : 127);
+    }
+    for (int j = 0; j < 16; ++j) {
+      int sum = 0;
+      for (int i = 0; i < 16; ++i) sum += q[16 * j + i];
+      bsum[16 * b + j] = int16_t(sum);
+    }
+    d[b] = 1 / iscale;
+  }
+}
+
+#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// The exact product of unpacked super-blocks w with G activation rows x[g] (and the sums of
+// each 16 of them, x_sums[g]), added to out[g]: sum_i (d * scale) * (q_i - centre) * x_i, plus
+// (dlow * low) * (the sum of the 16 x) where the form is not centred; (d * scale) * (q - centre)
+// is the gguf package's value of a centred form, rounded once as there (f32 sums either way).
+template <int G>
+void dot_f32(const SuperBlock* w, int64_t blocks, const float* const* x, const float* const* x_sums, float* out) {
+#ifdef PYHLO_KQ_AVX512
+  // Two sums a row, even and odd groups of 16, so that the multiply-adds do not wait on each other.
+  __m512 acc[G][2];
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const SuperBlock& s = w[b];
+    alignas(64) float step[16];
+    const __m512 d = _mm512_set1_ps(s.d);
+    _mm512_store_ps(step, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                                               _mm256_load_si256(reinterpret_cast<const __m256i*>(s.scale))))));
+    const __m512i centre = _mm512_set1_epi32(s.centre);
+    for (int j = 0; j < 16; ++j) {
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+          _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(s.q + 16 * j))), centre));
+      const __m512 v = _mm512_mul_ps(q, _mm512_set1_ps(step[j]));
+      for (int g = 0; g < G; ++g)
+        acc[g][j & 1] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x[g] + b * kSuperValues + 16 * j), acc[g][j & 1]);
+    }
+    if (!s.centre) {
+      const __m512 offsets = _mm512_mul_ps(_mm512_set1_ps(s.dlow), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                                               _mm256_load_si256(reinterpret_cast<const __m256i*>(s.low)))));
+      for (int g = 0; g < G; ++g) acc[g][0] = _mm512_fmadd_ps(offsets, _mm512_loadu_ps(x_sums[g] + 16 * b), acc[g][0]);
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g] += _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
+#elif defined(PYHLO_KQ_AVX2)
+  __m256 acc[G][2];
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const SuperBlock& s = w[b];
+    alignas(32) float step[16];
+    for (int half = 0; half < 2; ++half)
+      _mm256_store_ps(step + 8 * half, _mm256_mul_ps(_mm256_set1_ps(s.d), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+                                           _mm_load_si128(reinterpret_cast<const __m128i*>(s.scale + 8 * half))))));
+    const __m256i centre = _mm256_set1_epi32(s.centre);
+    for (int j = 0; j < 32; ++j) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.q + 8 * j))), centre));
+      const __m256 v = _mm256_mul_ps(q, _mm256_set1_ps(step[j / 2]));
+      for (int g = 0; g < G; ++g)
+        acc[g][j & 1] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x[g] + b * kSuperValues + 8 * j), acc[g][j & 1]);
+    }
+    if (!s.centre)
+      for (int half = 0; half < 2; ++half) {
+        const __m256 offsets = _mm256_mul_ps(_mm256_set1_ps(s.dlow), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+                                                 _mm_load_si128(reinterpret_cast<const __m128i*>(s.low + 8 * half)))));
+        for (int g = 0; g < G; ++g)
+          acc[g][half] = _mm256_fmadd_ps(offsets, _mm256_loadu_ps(x_sums[g] + 16 * b + 8 * half), acc[g][half]);
+      }
+  }
+  for (int g = 0; g < G; ++g) out[g] += sum8(_mm256_add_ps(acc[g][0], acc[g][1]));
+#else
+  for (int64_t b = 0; b < blocks; ++b) {
+    const SuperBlock& s = w[b];
+    for (int g = 0; g < G; ++g) {
+      const float* xb = x[g] + b * kSuperValues;
+      float total = 0;
+      for (int j = 0; j < 16; ++j) {
+        const float step = s.d * float(s.scale[j]);
+        for (int i = 0; i < 16; ++i) total += step * float(int(s.q[16 * j + i]) - s.centre) * xb[16 * j + i];
+        if (!s.centre) total += s.dlow * float(s.low[j]) * x_sums[g][16 * b + j];
+      }
+      out[g] += total;
+    }
+  }
+#endif
+}
+
+// sum over `blocks` unpacked super-blocks w of the product with one rounded activation row
+// (q, d, bsum): per block, d_x * (d * sum_i scale * q_w * q_x + dlow * sum_16 low * bsum).
+// Unsigned weights times signed activations, two products summed into 16 bits (at most
+// 2 * 63 * 127, no saturation), then times the pair's scale into 32-bit sums (VNNI's
+// vpdpwssd where the CPU has it).
+inline float dot_q8_k(const SuperBlock* w, const int8_t* xq, const float* xd, const int16_t* xbsum,
+                      int64_t blocks) {
+#ifdef PYHLO_KQ_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  __m256 acc_low = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const SuperBlock& s = w[b];
+    const int8_t* x = xq + b * kSuperValues;
+    __m512i sum = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i products = _mm512_maddubs_epi16(_mm512_load_si512(s.q + 64 * c), _mm512_loadu_si512(x + 64 * c));
+      const __m512i scales = _mm512_load_si512(s.pair_scale + 32 * c);
+#ifdef __AVX512VNNI__
+      sum = _mm512_dpwssd_epi32(sum, products, scales);
+#else
+      sum = _mm512_add_epi32(sum, _mm512_madd_epi16(products, scales));
+#endif
+    }
+    const __m256i lows = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(s.low)),
+                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xbsum + 16 * b)));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xd[b] * s.d), acc);
+    acc_low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lows), _mm256_set1_ps(xd[b] * s.dlow), acc_low);
+  }
+  return _mm512_reduce_add_ps(acc) + sum8(acc_low);
+#elif defined(PYHLO_KQ_AVX2)
+  __m256 acc = _mm256_setzero_ps(), acc_low = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const SuperBlock& s = w[b];
+    const int8_t* x = xq + b * kSuperValues;
+    __m256i sum = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i products = _mm256_maddubs_epi16(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(s.q + 32 * c)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * c)));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(
+          products, _mm256_load_si256(reinterpret_cast<const __m256i*>(s.pair_scale + 16 * c))));
+    }
+    const __m256i lows = _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(s.low)),
+                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xbsum + 16 * b)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(xd[b] * s.d), acc);
+    acc_low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lows), _mm256_set1_ps(xd[b] * s.dlow), acc_low);
+  }
+  return sum8(_mm256_add_ps(acc, acc_low));
+#else
+  float total = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const SuperBlock& s = w[b];
+    const int8_t* x = xq + b * kSuperValues;
+    int32_t sum = 0, lows = 0;
+    for (int j = 0; j < 16; ++j) {
+      int32_t part = 0;
+      for (int i = 0; i < 16; ++i) part += int32_t(s.q[16 * j + i]) * x[16 * j + i];
+      sum += s.scale[j] * part;
+      lows += s.low[j] * xbsum[16 * b + j];
+    }
+    total += xd[b] * s.d * float(sum) + xd[b] * s.dlow * float(lows);
+  }
+  return total;
+#endif
+}
+
+}  // namespace pyhlo_kernels
