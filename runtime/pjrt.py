@@ -296,6 +296,15 @@ def to_device(array: np.ndarray, device: Any) -> Buffer:
     return jax.device_put(array, device, may_alias=False)
 
 
+def host_address(buffer: Buffer) -> int | None:
+    """Where an XLA:CPU buffer's memory lies in this process: a host array placed without a
+    copy (64-byte aligned, see runtime/host_memory.py) is used in place, at its own address.
+    None on other platforms (their buffers are in device memory)."""
+    if buffer_device(buffer).platform != "cpu":
+        return None
+    return buffer.unsafe_buffer_pointer()
+
+
 def to_host(buffer: Buffer) -> np.ndarray:
     """Copy a device buffer into a new numpy array.
 

@@ -60,6 +60,14 @@ class Placement:
         return Replicas(self.backend.to_device(part(r), replica=r) if mine else None
                         for r, mine in enumerate(self._is_local))
 
+    def host_addresses(self, value: Any) -> set[int]:
+        """Where this process's buffers of a value lie in host memory, for those the device
+        keeps there (XLA:CPU): a host array placed without a copy is at its own address."""
+        buffers = [b for b in value if b is not None] if isinstance(value, Replicas) else [value]
+        addresses = {self.backend.host_address(b) for b in buffers} if hasattr(self.backend, "host_address") \
+            else set()
+        return addresses - {None}
+
     def start_host_copy(self, value: Any) -> None:
         """Begin copying a value (this process's first replica's buffer) to the host once it
         is computed, so that host() later finds it there instead of waiting for the copy."""
