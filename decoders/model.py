@@ -225,7 +225,7 @@ class DecoderForSampling:
         # The weights live on the device now: forget the checkpoint's file mapping (the
         # mapped pages the device uses in place stay, as its buffers).
         self.checkpoint.close()
-        log.info("to_neuron: compile %.1f s (%d from cache), weights %.1f s, side by side", compiled,
+        log.info("to_neuron: compile %.2f s (%d from cache), weights %.2f s, side by side", compiled,
                  self.programs.cache_hits, placed)
         return self
 
