@@ -208,7 +208,7 @@ class DecoderForSampling:
 
     # -- to_neuron ---------------------------------------------------------------
     def to_neuron(self) -> DecoderForSampling:
-        """Build and compile every bucket's programs, then place weights and KV caches."""
+        """Build and compile every bucket's programs, and meanwhile place weights and KV caches."""
         started = time.perf_counter()
 
         def place_weights() -> float:

@@ -1,9 +1,10 @@
 """Host arrays the device can take without a copy, and file mappings that give them.
 
 XLA:CPU uses a host array as the device buffer itself (no copy) when the array starts at a
-64-byte boundary; anything else it copies. So every host array made only to be placed is
-made here, aligned, and a tensor that lies aligned in a file is placed straight from the
-file's mapping:
+64-byte boundary; anything else it copies. So the checkpoint readers read into aligned arrays
+here, and hand out a tensor that lies aligned in a file as a view of the file's mapping,
+which is then placed with no copy at all. (jaxlib 0.10.2 does this whatever device_put's
+may_alias says: a placed array must never be written afterwards.)
 
     array = aligned_empty((rows, cols), np.float32)     # fill it, then place it: one copy in all
     mapped = MappedFile(path)

@@ -287,7 +287,9 @@ def execute_sharded(exe: LoadedExecutable, per_device_args: Sequence[Sequence[Bu
 
 
 def to_device(array: np.ndarray, device: Any) -> Buffer:
-    """Copy a numpy array to `device` (64-bit types keep their width)."""
+    """Copy a numpy array to `device` (64-bit types keep their width). XLA:CPU uses an array
+    that starts at a 64-byte boundary in place instead, whatever may_alias says: such an array
+    must not be written while the buffer lives."""
     array = np.asarray(array)
     if array.dtype.itemsize == 8:
         # Without x64, device_put silently narrows s64/u64/f64 to 32 bits.

@@ -63,10 +63,11 @@ class Placement:
     def host_addresses(self, value: Any) -> set[int]:
         """Where this process's buffers of a value lie in host memory, for those the device
         keeps there (XLA:CPU): a host array placed without a copy is at its own address."""
+        address = getattr(self.backend, "host_address", None)
+        if address is None:
+            return set()
         buffers = [b for b in value if b is not None] if isinstance(value, Replicas) else [value]
-        addresses = {self.backend.host_address(b) for b in buffers} if hasattr(self.backend, "host_address") \
-            else set()
-        return addresses - {None}
+        return {address(b) for b in buffers} - {None}
 
     def start_host_copy(self, value: Any) -> None:
         """Begin copying a value (this process's first replica's buffer) to the host once it
