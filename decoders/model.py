@@ -14,6 +14,7 @@ import logging
 import os
 import pathlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -207,16 +208,25 @@ class DecoderForSampling:
 
     # -- to_neuron ---------------------------------------------------------------
     def to_neuron(self) -> DecoderForSampling:
-        """Build and compile every bucket's programs, then place weights and KV caches."""
+        """Build and compile every bucket's programs, and meanwhile place weights and KV caches."""
         started = time.perf_counter()
-        self.session.compile()
-        compiled = time.perf_counter()
-        self.session.load_weights(self.checkpoint, presharded=self._presharded)
-        # The weights live on the device now: drop the checkpoint's file mapping, whose
-        # pages would otherwise stay in this process's resident memory.
+
+        def place_weights() -> float:
+            self.session.load_weights(self.checkpoint, presharded=self._presharded)
+            return time.perf_counter() - started
+
+        # The weights are placed while the programs are built, compiled or loaded from the
+        # cache: building is Python, reading and placing mostly not, so each fills the other's waits.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyhlo-weights") as pool:
+            placing = pool.submit(place_weights)
+            self.session.compile()
+            compiled = time.perf_counter() - started
+            placed = placing.result()
+        # The weights live on the device now: forget the checkpoint's file mapping (the
+        # mapped pages the device uses in place stay, as its buffers).
         self.checkpoint.close()
-        log.info("to_neuron: compile %.1f s (%d from cache), weights %.1f s",
-                 compiled - started, self.programs.cache_hits, time.perf_counter() - compiled)
+        log.info("to_neuron: compile %.2f s (%d from cache), weights %.2f s, side by side", compiled,
+                 self.programs.cache_hits, placed)
         return self
 
     def _require_loaded(self) -> None:

@@ -243,6 +243,11 @@ class Backend(abc.ABC):
     def to_host(self, buffer: Any) -> np.ndarray:
         """Copy a device buffer into a numpy array."""
 
+    def host_address(self, buffer: Any) -> int | None:
+        """The host address of a buffer's memory where the device uses host memory (XLA:CPU);
+        None elsewhere."""
+        return None
+
     @abc.abstractmethod
     def cache_key_parts(self) -> dict[str, str]:
         """Everything besides the HLO bytes that decides what compile() produces."""
@@ -365,6 +370,9 @@ class XlaBackend(Backend):
 
     def to_host(self, buffer: Any) -> np.ndarray:
         return self._pjrt.to_host(buffer)
+
+    def host_address(self, buffer: Any) -> int | None:
+        return self._pjrt.host_address(buffer)
 
     def start_host_copy(self, buffer: Any) -> None:
         """Copy the buffer to the host as soon as it is computed, without waiting for it."""

@@ -287,13 +287,24 @@ def execute_sharded(exe: LoadedExecutable, per_device_args: Sequence[Sequence[Bu
 
 
 def to_device(array: np.ndarray, device: Any) -> Buffer:
-    """Copy a numpy array to `device` (64-bit types keep their width)."""
+    """Copy a numpy array to `device` (64-bit types keep their width). XLA:CPU uses an array
+    that starts at a 64-byte boundary in place instead, whatever may_alias says: such an array
+    must not be written while the buffer lives."""
     array = np.asarray(array)
     if array.dtype.itemsize == 8:
         # Without x64, device_put silently narrows s64/u64/f64 to 32 bits.
         with jax.enable_x64(True):
             return jax.device_put(array, device, may_alias=False)
     return jax.device_put(array, device, may_alias=False)
+
+
+def host_address(buffer: Buffer) -> int | None:
+    """Where an XLA:CPU buffer's memory lies in this process: a host array placed without a
+    copy (64-byte aligned, see runtime/host_memory.py) is used in place, at its own address.
+    None on other platforms (their buffers are in device memory)."""
+    if buffer_device(buffer).platform != "cpu":
+        return None
+    return buffer.unsafe_buffer_pointer()
 
 
 def to_host(buffer: Buffer) -> np.ndarray:

@@ -77,6 +77,15 @@ class Placement:
         return Replicas(self.backend.to_device(part(r), replica=r) if mine else None
                         for r, mine in enumerate(self._is_local))
 
+    def host_addresses(self, value: Any) -> set[int]:
+        """Where this process's buffers of a value lie in host memory, for those the device
+        keeps there (XLA:CPU): a host array placed without a copy is at its own address."""
+        address = getattr(self.backend, "host_address", None)
+        if address is None:
+            return set()
+        buffers = [b for b in value if b is not None] if isinstance(value, Replicas) else [value]
+        return {address(b) for b in buffers} - {None}
+
     def start_host_copy(self, value: Any) -> None:
         """Begin copying a value (this process's first replica's buffer) to the host once it
         is computed, so that host() later finds it there instead of waiting for the copy."""

@@ -19,7 +19,7 @@ from decoders.blocks import MLP, Alibi, Attention, DecoderLayer, Embedding, Head
 from decoders.blocks.params import Kind, Param, Shard, Source, per_head_qkv, read, rows
 from decoders.blocks.step import Step
 from decoders.blocks.values import PieceValues
-from decoders.checkpoints.base import is_float_dtype
+from decoders.checkpoints.base import Checkpoint, is_float_dtype
 from decoders.lowering import XlaLowering
 from pyhlo.ops import nn
 
@@ -32,7 +32,9 @@ F32_LOWEST = np.finfo(np.float32).min
 
 
 class FakeCheckpoint:
-    """What `read` needs of a checkpoint: `get(name)` and `in`."""
+    """What `read` needs of a checkpoint: `get(name)`, `rows(names)` (Checkpoint's, over get) and `in`."""
+
+    rows = Checkpoint.rows
 
     def __init__(self, tensors: dict[str, np.ndarray]):
         self.tensors = tensors

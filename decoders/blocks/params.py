@@ -18,7 +18,7 @@ import numpy as np
 
 from decoders.checkpoints.base import is_float_dtype
 from decoders.config import QuantizationConfig
-from decoders.weights.stored import BLOCK, BLOCK_FORMS, ROWS, BlockWeight, block_form, forms_of, in_rows_form
+from decoders.weights.stored import BLOCK, BLOCK_FORMS, ROWS, block_form, forms_of, in_rows_form
 
 
 class Shard(enum.Enum):
@@ -182,11 +182,14 @@ def read(param: Param, checkpoint, layer: int | None) -> np.ndarray:
     names = param.source.resolve(layer, checkpoint.__contains__)
     if param.quant not in (None, "s8"):
         return _read_blocks(param, checkpoint, names)
-    parts = [checkpoint.get(name, keep_dtype=True) for name in names]
-    if param.quant == "s8" or len({part.dtype for part in parts}) > 1 or parts[0].dtype not in KEPT_FLOATS:
-        parts = [part.astype(np.float32) if is_float_dtype(part.dtype) and part.dtype != np.float32 else part
-                 for part in parts]
-    array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    # One array as stored (a view of a mapped file where the parts lie there in order), so that
+    # a weight placed as stored is never copied on the host.
+    array = checkpoint.rows(names)
+    if array is None:                       # parts of different types: each widened to f32
+        parts = [_widened(checkpoint.get(name, keep_dtype=True)) for name in names]
+        array = np.concatenate(parts, axis=0)
+    elif param.quant == "s8" or array.dtype not in KEPT_FLOATS:
+        array = _widened(array)
     for transform in param.source.transforms:
         array = transform(array)
     if param.part_of and array.ndim == 2 and array.shape[0] == param.shape[0]:
@@ -197,16 +200,20 @@ def read(param: Param, checkpoint, layer: int | None) -> np.ndarray:
     return array
 
 
+def _widened(array: np.ndarray) -> np.ndarray:
+    return array.astype(np.float32) if is_float_dtype(array.dtype) and array.dtype != np.float32 else array
+
+
 def _read_blocks(param: Param, checkpoint, names: list[str]):
     """A GGUF block weight's parts concatenated along rows (a fused q|k|v is three tensors)."""
-    parts = [checkpoint.blocks(name) for name in names]
-    forms = {part.form for part in parts}
+    stored = [checkpoint.block_form(name) for name in names]
+    if None in stored:
+        checkpoint.blocks(names[stored.index(None)])        # raises, naming the type it has instead
+    forms = set(stored)
     if param.quant.startswith(ROWS) and forms <= set(forms_of(param.quant)) and not param.source.transforms:
-        return in_rows_form(parts, param.quant, param.shape[1])
+        return in_rows_form([checkpoint.blocks(name) for name in names], param.quant, param.shape[1])
     if forms != {param.quant} or param.source.transforms:
         raise ValueError(f"{param.name}: {' + '.join(names)} are stored {sorted(forms)}, declared "
                          f"{param.quant!r}"
                          + (" with transforms" if param.source.transforms else ""))
-    joined = [None if arrays[0] is None else np.concatenate(arrays, axis=0) if len(parts) > 1 else arrays[0]
-              for arrays in zip(*(part[1:] for part in parts))]
-    return BlockWeight(param.quant, *joined)
+    return checkpoint.blocks_rows(names)

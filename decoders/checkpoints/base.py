@@ -6,11 +6,13 @@ Subclasses (hf.py, gguf.py) provide ``names``, ``shape``, ``_read`` and ``tokeni
 from __future__ import annotations
 
 import pathlib
+from typing import Collection
 
 import ml_dtypes
 import numpy as np
 
 from decoders.weights.stored import BlockWeight
+from runtime.host_memory import aligned_concatenate
 
 # Float types numpy does not know natively; np.dtype(...).kind is "V" for them.
 _EXTRA_FLOAT_DTYPES = frozenset(
@@ -76,9 +78,28 @@ class Checkpoint:
     def chat_template(self) -> str | None:
         return None
 
-    def release_pages(self) -> None:
-        """Drop the pages of a mapped file that reading has made resident (a reader that maps
-        its file; arrays already returned own their memory). A no-op for plain reads."""
+    def rows(self, names: list[str]) -> np.ndarray | None:
+        """The tensors, as stored, joined along their first axis (a fused q|k|v from q, k and
+        v); None where their element types or trailing dims differ. At most one copy: a reader
+        may give a view of its file where they lie there one after another."""
+        parts = [self.get(name, keep_dtype=True) for name in names]
+        if len(parts) == 1:
+            return parts[0]
+        if len({p.dtype for p in parts}) > 1 or len({p.shape[1:] for p in parts}) > 1 or parts[0].ndim == 0:
+            return None
+        return aligned_concatenate(parts)
+
+    def blocks_rows(self, names: list[str]) -> BlockWeight:
+        """blocks() of tensors in one block form, each array joined along rows, as rows()."""
+        parts = [self.blocks(name) for name in names]
+        return BlockWeight(parts[0].form, *(
+            None if arrays[0] is None else arrays[0] if len(arrays) == 1 else aligned_concatenate(arrays)
+            for arrays in zip(*(part[1:] for part in parts))))
+
+    def release_pages(self, kept: Collection[int] = ()) -> None:
+        """Drop the pages of a mapped file that reading has made resident, except those of
+        arrays returned at an address in `kept` (the device uses them in place as its buffers).
+        A no-op for plain reads."""
 
     def close(self) -> None:
         pass

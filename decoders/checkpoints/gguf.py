@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import pathlib
+from typing import Collection
 
 import ml_dtypes
 import numpy as np
@@ -584,8 +585,9 @@ class GGUFCheckpoint(Checkpoint):
         are not kept (the tokenizer reads them from the file)."""
         return self._metadata.get(key, default)
 
-    def release_pages(self) -> None:
-        # A read-only shared mapping: its pages stay in the page cache, a later read maps them again.
+    def release_pages(self, kept: Collection[int] = ()) -> None:
+        # Arrays returned own their memory (none is kept). A read-only shared mapping: its
+        # pages stay in the page cache, a later read maps them again.
         if self._mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
             self._mapping.madvise(mmap.MADV_DONTNEED)
 

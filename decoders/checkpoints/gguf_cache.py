@@ -17,6 +17,9 @@ import os
 import pathlib
 import shutil
 import tempfile
+from typing import Collection
+
+import numpy as np
 
 from decoders.checkpoints.base import Checkpoint
 from decoders.checkpoints.gguf import GGUFCheckpoint, _cache_key, load_cached_tokenizer
@@ -24,6 +27,7 @@ from decoders.checkpoints.hf import HFCheckpoint, _SafetensorsShard
 from decoders.checkpoints.streamed_safetensors import write_streamed
 from decoders.weights.quantize import dequantize_blocks
 from decoders.weights.stored import BlockWeight
+from runtime.host_memory import aligned_concatenate
 
 
 def converted_dir(path: pathlib.Path) -> pathlib.Path | None:
@@ -33,9 +37,11 @@ def converted_dir(path: pathlib.Path) -> pathlib.Path | None:
     return pathlib.Path(root) / f"{path.stem}-{_cache_key(path)}-{LAYOUT}"
 
 
-# The converted folder's layout: a new one converts the file again.
-LAYOUT = "v3"
+# The converted folder's layout: a new one converts the file again. v4: tensors at 64-byte
+# boundaries, block weights' values apart from their scales (placed from the mapping as stored).
+LAYOUT = "v4"
 BLOCKS = "blocks.safetensors"
+BLOCK_PARTS = ("values", "scales", "mins")
 
 
 class ConvertedGGUF(HFCheckpoint):
@@ -94,9 +100,32 @@ class ConvertedGGUF(HFCheckpoint):
         form = self.block_form(name)
         if form is None:
             return self._gguf().blocks(name)     # names the GGML type it has instead
+        return self.blocks_rows([name])
+
+    def blocks_rows(self, names: list[str]) -> BlockWeight:
+        forms = {self.block_form(name) for name in names}
+        if None in forms or len(forms) > 1:
+            return super().blocks_rows(names)
         stored = self._blocks.shapes()
-        return BlockWeight(form, *(self._blocks.read(f"{name}:{part}") if f"{name}:{part}" in stored
-                                   else None for part in ("values", "scales", "mins")))
+
+        def joined(part: str) -> np.ndarray | None:
+            if f"{names[0]}:{part}" not in stored:
+                return None
+            array = self._blocks.read_rows([f"{name}:{part}" for name in names])
+            return array if array is not None else aligned_concatenate(
+                [self._blocks.read(f"{name}:{part}") for name in names])
+
+        return BlockWeight(forms.pop(), *(joined(part) for part in BLOCK_PARTS))
+
+    def rows(self, names: list[str]) -> np.ndarray | None:
+        if any(name in self._forms for name in names):      # widened from their blocks
+            return Checkpoint.rows(self, names)
+        return super().rows(names)
+
+    def release_pages(self, kept: Collection[int] = ()) -> None:
+        super().release_pages(kept)
+        if self._blocks is not None:
+            self._blocks.release_pages(kept)
 
     def close(self) -> None:
         super().close()
@@ -137,14 +166,16 @@ def convert(checkpoint: GGUFCheckpoint, target: pathlib.Path) -> None:
         def blocks():
             for name in forms:
                 weight = checkpoint.blocks(name)
-                yield from ((f"{name}:{part}", getattr(weight, part)) for part in ("values", "scales", "mins")
+                yield from ((f"{name}:{part}", getattr(weight, part)) for part in BLOCK_PARTS
                             if getattr(weight, part) is not None)
                 checkpoint.release_pages()
 
         types = {name: checkpoint.quant_type(name) for name in checkpoint.names()}
         shapes = {name: checkpoint.shape(name) for name in forms}
+        # Values, then scales, then minimums: a fused weight's parts lie one after another.
         write_streamed(staging / BLOCKS, blocks(), metadata={
-            "forms": json.dumps(forms), "types": json.dumps(types), "shapes": json.dumps(shapes)})
+            "forms": json.dumps(forms), "types": json.dumps(types), "shapes": json.dumps(shapes)},
+            group=lambda name: BLOCK_PARTS.index(name.rpartition(":")[2]))
         (staging / "config.json").write_text(json.dumps(checkpoint.config, indent=2))
         template = checkpoint.chat_template()
         if template:

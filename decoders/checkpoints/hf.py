@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Collection
 
 import ml_dtypes
 import numpy as np
 
 from decoders.checkpoints.base import Checkpoint, CheckpointError
+from runtime.host_memory import ALIGNMENT, MappedFile, aligned_empty
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -21,10 +23,12 @@ WEIGHT_FILES = (SAFETENSORS_INDEX, SAFETENSORS_FILE, TORCH_INDEX, TORCH_FILE)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 class _SafetensorsShard:
-    """A .safetensors file read with plain file reads, one tensor at a time.
+    """A .safetensors file, read one tensor (or one run of tensors) at a time.
 
-    Not memory-mapped: pages of a mapping stay in the process's resident memory
-    until it is closed, which would double the peak while weights move to the device.
+    A tensor that lies at a 64-byte boundary of the file comes back as a read-only view of
+    the file's mapping, which XLA:CPU then places with no copy at all; any other is read
+    with plain file reads into an aligned array (one copy, and no mapping left resident).
+    release_pages() drops the mapped pages of views that were copied rather than placed.
     The format is an 8-byte header length, a JSON header, then the raw tensors.
     """
 
@@ -40,6 +44,7 @@ class _SafetensorsShard:
         self._metadata = header.pop("__metadata__", None) or {}
         self._data_start = 8 + int(length)
         self._entries = header
+        self._mapped: MappedFile | None = None
 
     def metadata(self) -> dict[str, str]:
         return dict(self._metadata)
@@ -48,18 +53,48 @@ class _SafetensorsShard:
         return {name: tuple(entry["shape"]) for name, entry in self._entries.items()}
 
     def read(self, name: str) -> np.ndarray:
-        entry = self._entries[name]
-        dtype = np.dtype(self._DTYPES[entry["dtype"]])
-        begin, end = entry["data_offsets"]
-        array = np.empty(tuple(entry["shape"]), dtype=dtype)
+        return self.read_rows([name])
+
+    def read_rows(self, names: list[str]) -> np.ndarray | None:
+        """The tensors joined along their first axis (None where their types or trailing dims
+        differ): one view of the file where they lie one after another in that order."""
+        entries = [self._entries[name] for name in names]
+        dtypes = {entry["dtype"] for entry in entries}
+        trailing = {tuple(entry["shape"][1:]) for entry in entries}
+        if len(names) > 1 and (len(dtypes) > 1 or len(trailing) > 1 or not all(e["shape"] for e in entries)):
+            return None
+        dtype = np.dtype(self._DTYPES[entries[0]["dtype"]])
+        shape = tuple(entries[0]["shape"]) if len(names) == 1 else (
+            sum(entry["shape"][0] for entry in entries), *trailing.pop())
+        begin = self._data_start + entries[0]["data_offsets"][0]
+        running = all(a["data_offsets"][1] == b["data_offsets"][0] for a, b in zip(entries, entries[1:]))
+        if running and begin % ALIGNMENT == 0:
+            if self._mapped is None:
+                self._mapped = MappedFile(self._path)
+            try:
+                return self._mapped.view(begin, shape, dtype)
+            except ValueError as error:     # numpy: the mapping is smaller than the view
+                raise CheckpointError(f"{self._path}: tensor {names[-1]!r} is truncated") from error
+        array = aligned_empty(shape, dtype)
+        into = memoryview(array.reshape(-1).view(np.uint8))
         with open(self._path, "rb") as f:
-            f.seek(self._data_start + begin)
-            if f.readinto(memoryview(array.reshape(-1).view(np.uint8))) != end - begin:
-                raise CheckpointError(f"{self._path}: tensor {name!r} is truncated")
+            for name, entry in zip(names, entries):
+                start, end = entry["data_offsets"]
+                f.seek(self._data_start + start)
+                if f.readinto(into[:end - start]) != end - start:
+                    raise CheckpointError(f"{self._path}: tensor {name!r} is truncated")
+                into = into[end - start:]
         return array
 
+    def release_pages(self, kept: Collection[int] = ()) -> None:
+        if self._mapped is not None:
+            self._mapped.release_copied(kept)
+
     def close(self) -> None:
-        pass
+        # Views the device holds keep the mapping itself alive.
+        if self._mapped is not None:
+            self._mapped.close()
+        self._mapped = None
 
 
 class _TorchShard:
@@ -125,6 +160,8 @@ class HFCheckpoint(Checkpoint):
         # One shard open at a time: a torch .bin shard keeps a mapping of the whole file.
         self._open_file: pathlib.Path | None = None
         self._open_shard = None
+        # Shards read from since the last release_pages(), no longer open.
+        self._retired: list[_SafetensorsShard] = []
         self._shard_type = _SafetensorsShard if "safetensors" in weights.name else _TorchShard
         if weights.name.endswith(".index.json"):
             self._files = self._read_index(weights)
@@ -151,6 +188,10 @@ class HFCheckpoint(Checkpoint):
 
     def _load_shard(self, file: pathlib.Path):
         if file != self._open_file:
+            if isinstance(self._open_shard, _SafetensorsShard):
+                # Its copied views' pages are dropped at the next release_pages().
+                self._retired.append(self._open_shard)
+                self._open_shard = None
             self.close()
             self._open_shard = self._shard_type(file)
             self._open_file = file
@@ -171,6 +212,22 @@ class HFCheckpoint(Checkpoint):
 
     def _read(self, name: str) -> np.ndarray:
         return self._load_shard(self._files[name]).read(name)
+
+    def rows(self, names: list[str]) -> np.ndarray | None:
+        files = {self._files[name] for name in names if name in self}
+        if self._shard_type is not _SafetensorsShard or len(files) != 1 or len(names) != len(set(names)):
+            return super().rows(names)
+        for name in names:
+            self._require(name)
+        return self._load_shard(files.pop()).read_rows(names)
+
+    def release_pages(self, kept: Collection[int] = ()) -> None:
+        for shard in self._retired:
+            shard.release_pages(kept)
+            shard.close()
+        self._retired = []
+        if isinstance(self._open_shard, _SafetensorsShard):
+            self._open_shard.release_pages(kept)
 
     def _where(self) -> str:
         files = sorted({f.name for f in self._files.values()}) or [self.weights_path.name]
@@ -194,6 +251,9 @@ class HFCheckpoint(Checkpoint):
         return None
 
     def close(self) -> None:
+        for shard in self._retired:
+            shard.close()
+        self._retired = []
         if self._open_shard is not None:
             self._open_shard.close()
         self._open_shard = None

@@ -155,15 +155,19 @@ class ProgramSet:
         from tqdm.auto import tqdm
 
         todo = [k for k in dict.fromkeys(keys) if k not in self.compiled]
-        programs = {key: self.build(key) for key in todo}
-        new = sum(not self._cached(program) for program in programs.values())
-        if new:
-            logging.getLogger("pyhlo.progress").info(
-                "compiling %d program%s (once: the compile cache keeps them) ...", new, "s" * (new > 1))
         with ThreadPoolExecutor(max_workers=self.workers) as pool, tqdm(
             total=len(todo), desc="compiling", unit="program", disable=None
         ) as bar:
-            futures = {key: pool.submit(self._compile, program) for key, program in programs.items()}
+            # Each program goes to the pool as soon as it is built: the next one is built (in
+            # Python) while the first compiles or loads from the cache (in XLA).
+            futures, new = {}, 0
+            for key in todo:
+                program = self.build(key)
+                new += not self._cached(program)
+                futures[key] = pool.submit(self._compile, program)
+            if new:
+                logging.getLogger("pyhlo.progress").info(
+                    "compiling %d program%s (once: the compile cache keeps them) ...", new, "s" * (new > 1))
             for key, future in futures.items():
                 self._record(key, future.result())
                 bar.update(1)

@@ -3,18 +3,18 @@ layout, element type and that replica's part), one safetensors file per replica.
 
     directory/weights/rank{r}.safetensors     tensors "shared/NAME" and "layer{i}/NAME"
 
-Loading them reads each tensor with plain file reads and places it as it is: no checkpoint
-reading, no transposing, converting or sharding.
+Loading them places each tensor as it is, straight from the file's mapping (its tensors start
+at a 64-byte boundary): no checkpoint reading, no transposing, converting or sharding.
 """
 from __future__ import annotations
 
-import json
 import pathlib
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 
 from decoders.checkpoints.hf import _SafetensorsShard
+from decoders.checkpoints.streamed_safetensors import aligned_header
 
 FILES = "weights/rank{rank}.safetensors"
 _NAMES = {np.dtype(dtype): name for name, dtype in _SafetensorsShard._DTYPES.items()}
@@ -39,12 +39,9 @@ def write(path: pathlib.Path, tensors: Sequence[tuple[str, np.dtype, tuple[int, 
         header[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
-        f.write(np.uint64(len(encoded)).astype("<u8").tobytes())
-        f.write(encoded)
+        f.write(aligned_header(header))
         for name, dtype, shape in tensors:
             array = np.asarray(fetch(name))
             if array.dtype != np.dtype(dtype) or tuple(array.shape) != tuple(shape):
@@ -71,3 +68,6 @@ class RankFile:
             raise ValueError(f"{self.path}: {name} is {array.dtype}{list(array.shape)}, this model's program "
                              f"takes {np.dtype(dtype)}{list(shape)}")
         return array
+
+    def release_pages(self, kept: Collection[int] = ()) -> None:
+        self._file.release_pages(kept)

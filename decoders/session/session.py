@@ -201,14 +201,21 @@ class Session:
                 last.update(key=(param.part_of or param.name, layer), prepared=prepared)
                 return self.placement.put_parts(lambda rank: lowering.arrange(param, prepared, rank))
 
+        def release(placed: dict[str, Any]) -> None:
+            # A mapped file's pages read for these weights, except those the device uses in
+            # place: it holds its own copies of the others now.
+            kept = set().union(*(self.placement.host_addresses(value) for value in placed.values()))
+            for source in (files.values() if presharded is not None else (checkpoint,)):
+                source.release_pages(kept)
+
         self.shared = {p.name: place(p, None) for p in self.builder.shared_params()}
+        release(self.shared)
         declared = self.builder.layer_params()
         n_layers = self.builder.decoder.n_layers
         self.layers = []
         for i in tqdm(range(n_layers), total=n_layers, desc="loading weights", unit="layer", disable=None):
             self.layers.append({p.name: place(p, i) for p in declared})
-            # A mapped checkpoint's pages of this layer: the device holds the weights now.
-            checkpoint.release_pages()
+            release(self.layers[-1])
         cache = self.builder.cache_spec("cache")
         self.kv_cache = KVCache(self.placement, n_layers, cache.dims, cache.dtype)
         # Weights never change once placed: named for the unrolled program once, not every step.
