@@ -22,7 +22,8 @@
 //
 // Paths: AVX-512 or AVX2 + FMA where the CPU has them, elsewhere portable forms that
 // compilers vectorize as they can. The K-quants are unpacked with AVX-512 or AVX2
-// (kquants.h), Q5_0 and Q5_1 with AVX2, the other forms in plain C++.
+// (kquants.h), Q5_0 and Q5_1 with AVX2, IQ4's table entries for int8 with vpshufb, the other
+// forms in plain C++.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
