@@ -100,8 +100,16 @@ inline __m256i block_sum_8(__m256i w, __m256i x) {
 inline float dot_q8_32(const int8_t* w, const float* w_d, const float* w_m, const int8_t* x, const float* x_d,
                        const float* x_s, int64_t blocks) {
   float minimums = 0;
-  if (w_m != nullptr)
-    for (int64_t b = 0; b < blocks; ++b) minimums += w_m[b] * x_s[b];
+  if (w_m != nullptr) {
+    int64_t b = 0;
+#if defined(PYHLO_Q8B_AVX512) || defined(PYHLO_Q8B_AVX2)
+    // Eight blocks at a time, not one chain of dependent scalar adds.
+    __m256 acc = _mm256_setzero_ps();
+    for (; b + 8 <= blocks; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w_m + b), _mm256_loadu_ps(x_s + b), acc);
+    minimums = sum8_q8b(acc);
+#endif
+    for (; b < blocks; ++b) minimums += w_m[b] * x_s[b];
+  }
 #ifdef PYHLO_Q8B_AVX512
   // Two blocks a step: lanes 0-7 the first block's sum, 8-15 the second's.
   __m512 acc = _mm512_setzero_ps();
