@@ -219,9 +219,9 @@ class NeuronConfig:
     kv_cache_quant: bool | str = False
     # Products of GGUF block weights on pyhlo's CPU kernels (decode steps, the LM head) round
     # the activations to int8 as llama.cpp does and multiply integers: faster, within the
-    # rounding of the exact product (off: activations stay f32). Q8_0, Q4_0 and Q4_1 round per
-    # 32 values (max |x| / 127), the K-quants Q2_K to Q6_K per 256 (llama.cpp's Q8_K); the
-    # other forms (Q5_0, Q5_1, IQ4_NL, IQ4_XS) stay exact.
+    # rounding of the exact product (off: activations stay f32). Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
+    # IQ4_NL round per 32 values (max |x| / 127), the K-quants Q2_K to Q6_K and IQ4_XS per 256
+    # (llama.cpp's Q8_K); rows of mixed forms each way their forms take.
     int8_activations: bool = False
     on_device_generation: GenerationConfig | None = None
     # The token embedding runs inside the device program (transformers-neuronx's

@@ -46,6 +46,7 @@ from pyhlo.ops.collectives import all_reduce_sum
 from pyhlo.ops.gguf_blocks import dequantize_gguf, dequantize_gguf_rows
 from pyhlo.ops.linalg import (
     BLOCK_KERNEL_FORMS,
+    GGUF_ROWS_X8_KERNEL_TYPES,
     GGUF_X8_KERNEL_TYPES,
     matmul,
     matmul_transposed,
@@ -267,12 +268,13 @@ def widened_blocks(form: str, weight: HloValue, scale: HloValue | None, mins: Hl
 
 def has_int8_activation_kernel(form: str) -> bool:
     """Whether the kernel of a GGUF block weight's form can round the activations to int8
-    (NeuronConfig.int8_activations): Q8_0, Q4_0 and Q4_1 split into arrays (per 32 values), and
-    the K-quants kept as the file's bytes, rows of mixed K-quants too (per 256, as llama.cpp's
-    Q8_K). The other forms run exact kernels."""
+    (NeuronConfig.int8_activations) as llama.cpp rounds them for the form: Q8_0, Q4_0 and Q4_1
+    split into arrays, and every form kept as the file's bytes (GGUF_X8_KERNEL_TYPES), rows of
+    mixed forms too (GGUF_ROWS_X8_KERNEL_TYPES)."""
     if not block_form(form).as_file:
         return True
-    return all(t in GGUF_X8_KERNEL_TYPES for t in ggml_types(form))
+    with_x8 = GGUF_ROWS_X8_KERNEL_TYPES if form.startswith(ROWS) else GGUF_X8_KERNEL_TYPES
+    return all(t in with_x8 for t in ggml_types(form))
 
 
 def ggml_types(form: str) -> tuple[str, ...]:

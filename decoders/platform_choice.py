@@ -53,10 +53,9 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
     wanted = neuron_config.cpu_kernels
     rounding = [form for _, form in gguf_blocks if has_int8_activation_kernel(form)]
     if neuron_config.int8_activations and not rounding:
-        raise ValueError("NeuronConfig.int8_activations applies to GGUF weights kept in their blocks in a "
-                         "form with integer kernels: Q8_0, Q4_0, Q4_1 and the K-quants Q2_K to Q6_K (the "
-                         "other forms kept as stored run exact kernels), and this model has none (a .gguf "
-                         "file with such tensors, tp_degree 1)")
+        raise ValueError("NeuronConfig.int8_activations applies to GGUF weights kept in their blocks (Q8_0, "
+                         "Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K to Q6_K, IQ4_NL, IQ4_XS), and this model "
+                         "has none (a .gguf file with such tensors, tp_degree 1)")
     if wanted is not False:
         reasons = _cpu_kernel_obstacles(neuron_config, backend, dtype)
         if reasons and wanted:

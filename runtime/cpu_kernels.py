@@ -39,12 +39,14 @@ MATVEC_BLOCK_X8_TARGETS = {form: f"pyhlo_matvec_{form}_x8" for form in ("q8_0", 
 MATVEC_GGUF_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}"
                        for ggml_type in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                                          "IQ4_NL", "IQ4_XS")}
-# The same with the activations rounded to int8 per 256 values as llama.cpp's Q8_K
-# (NeuronConfig(int8_activations=True)): the K-quants.
+# The same with the activations rounded to int8 as llama.cpp rounds them for each form
+# (NeuronConfig(int8_activations=True)): per 256 values (Q8_K) for the K-quants and IQ4_XS, per
+# 32 (Q8_0 / Q8_1) for Q5_0, Q5_1 and IQ4_NL.
 MATVEC_GGUF_X8_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}_x8"
-                          for ggml_type in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
-# A weight whose rows come in several GGUF forms, each row's form in its last byte (_x8: rows
-# all K-quants, activations rounded as above).
+                          for ggml_type in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                            "IQ4_NL", "IQ4_XS")}
+# A weight whose rows come in several GGUF forms, each row's form in its last byte (_x8: the
+# activations rounded each way its rows' forms take them).
 MATVEC_GGUF_ROWS_TARGET = "pyhlo_matvec_gguf_rows"
 MATVEC_GGUF_ROWS_X8_TARGET = "pyhlo_matvec_gguf_rows_x8"
 # custom-call target -> the handler symbol the library exports
@@ -60,7 +62,8 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("matvec.cc", "matvec_gguf.cc", "decode_attention.cc")]
 # Included by the sources: part of what the library's cache name hashes.
-_HEADERS = [pathlib.Path(__file__).with_name("kernels") / name for name in ("half.h", "kquants.h")]
+_HEADERS = [pathlib.Path(__file__).with_name("kernels") / name
+            for name in ("half.h", "kquants.h", "q8_blocks.h")]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 

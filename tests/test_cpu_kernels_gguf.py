@@ -1,18 +1,21 @@
 """pyhlo's matrix-vector kernels on weights kept as a GGUF file stores them (Q5_0, Q5_1, the
 K-quants, IQ4_NL, IQ4_XS) equal numpy on the gguf package's dequantization of the same blocks,
-at 1-8 activation rows, in every instruction-set form the host builds; the K-quants'
-int8-activation kernels equal numpy on the activations rounded as llama.cpp's Q8_K rounds them."""
+at 1-8 activation rows, in every instruction-set form the host builds; the int8-activation
+kernels equal numpy on the activations rounded as llama.cpp rounds them for each form (Q8_K per
+256 values for the K-quants and IQ4_XS, Q8_0 / Q8_1 per 32 for the others), rows of mixed forms
+each row as its form."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from child_env import python_path
 from hlo_run import run_fn
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_gguf_kquant_blocks import gguf_dequantized, mixed_rows, random_gguf_blocks
 
 from pyhlo.ops import linalg
+from pyhlo.ops.gguf_blocks import LAYOUTS, ROW_CODES, row_bytes
 from pyhlo.shape_inference import HloShapeError
 from runtime import cpu_kernels
 
@@ -83,15 +86,74 @@ def q8_k_rounded(x: np.ndarray) -> np.ndarray:
     return (d.astype(np.float64) * q).reshape(x.shape)
 
 
-def check_int8_activation_product(out: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
-    """The product of w and x rounded as Q8_K, to f32 rounding; and within the rounding's reach of
-    the exact product."""
-    w = w.astype(np.float64)
-    rounded = q8_k_rounded(x)
-    bound = np.abs(rounded) @ np.abs(w).T
-    assert (np.abs(out - rounded @ w.T) <= 1e-5 * bound + 1e-30).all()
+# Forms whose int8-activation kernels round x per 32 values (llama.cpp's vec_dot_type q8_0, or
+# q8_1 for Q5_1 and Q4_1, whose minimum meets the kept sum s); the others per 256 (q8_K).
+PER_32_TYPES = ("Q5_0", "Q5_1", "IQ4_NL", "Q8_0", "Q4_0", "Q4_1")
+WITH_MINIMUMS = ("Q5_1", "Q4_1")      # a block: f16 d, f16 m, ...
+
+
+def q8_1_rounded(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x rounded per 32 values as llama.cpp's x86 quantize_row_q8_1 rounds it (quantize_row_q8_0
+    gives the same q and d): amax = max |x|, d = amax / 127 kept as f16, q = round(x * (127 /
+    amax)) (an f32 product, ties to even), s = d * sum q (d before its f16 rounding) kept as f16.
+    Returned as d * q, and per block s and d * sum q, the kept sum and the one it stands for."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    inverse = np.where(amax != 0, np.float32(127) / np.where(amax != 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inverse)
+    total = q.sum(axis=-1, keepdims=True)
+    d16 = d.astype(np.float16).astype(np.float64)
+    s16 = (d * total).astype(np.float16).astype(np.float64)
+    return (d16 * q).reshape(x.shape), s16[..., 0], (d16 * total)[..., 0]
+
+
+def int8_activation_product(x: np.ndarray, ggml_type: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's product of x with weight rows `data` of `ggml_type`, x rounded as its
+    vec_dot_type for the form rounds it; and the size of the sum's terms."""
+    w = gguf_dequantized(ggml_type, data).astype(np.float64)
+    if ggml_type not in PER_32_TYPES:
+        rounded = q8_k_rounded(x)
+        return rounded @ w.T, np.abs(rounded) @ np.abs(w).T
+    rounded, kept_sum, exact_sum = q8_1_rounded(x)
+    product, bound = rounded @ w.T, np.abs(rounded) @ np.abs(w).T
+    if ggml_type in WITH_MINIMUMS:       # m * s: the minimum's term takes the kept f16 sum
+        size = LAYOUTS[ggml_type][1]
+        mins = data.reshape(len(data), -1, size)[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        product = product + (kept_sum - exact_sum) @ mins.T
+        bound = bound + np.abs(kept_sum) @ np.abs(mins).T
+    return product, bound
+
+
+def check_int8_activation_product(out: np.ndarray, x: np.ndarray, types: list[str], data: np.ndarray) -> None:
+    """Each weight row's product as llama.cpp computes it for the row's form (types[i] for row
+    i of data; rows of mixed forms padded, code last), to f32 rounding; and within the
+    rounding's reach of the exact product."""
+    k = x.shape[-1]
+    expected, bound = np.zeros(out.shape), np.zeros(out.shape)
+    w = np.zeros((len(types), k))
+    for ggml_type in set(types):
+        rows = np.array([t == ggml_type for t in types])
+        part = np.ascontiguousarray(data[rows, :row_bytes(ggml_type, k)])
+        expected[..., rows], bound[..., rows] = int8_activation_product(x, ggml_type, part)
+        w[rows] = gguf_dequantized(ggml_type, part)
+    assert (np.abs(out - expected) <= 1e-5 * bound + 1e-30).all()
     exact_bound = np.abs(x).astype(np.float64) @ np.abs(w).T
     assert (np.abs(out - x.astype(np.float64) @ w.T) <= 0.01 * exact_bound + 1e-30).all()
+
+
+def test_q8_1_rounding_is_llama_cpps():
+    """The per-32 reference rounding against numbers worked by hand: the scale from the largest
+    magnitude, ties to even, d and s kept as f16, a block of zeros zero."""
+    x = np.zeros((1, 64), np.float32)
+    x[0, :5] = [-127.0, 0.5, 1.5, 2.5, 100.25]   # amax 127: q = round(x), d = 1
+    rounded, kept_sum, exact_sum = q8_1_rounded(x)
+    np.testing.assert_array_equal(rounded[0, :5], [-127.0, 0.0, 2.0, 2.0, 100.0])
+    np.testing.assert_array_equal(kept_sum, [[-23.0, 0.0]])
+    np.testing.assert_array_equal(exact_sum, [[-23.0, 0.0]])
+    x[0, 32] = 1000.0             # d = 1000 / 127 = 7.874..., as f16 7.875; s = d * 127 = 1000
+    rounded, kept_sum, _ = q8_1_rounded(x)
+    assert rounded[0, 32] == 7.875 * 127 and kept_sum[0, 1] == 1000.0
 
 
 def test_q8_k_rounding_is_llama_cpps():
@@ -111,13 +173,13 @@ def test_q8_k_rounding_is_llama_cpps():
 @pytest.mark.parametrize("rows", range(1, 9))
 def test_each_int8_activation_gguf_kernel_matches_numpy(ggml_type, rows):
     seed = 100 * rows + len(ggml_type)
-    blocks = 9 if rows % 2 else 2
-    data = random_gguf_blocks(ggml_type, 2 * rows + 3, blocks, seed)
+    blocks = 9 if rows % 2 else 2                  # of 256 values
+    data = random_gguf_blocks(ggml_type, 2 * rows + 3, blocks * 256 // LAYOUTS[ggml_type][0], seed)
     x = np.random.default_rng(seed + 1).standard_normal((rows, 256 * blocks)).astype(np.float32)
     x[0, 256:512] = 0
     out = run_kernel(x, data, ggml_type, int8_activations=True)
     assert out.shape == (rows, 2 * rows + 3) and out.dtype == np.float32
-    check_int8_activation_product(out, x, gguf_dequantized(ggml_type, data))
+    check_int8_activation_product(out, x, [ggml_type] * len(data), data)
 
 
 @settings(max_examples=10, deadline=None)
@@ -126,18 +188,22 @@ def test_each_int8_activation_gguf_kernel_matches_numpy(ggml_type, rows):
        scale=st.sampled_from([1e-3, 1.0, 30.0]),
        seed=st.integers(0, 2**32 - 1))
 def test_int8_activation_gguf_kernels_at_any_shape_matches_numpy(ggml_type, lead, n, blocks, scale, seed):
-    data = random_gguf_blocks(ggml_type, n, blocks, seed)
+    data = random_gguf_blocks(ggml_type, n, blocks * 256 // LAYOUTS[ggml_type][0], seed)
     x = (scale * np.random.default_rng(seed + 1).standard_normal((*lead, 256 * blocks))).astype(np.float32)
-    check_int8_activation_product(run_kernel(x, data, ggml_type, int8_activations=True), x,
-                                  gguf_dequantized(ggml_type, data))
+    out = run_kernel(x, data, ggml_type, int8_activations=True)
+    check_int8_activation_product(out, x, [ggml_type] * n, data)
 
 
-@settings(max_examples=10, deadline=None)
-@given(types=st.lists(st.sampled_from(list(linalg.GGUF_X8_KERNEL_TYPES)), min_size=1, max_size=9),
+@settings(max_examples=15, deadline=None)
+@given(types=st.lists(st.sampled_from(list(linalg.GGUF_ROWS_X8_KERNEL_TYPES)), min_size=1, max_size=9),
        lead=st.sampled_from([(1,), (3,), (8,)]), seed=st.integers(0, 2**32 - 1))
-def test_the_int8_activation_kernel_of_rows_of_mixed_k_quants_matches_numpy(types, lead, seed):
+# A product iscale * x that, fused into an FMA with the rounding's addition, rounded the other way.
+@example(types=["Q2_K"], lead=(3,), seed=70555)
+def test_the_int8_activation_kernel_of_rows_of_mixed_forms_matches_numpy(types, lead, seed):
+    """Rows of per-32 forms (Q8_0, Q5_0 ...) among K-quants, as a Q4_K_M file's fused q|k|v: x
+    rounded both ways, each row multiplied as its form is."""
     forms = tuple(sorted(set(types)))
-    data, w = mixed_rows(types, forms, 512, seed)
+    data, _ = mixed_rows(types, forms, 512, seed)
     x = np.random.default_rng(seed + 1).standard_normal((*lead, 512)).astype(np.float32)
 
     def program(scribe):
@@ -147,30 +213,41 @@ def test_the_int8_activation_kernel_of_rows_of_mixed_k_quants_matches_numpy(type
 
     (out,) = run_fn(program, x, data)
     assert out.shape == (*lead, len(types))
-    check_int8_activation_product(out, x, w)
+    check_int8_activation_product(out, x, types, data)
 
 
-def test_int8_activations_need_k_quants():
-    from pyhlo import compile_py_func
+@pytest.mark.parametrize("types", [["Q5_1"] * 3, ["Q4_1", "Q5_1", "Q4_K", "Q4_1"]])
+def test_minimums_meet_the_kept_f16_sums_of_the_rounded_activations_matches_numpy(types):
+    """Q5_1 and Q4_1 blocks with d = 0 are their minimums alone: the product is then sum_b m * s,
+    which tells llama.cpp's kept f16 s from the d * sum q it stands for (about 1e-4 apart)."""
+    forms = tuple(sorted(set(types)))
+    data, _ = mixed_rows(types, forms, 512, 7)
+    for i, ggml_type in enumerate(types):
+        if ggml_type in WITH_MINIMUMS:
+            blocks = data[i, :row_bytes(ggml_type, 512)].reshape(16, LAYOUTS[ggml_type][1])
+            blocks[:, :2] = 0
+            data[i, :blocks.size] = blocks.reshape(-1)
+    x = np.random.default_rng(8).standard_normal((2, 512)).astype(np.float32)
+    if len(forms) == 1:
+        out = run_kernel(x, np.ascontiguousarray(data[:, :-1]), forms[0], int8_activations=True)
+    else:
+        def program(scribe):
+            return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                                  scribe.u8[data.shape].Parameter(parameter_number=1), forms,
+                                                  int8_activations=True)
 
-    def program(scribe):
-        return linalg.matvec_gguf_kernel(scribe.f32[1, 256].Parameter(parameter_number=0),
-                                         scribe.u8[1, 176].Parameter(parameter_number=1), "Q5_0",
-                                         int8_activations=True)
+        (out,) = run_fn(program, x, data)
+    check_int8_activation_product(out, x, types, data)
 
-    with pytest.raises(HloShapeError, match="no int8-activation kernel for Q5_0"):
-        compile_py_func(program)
-    # The kernel of mixed rows checks each row's form when it runs: a Q4_0 row among K-quants.
-    data, _ = mixed_rows(["Q4_K", "Q4_0"], ("Q4_K",), 256, 0)
-    x = np.ones((1, 256), np.float32)
 
-    def rows_program(scribe):
-        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
-                                              scribe.u8[data.shape].Parameter(parameter_number=1), ("Q4_K",),
-                                              int8_activations=True)
-
-    with pytest.raises(Exception, match="not a K-quant"):
-        run_fn(rows_program, x, data)
+def test_every_form_kept_as_stored_has_an_int8_activation_kernel():
+    """Every GGML type with a kernel on the file's bytes has its _x8 form, rows of mixed forms
+    every row code; a form outside that list is refused by name."""
+    assert set(linalg.GGUF_X8_KERNEL_TYPES) == set(linalg.GGUF_KERNEL_TYPES)
+    assert set(linalg.GGUF_ROWS_X8_KERNEL_TYPES) == set(ROW_CODES)
+    assert set(cpu_kernels.MATVEC_GGUF_X8_TARGETS) == set(linalg.GGUF_X8_KERNEL_TYPES)
+    with pytest.raises(HloShapeError, match="no int8-activation kernel for Q4_K/BF16"):
+        linalg._gguf_target("matvec_gguf_rows_kernel", True, ("Q4_K", "BF16"))
 
 
 def test_a_row_naming_no_form_is_a_clear_error():

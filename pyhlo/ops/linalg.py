@@ -98,15 +98,21 @@ def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: 
 
 # GGML types with a kernel of their own on the file's bytes (Q8_0, Q4_0, Q4_1: matvec_blocks_kernel).
 GGUF_KERNEL_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
-# Those with an int8-activation kernel too (the _x8 targets): x rounded per 256 values as
-# llama.cpp's Q8_K rounds it, each block's product an integer sum.
-GGUF_X8_KERNEL_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Those with an int8-activation kernel too (the _x8 targets): x rounded as llama.cpp rounds it
+# for each form (its vec_dot_type), each block's product an integer sum: per 256 values (Q8_K)
+# for the K-quants and IQ4_XS, per 32 (Q8_0; Q8_1, which keeps each 32's sum, for Q5_1) for
+# Q5_0, Q5_1 and IQ4_NL.
+GGUF_X8_KERNEL_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+# The row forms the int8-activation kernel of mixed rows takes: those, and Q8_0, Q4_0 and Q4_1
+# (per 32 values, as Q5_0 and Q5_1).
+GGUF_ROWS_X8_KERNEL_TYPES = GGUF_X8_KERNEL_TYPES + ("Q8_0", "Q4_0", "Q4_1")
 
 
-def _gguf_target(name: str, int8_activations: bool, ggml_types: tuple[str, ...]) -> str:
-    if int8_activations and not set(ggml_types) <= set(GGUF_X8_KERNEL_TYPES):
+def _gguf_target(name: str, int8_activations: bool, ggml_types: tuple[str, ...],
+                 with_x8: tuple[str, ...] = GGUF_X8_KERNEL_TYPES) -> str:
+    if int8_activations and not set(ggml_types) <= set(with_x8):
         raise HloShapeError(f"{name}: no int8-activation kernel for {'/'.join(ggml_types)} (those with one: "
-                            f"{', '.join(GGUF_X8_KERNEL_TYPES)}); run it with int8_activations=False")
+                            f"{', '.join(with_x8)}); run it with int8_activations=False")
     return "_x8" if int8_activations else ""
 
 
@@ -116,8 +122,9 @@ def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str,
     it: rows of whole blocks of `ggml_type`, u8 [n, k / values * bytes] (pyhlo.ops.gguf_blocks
     has the layouts). Each block's values are the gguf package's reading of it (a K-quant's
     minimums applied through the sums of x) and the sums are f32; with int8_activations
-    (GGUF_X8_KERNEL_TYPES), x is rounded per 256 values to int8 as llama.cpp's Q8_K does and
-    each block's product is an integer sum (the _x8 targets). The kernel must be registered
+    (GGUF_X8_KERNEL_TYPES), x is rounded to int8 as llama.cpp rounds it for the form (per 256
+    values as its Q8_K, or per 32 as its Q8_0 / Q8_1) and each block's product is an integer
+    sum (the _x8 targets). The kernel must be registered
     with the backend (runtime.cpu_kernels.register()) before a program using it is compiled."""
     from pyhlo.ops.gguf_blocks import LAYOUTS
 
@@ -138,8 +145,9 @@ def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, 
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] in rows of mixed GGUF forms
     (`ggml_types`): u8 [n, widest row + 1], each row its blocks, padding, its form's code last
     (pyhlo.ops.gguf_blocks.dequantize_gguf_rows has the layout). The kernel checks each row's
-    code when it runs. int8_activations as matvec_gguf_kernel's, for rows all of
-    GGUF_X8_KERNEL_TYPES."""
+    code when it runs. int8_activations as matvec_gguf_kernel's, for rows of
+    GGUF_ROWS_X8_KERNEL_TYPES: x is rounded once each way the rows' forms take it (per 256 values,
+    per 32) and each row multiplied as its form is."""
     from pyhlo.ops.gguf_blocks import row_bytes
 
     k = x.dims[-1] if x.dims else -1
@@ -148,5 +156,6 @@ def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, 
         raise HloShapeError(f"matvec_gguf_rows_kernel: rows of {'/'.join(ggml_types)} need f32 x[..., k] "
                             f"and u8 w[n, {width}]; got {x.dtype}{list(x.dims)} and "
                             f"{data.dtype}{list(data.dims)}")
-    suffix = _gguf_target("matvec_gguf_rows_kernel", int8_activations, tuple(ggml_types))
+    suffix = _gguf_target("matvec_gguf_rows_kernel", int8_activations, tuple(ggml_types),
+                          GGUF_ROWS_X8_KERNEL_TYPES)
     return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], "pyhlo_matvec_gguf_rows" + suffix)

@@ -13,6 +13,7 @@
 // and Q3_K in plain C++.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -247,14 +248,6 @@ inline void unpack(KQuant form, const uint8_t* b, SuperBlock* s, bool with_pairs
 // of largest magnitude `max` (the first, if several), iscale = -127 / max, q = nearest
 // integer to iscale * x (ties to even), at most 127; d = 1 / iscale (negative where max is
 // positive: the signs cancel); bsum: the sums of q over each 16. A block of zeros is d = 0.
-inline int nearest_int(float value) {
-  // llama.cpp's rounding: adding 1.5 * 2^23 leaves the integer in the low mantissa bits.
-  const float shifted = value + 12582912.f;
-  int32_t bits;
-  std::memcpy(&bits, &shifted, sizeof(bits));
-  return (bits & 0x007fffff) - 0x00400000;
-}
-
 inline void quantize_q8_k(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsum) {
   for (int64_t b = 0; b < k / kSuperValues; ++b, x += kSuperValues, q += kSuperValues) {
     float max = 0, amax = 0;
@@ -273,7 +266,10 @@ inline void quantize_q8_k(const float* x, int64_t k, int8_t* q, float* d, int16_
     }
     const float iscale = -127.f / max;
     for (int j = 0; j < kSuperValues; ++j) {
-      const int v = nearest_int(iscale * x[j]);
+      // The nearest integer to the rounded f32 product, ties to even (llama.cpp's nearest_int).
+      // Not its 1.5 * 2^23 addition: compilers fuse that with the product into one FMA, which
+      // skips the product's rounding and moves a value now and then by one.
+      const int v = int(std::nearbyint(iscale * x[j]));
       q[j] = int8_t(v < 127 ? v : 127);
     }
     for (int j = 0; j < 16; ++j) {

@@ -14,13 +14,16 @@
 // through the sums of x over each 16 (kquants.h). Weight rows are split between the caller
 // and XLA's thread pool, and each is taken 2048 values at a time.
 //
-// The int8-activation form (the _x8 targets: pyhlo_matvec_q4_k_x8 ..., pyhlo_matvec_gguf_rows_x8
-// for rows all K-quants), as llama.cpp multiplies K-quants: x rounded per 256 values as its
-// Q8_K (kquants.h), each super-block's product a sum of integer products scaled once.
+// The int8-activation form (the _x8 targets: pyhlo_matvec_q4_k_x8, pyhlo_matvec_q5_0_x8 ...,
+// pyhlo_matvec_gguf_rows_x8), as llama.cpp multiplies each form: x rounded per 256 values as its
+// Q8_K (kquants.h) for the K-quants and IQ4_XS, per 32 as its Q8_0 / Q8_1 (q8_blocks.h) for
+// Q5_0, Q5_1, IQ4_NL, Q8_0, Q4_0 and Q4_1; each block's product a sum of integer products scaled
+// once. Rows of mixed forms round x each way their forms need, once per call.
 //
 // Paths: AVX-512 or AVX2 + FMA where the CPU has them, elsewhere portable forms that
 // compilers vectorize as they can. The K-quants are unpacked with AVX-512 or AVX2
-// (kquants.h), Q5_0 and Q5_1 with AVX2, the other forms in plain C++.
+// (kquants.h), Q5_0 and Q5_1 with AVX2, IQ4's table entries for int8 with vpshufb, the other
+// forms in plain C++.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -31,6 +34,7 @@
 
 #include "half.h"
 #include "kquants.h"
+#include "q8_blocks.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -66,6 +70,34 @@ float half(const uint8_t* p) {
   return pyhlo_kernels::half_to_f32(h);
 }
 
+// Q5_0's or Q5_1's 32 values as bytes (0..31): the nibbles (low, then high) and bit j of the
+// block's 32-bit `high` as 16.
+void q5_values(const uint8_t* b, bool with_min, uint8_t* q) {
+  uint32_t high;
+  std::memcpy(&high, b + (with_min ? 4 : 2), sizeof(high));
+  const uint8_t* qs = b + (with_min ? 8 : 6);
+#ifdef PYHLO_GGUF_AVX2
+  // 32 values in one vector of bytes: the nibbles, and bit j of `high` spread to byte j (each
+  // byte of `high` copied to 8 lanes, one bit tested per lane).
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble),
+                                           _mm_and_si128(packed, nibble));
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(high)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  const __m256i is_set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_or_si256(nibbles, _mm256_and_si256(is_set, _mm256_set1_epi8(0x10))));
+#else
+  for (int j = 0; j < 16; ++j) {
+    q[j] = uint8_t((qs[j] & 0xF) | (((high >> j) & 1) << 4));
+    q[j + 16] = uint8_t((qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4));
+  }
+#endif
+}
+
 // One block of `form` at `b` as f32 values in `out`.
 void dequantize(Form form, const uint8_t* b, float* out) {
   switch (form) {
@@ -74,26 +106,11 @@ void dequantize(Form form, const uint8_t* b, float* out) {
       // Integer values first, then floats: two simple loops that compilers vectorize.
       const bool with_min = form == kQ5_1;
       const float d = half(b), m = with_min ? half(b + 2) : 0.0f;
-      uint32_t high;
-      std::memcpy(&high, b + (with_min ? 4 : 2), sizeof(high));
-      const uint8_t* qs = b + (with_min ? 8 : 6);
+      alignas(32) uint8_t q[32];
+      q5_values(b, with_min, q);
 #ifdef PYHLO_GGUF_AVX2
-      // 32 values in one vector of bytes: the nibbles (low, then high), and bit j of `high`
-      // spread to byte j (each byte of `high` copied to 8 lanes, one bit tested per lane).
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-      const __m128i nibble = _mm_set1_epi8(0x0F);
-      const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble),
-                                               _mm_and_si128(packed, nibble));
-      const __m256i spread = _mm256_shuffle_epi8(
-          _mm256_set1_epi32(int(high)),
-          _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-      const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
-      const __m256i is_set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-      const __m256i values = _mm256_or_si256(nibbles, _mm256_and_si256(is_set, _mm256_set1_epi8(0x10)));
       const __m256 scale = _mm256_set1_ps(d), offset = _mm256_set1_ps(with_min ? m : 0.0f);
       const __m256i centre = _mm256_set1_epi32(with_min ? 0 : 16);
-      alignas(32) uint8_t q[32];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q), values);
       for (int part = 0; part < 4; ++part) {
         const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * part));
         const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(eight), centre));
@@ -101,11 +118,6 @@ void dequantize(Form form, const uint8_t* b, float* out) {
         _mm256_storeu_ps(out + 8 * part, _mm256_add_ps(_mm256_mul_ps(scale, v), offset));
       }
 #else
-      uint8_t q[32];
-      for (int j = 0; j < 16; ++j) {
-        q[j] = uint8_t((qs[j] & 0xF) | (((high >> j) & 1) << 4));
-        q[j + 16] = uint8_t((qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4));
-      }
       if (with_min) {
         for (int j = 0; j < 32; ++j) out[j] = d * float(q[j]) + m;
       } else {
@@ -172,6 +184,70 @@ void dequantize(Form form, const uint8_t* b, float* out) {
   }
 }
 
+// The int8-activation form: one block of a form other than the K-quants at `b` as signed
+// integers (pyhlo_kernels::dot_q8_32's weight blocks of 32), each 32's scale in `d` and, for
+// Q5_1 and Q4_1, its minimum in `m`; integers as llama.cpp's vec_dot kernels take them.
+void to_int8(Form form, const uint8_t* b, int8_t* q, float* d, float* m) {
+  switch (form) {
+    case kQ5_0:
+    case kQ5_1: {
+      const bool with_min = form == kQ5_1;
+      alignas(32) uint8_t values[32];
+      q5_values(b, with_min, values);
+      for (int j = 0; j < 32; ++j) q[j] = int8_t(int(values[j]) - (with_min ? 0 : 16));
+      d[0] = half(b);
+      if (with_min) m[0] = half(b + 2);
+      break;
+    }
+    case kQ8_0:
+      std::memcpy(q, b + 2, 32);
+      d[0] = half(b);
+      break;
+    case kQ4_0:
+    case kQ4_1: {
+      const bool with_min = form == kQ4_1;
+      const uint8_t* qs = b + (with_min ? 4 : 2);
+      const int centre = with_min ? 0 : 8;
+      for (int j = 0; j < 16; ++j) {
+        q[j] = int8_t((qs[j] & 0xF) - centre);
+        q[j + 16] = int8_t((qs[j] >> 4) - centre);
+      }
+      d[0] = half(b);
+      if (with_min) m[0] = half(b + 2);
+      break;
+    }
+    case kIQ4_NL:
+    case kIQ4_XS: {
+      // 16 nibbles of a 32 at a time: the table's entries for the low nibbles, then the high.
+      const bool xs = form == kIQ4_XS;
+      const float scale = half(b);
+      uint16_t top = 0;
+      if (xs) std::memcpy(&top, b + 2, sizeof(top));
+      for (int j = 0; j < (xs ? 8 : 1); ++j) {
+        const uint8_t* qs = xs ? b + 8 + 16 * j : b + 2;
+#ifdef PYHLO_GGUF_AVX2
+        const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), nibble = _mm_set1_epi8(0x0F);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j), _mm_shuffle_epi8(table, _mm_and_si128(packed, nibble)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j + 16),
+                         _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(packed, 4), nibble)));
+#else
+        for (int i = 0; i < 16; ++i) {
+          q[32 * j + i] = kIQ4Values[qs[i] & 0xF];
+          q[32 * j + 16 + i] = kIQ4Values[qs[i] >> 4];
+        }
+#endif
+        // IQ4_XS: each 32's 6-bit scale less 32 times d (exact in f32: 11 bits by 6).
+        d[j] = xs ? scale * float((((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((top >> (2 * j)) & 3) << 4)) - 32)
+                  : scale;
+      }
+      break;
+    }
+    default:   // the K-quants: pyhlo_kernels::unpack() and dot_q8_k()
+      break;
+  }
+}
+
 // sum_i w[i] * x[i] over `n` values, n a multiple of 32.
 float dot(const float* w, const float* x, int64_t n) {
 #if defined(__AVX512F__)
@@ -208,9 +284,19 @@ struct Problem {
   const int8_t* x_q8 = nullptr;         // [m, K]
   const float* x_q8_scale = nullptr;    // [m, K / 256]
   const int16_t* x_q8_sums = nullptr;   // [m, K / 16]
+  const float* x_q8_d32 = nullptr;      // [m, K / 32]: x_q8_scale for each 32 (IQ4_XS's sub-blocks)
+  // and x rounded per 32 values as llama.cpp's Q8_1 (pyhlo_kernels::quantize_q8_1), per row:
+  const int8_t* x_q32 = nullptr;        // [m, K]
+  const float* x_q32_d = nullptr;       // [m, K / 32]
+  const float* x_q32_s = nullptr;       // [m, K / 32]
+  bool int8_x = false;                  // the _x8 targets
 };
 
 bool is_k_quant(Form form) { return form >= kQ2_K && form <= kQ6_K; }
+
+// The int8-activation form rounds x per 256 values (llama.cpp's Q8_K) for the K-quants and
+// IQ4_XS, per 32 (Q8_0 / Q8_1) for the others, as llama.cpp's vec_dot_type of each.
+bool takes_q8_k(Form form) { return is_k_quant(form) || form == kIQ4_XS; }
 
 KQuant k_quant(Form form) { return KQuant(int(form) - int(kQ2_K)); }
 
@@ -225,7 +311,7 @@ constexpr int kGroup = 4;
 
 void k_quant_piece(const Problem& p, const SuperBlock* unpacked, int64_t blocks, int64_t start, float* sums) {
   const int64_t super_blocks = p.k / pyhlo_kernels::kSuperValues, first = start / pyhlo_kernels::kSuperValues;
-  if (p.x_q8 != nullptr) {
+  if (p.int8_x) {
     for (int64_t m = 0; m < p.m; ++m)
       sums[m] += pyhlo_kernels::dot_q8_k(unpacked, p.x_q8 + m * p.k + start, p.x_q8_scale + m * super_blocks + first,
                                          p.x_q8_sums + m * (p.k / 16) + start / 16, blocks);
@@ -252,7 +338,9 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
   std::unique_ptr<float[]> values(new float[kPieceValues]);
   std::unique_ptr<SuperBlock[]> unpacked(new SuperBlock[kPieceValues / pyhlo_kernels::kSuperValues]);
   std::vector<float> sums(p.m);
-  const bool integer = p.x_q8 != nullptr;
+  const bool integer = p.int8_x;
+  std::unique_ptr<int8_t[]> q8(integer ? new int8_t[kPieceValues] : nullptr);
+  std::unique_ptr<float[]> block_d(new float[kPieceValues / 32]), block_m(new float[kPieceValues / 32]);
   for (int64_t n = begin; n < end; ++n) {
     const Form form = p.stride ? Form(p.w[n * p.stride + p.stride - 1]) : p.form;
     const Layout layout = kLayouts[form];
@@ -266,6 +354,21 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
         for (int64_t b = 0; b < blocks; ++b)
           pyhlo_kernels::unpack(k_quant(form), piece + b * layout.bytes, &unpacked[b], integer);
         k_quant_piece(p, unpacked.get(), blocks, start, sums.data());
+        continue;
+      }
+      if (integer) {
+        const int per_block = layout.values / 32;
+        for (int64_t b = 0; b < blocks; ++b)
+          to_int8(form, piece + b * layout.bytes, q8.get() + b * layout.values, block_d.get() + b * per_block,
+                  block_m.get() + b * per_block);
+        const bool per_256 = takes_q8_k(form), with_min = form == kQ5_1 || form == kQ4_1;
+        const int8_t* xq = per_256 ? p.x_q8 : p.x_q32;
+        const float* xd = per_256 ? p.x_q8_d32 : p.x_q32_d;
+        for (int64_t m = 0; m < p.m; ++m)
+          sums[m] += pyhlo_kernels::dot_q8_32(q8.get(), block_d.get(), with_min ? block_m.get() : nullptr,
+                                              xq + m * p.k + start, xd + m * (p.k / 32) + start / 32,
+                                              with_min ? p.x_q32_s + m * (p.k / 32) + start / 32 : nullptr,
+                                              length / 32);
         continue;
       }
       for (int64_t b = 0; b < blocks; ++b) dequantize(form, piece + b * layout.bytes, values.get() + b * layout.values);
@@ -316,7 +419,7 @@ ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
 }
 
 // x, w and y checked and described; `form` kForms: rows of mixed forms. int8_x: the _x8
-// target, for K-quants only.
+// target.
 ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                ffi::Result<ffi::AnyBuffer>& y) {
   const auto x_dims = x.dimensions();
@@ -329,13 +432,15 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
   p.m = p.k == 0 ? 0 : static_cast<int64_t>(x.element_count()) / p.k;
   if (y->element_count() != static_cast<size_t>(p.m * p.n))
     return ffi::Error::InvalidArgument("pyhlo_matvec (GGUF blocks as stored): y must have x's rows and N columns");
+  bool per_256 = false, per_32 = false;   // the forms met round x per 256 values, per 32
   if (form != kForms) {
+    (takes_q8_k(form) ? per_256 : per_32) = true;
     const Layout layout = kLayouts[form];
     if (p.k % layout.values != 0 || w_dims[1] != p.k / layout.values * layout.bytes)
       return ffi::Error::InvalidArgument(
           "pyhlo_matvec (GGUF blocks as stored): need u8 w[N, K / values * bytes] of whole blocks");
   } else {
-    // Every row's code names a form whose blocks fit the row (a K-quant, for the _x8 target).
+    // Every row's code names a form whose blocks fit the row.
     p.stride = w_dims[1];
     const uint8_t* w_bytes = static_cast<const uint8_t*>(w.untyped_data());
     for (int64_t n = 0; n < p.n; ++n) {
@@ -344,15 +449,12 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
           p.k / kLayouts[code].values * kLayouts[code].bytes > p.stride - 1)
         return ffi::Error::InvalidArgument(
             "pyhlo_matvec_gguf_rows: a row's last byte names no GGUF form whose blocks fit the row");
-      if (int8_x && !is_k_quant(Form(code)))
-        return ffi::Error::InvalidArgument(
-            "pyhlo_matvec_gguf_rows_x8: a row's form is not a K-quant (Q2_K ... Q6_K), which the "
-            "int8-activation kernel needs; use pyhlo_matvec_gguf_rows");
+      (takes_q8_k(Form(code)) ? per_256 : per_32) = true;
     }
   }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  std::vector<int8_t> x_q8;
-  std::vector<float> x_q8_scale, x_sums;
+  std::vector<int8_t> x_q8, x_q32;
+  std::vector<float> x_q8_scale, x_q8_d32, x_sums, x_q32_d, x_q32_s;
   std::vector<int16_t> x_q8_sums;
   if (!int8_x && (form == kForms || is_k_quant(form))) {
     x_sums.assign(p.m * (p.k / 16), 0.0f);
@@ -360,17 +462,33 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
       for (int j = 0; j < 16; ++j) x_sums[i] += p.x[16 * i + j];
     p.x_sums = x_sums.data();
   }
-  if (int8_x) {
+  // The int8-activation form: x rounded once per call each way its rows' forms take it.
+  p.int8_x = int8_x;
+  if (int8_x && per_256) {
     const int64_t blocks = p.k / pyhlo_kernels::kSuperValues;
     x_q8.resize(p.m * p.k);
     x_q8_scale.resize(p.m * blocks);
     x_q8_sums.resize(p.m * (p.k / 16));
+    x_q8_d32.resize(p.m * (p.k / 32));
     for (int64_t m = 0; m < p.m; ++m)
       pyhlo_kernels::quantize_q8_k(p.x + m * p.k, p.k, x_q8.data() + m * p.k, x_q8_scale.data() + m * blocks,
                                    x_q8_sums.data() + m * (p.k / 16));
+    for (size_t i = 0; i < x_q8_d32.size(); ++i) x_q8_d32[i] = x_q8_scale[i / 8];
     p.x_q8 = x_q8.data();
     p.x_q8_scale = x_q8_scale.data();
     p.x_q8_sums = x_q8_sums.data();
+    p.x_q8_d32 = x_q8_d32.data();
+  }
+  if (int8_x && per_32) {
+    x_q32.resize(p.m * p.k);
+    x_q32_d.resize(p.m * (p.k / 32));
+    x_q32_s.resize(p.m * (p.k / 32));
+    for (int64_t m = 0; m < p.m; ++m)
+      pyhlo_kernels::quantize_q8_1(p.x + m * p.k, p.k, x_q32.data() + m * p.k, x_q32_d.data() + m * (p.k / 32),
+                                   x_q32_s.data() + m * (p.k / 32));
+    p.x_q32 = x_q32.data();
+    p.x_q32_d = x_q32_d.data();
+    p.x_q32_s = x_q32_s.data();
   }
   return Dispatch(pool, p);
 }
@@ -400,6 +518,10 @@ PYHLO_GGUF_HANDLER(PyhloMatvecQ6_K, kQ6_K, false);
 PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_NL, kIQ4_NL, false);
 PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_XS, kIQ4_XS, false);
 PYHLO_GGUF_HANDLER(PyhloMatvecGgufRows, kForms, false);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ5_0X8, kQ5_0, true);
+PYHLO_GGUF_HANDLER(PyhloMatvecQ5_1X8, kQ5_1, true);
+PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_NLX8, kIQ4_NL, true);
+PYHLO_GGUF_HANDLER(PyhloMatvecIQ4_XSX8, kIQ4_XS, true);
 PYHLO_GGUF_HANDLER(PyhloMatvecQ2_KX8, kQ2_K, true);
 PYHLO_GGUF_HANDLER(PyhloMatvecQ3_KX8, kQ3_K, true);
 PYHLO_GGUF_HANDLER(PyhloMatvecQ4_KX8, kQ4_K, true);
