@@ -80,6 +80,27 @@ inline int8_t packed_weight(const Problem& p, int64_t n, int64_t b, int j) {
   return int8_t(p.form == kQ4_0 ? q - 8 : q);
 }
 
+#ifdef PYHLO_GEMM_VNNI
+// The 16 bytes at `at` of 16 rows as 4 vectors, vector q holding bytes 4q..4q+3 of every row
+// (row r in lane r): four rows to a vector by 128-bit lanes, then a 4 x 4 transpose of 32-bit
+// values within each lane.
+inline void transpose_16x4(const char* const rows[kLanes], int64_t at, __m512i out[4]) {
+  __m512i a[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + at)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 + i] + at)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[8 + i] + at)), 2);
+    a[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[12 + i] + at)), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+#endif
+
 void pack(const Problem& p, int64_t n0, Panel& panel) {
   const int64_t nb = p.nb, rows = std::min<int64_t>(kPanelRows, p.n - n0);
   std::vector<float> row_d(nb), row_min(nb);
@@ -95,38 +116,49 @@ void pack(const Problem& p, int64_t n0, Panel& panel) {
     }
   }
 #ifdef PYHLO_GEMM_VNNI
-  // Each vector of a quad gathers 4 bytes from each of 16 rows; sums of the weights come from
-  // vpdpbusd against 128s.
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i x128 = _mm512_set1_epi8(char(0x80));
+  // 16 rows' blocks transposed in registers so that a vector holds one group of 4 values of
+  // every row (gathering them measured several times slower); the sums of the weights come
+  // from vpdpbusd against 128s.
+  const __m512i x128 = _mm512_set1_epi8(char(0x80)), nibble = _mm512_set1_epi8(0x0F);
+  const int64_t stride = p.form == kQ8_0 ? p.k : p.k / 2;
   for (int half = 0; half < 2; ++half) {
     const int64_t first = n0 + half * kLanes;
     const int64_t real = std::clamp<int64_t>(p.n - first, 0, kLanes);
+    if (real == 0) {
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int quad = 0; quad < kQuads; ++quad)
+          _mm512_storeu_si512(panel.values.data() + ((b * kQuads + quad) * kPanelRows + half * kLanes) * 4,
+                              _mm512_setzero_si512());
+        _mm512_storeu_si512(panel.bias.data() + b * kPanelRows + half * kLanes, _mm512_setzero_si512());
+      }
+      continue;
+    }
     const __mmask16 mask = real >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << real) - 1);
-    const __mmask64 bytes = real >= kLanes ? ~__mmask64(0) : (__mmask64(1) << (4 * real)) - 1;
-    const int64_t stride = p.form == kQ8_0 ? p.k : p.k / 2;
-    const __m512i offsets = _mm512_mullo_epi32(lane, _mm512_set1_epi32(int32_t(stride)));
-    const char* base = static_cast<const char*>(p.w) + (real > 0 ? first * stride : 0);
+    const char* rows[kLanes];
+    for (int r = 0; r < kLanes; ++r)   // rows past N read row `first` again, then are masked to zero
+      rows[r] = static_cast<const char*>(p.w) + (first + (r < real ? r : 0)) * stride;
     for (int64_t b = 0; b < nb; ++b) {
+      __m512i v[kQuads];
+      if (p.form == kQ8_0) {
+        transpose_16x4(rows, b * kBlock, v);
+        transpose_16x4(rows, b * kBlock + 16, v + 4);
+      } else {
+        transpose_16x4(rows, b * (kBlock / 2), v);
+        for (int quad = 0; quad < 4; ++quad) {
+          v[quad + 4] = _mm512_and_si512(_mm512_srli_epi16(v[quad], 4), nibble);
+          v[quad] = _mm512_and_si512(v[quad], nibble);
+        }
+      }
       int8_t* out = panel.values.data() + b * kQuads * kPanelRows * 4 + half * kLanes * 4;
       __m512i sum = _mm512_setzero_si512();
       for (int quad = 0; quad < kQuads; ++quad) {
-        __m512i v;
-        if (p.form == kQ8_0) {
-          v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets,
-                                          base + b * kBlock + quad * 4, 1);
-        } else {
-          const int at = quad % (kQuads / 2) * 4;
-          v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets,
-                                          base + b * (kBlock / 2) + at, 1);
-          if (quad >= kQuads / 2) v = _mm512_srli_epi16(v, 4);
-          v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-          if (p.form == kQ4_0) v = _mm512_maskz_sub_epi8(bytes, v, _mm512_set1_epi8(8));   // padding stays 0
-        }
-        _mm512_storeu_si512(out + quad * kPanelRows * 4, v);
-        sum = _mm512_dpbusd_epi32(sum, x128, v);
+        if (p.form == kQ4_0) v[quad] = _mm512_sub_epi8(v[quad], _mm512_set1_epi8(8));
+        v[quad] = _mm512_maskz_mov_epi32(mask, v[quad]);
+        _mm512_storeu_si512(out + quad * kPanelRows * 4, v[quad]);
+        sum = _mm512_dpbusd_epi32(sum, x128, v[quad]);
       }
-      _mm512_storeu_si512(panel.bias.data() + b * kPanelRows + half * kLanes, _mm512_sub_epi32(_mm512_setzero_si512(), sum));
+      _mm512_storeu_si512(panel.bias.data() + b * kPanelRows + half * kLanes,
+                          _mm512_sub_epi32(_mm512_setzero_si512(), sum));
     }
   }
 #else
