@@ -146,6 +146,13 @@ def register() -> bool:
     return enabled() and _registered()
 
 
+def int8_gemm_is_fast() -> bool:
+    """Whether the int8 GEMM kernels (GEMM_BLOCK_X8_TARGETS) run in their AVX-512 VNNI form on
+    this machine. Elsewhere they have a portable form, correct but slower than XLA's dot, which
+    the lowering does not take."""
+    return register() and bool(_loaded[-1].PyhloGemmBlocksVnni())
+
+
 def referenced_by(data: bytes) -> bool:
     """Whether HLO or executable bytes call one of these kernels."""
     return any(target.encode() in data for target in TARGETS)

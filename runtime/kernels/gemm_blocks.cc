@@ -396,3 +396,13 @@ PYHLO_GEMM_HANDLER(PyhloGemmQ8_0X8, GemmQ8_0X8, .Arg<ffi::AnyBuffer>().Arg<ffi::
 PYHLO_GEMM_HANDLER(PyhloGemmQ4_0X8, GemmQ4_0X8, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
 PYHLO_GEMM_HANDLER(PyhloGemmQ4_1X8, GemmQ4_1X8,
                    .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
+
+// Whether this build has the AVX-512 VNNI form (1) or only the portable one (0), which is
+// correct but slower than XLA's dot: the lowering takes the kernel only in the first case.
+extern "C" int PyhloGemmBlocksVnni() {
+#ifdef PYHLO_GEMM_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
