@@ -7,7 +7,8 @@ platform at hand:
   pyhlo's kernels, GPUs, NeuronCores. The weight layout is the one XLA:CPU streams fastest
   for the element type and batch size (measured: f32 [in, out]; bf16/f16 at batch 1 [out, in]).
 - `CpuKernelLowering`: XLA:CPU with pyhlo's kernels (runtime/kernels/): products with few
-  activation rows (decode steps at small batch sizes) on the matrix-vector kernel, decode
+  activation rows (decode steps at small batch sizes) on the matrix-vector kernel, with
+  int8 activations GGUF block products of more rows (prefill) on the int8 GEMM kernel, decode
   attention reading the cache in place, weights [out, in], decode steps as one unrolled
   program and, as the attention kernel reads only the filled slots, one decode program.
 
@@ -48,6 +49,7 @@ from pyhlo.ops.linalg import (
     BLOCK_KERNEL_FORMS,
     GGUF_ROWS_X8_KERNEL_TYPES,
     GGUF_X8_KERNEL_TYPES,
+    gemm_blocks_x8_kernel,
     matmul,
     matmul_transposed,
     matvec_blocks_kernel,
@@ -213,6 +215,10 @@ class CpuKernelLowering(XlaLowering):
     whole_model_decode: bool = True
     # (weight type, (first, last)): products of first to last activation rows take the kernel.
     kernel_rows: tuple[tuple[str, tuple[int, int]], ...] = tuple(DEFAULT_KERNEL_ROWS.items())
+    # With int8_activations: products of Q8_0 / Q4_0 / Q4_1 block weights past the kernel rows
+    # (prefill) take the tiled int8 GEMM kernel instead of weights widened to f32 in the
+    # program. True where the kernel has its fast form (runtime.cpu_kernels.int8_gemm_is_fast()).
+    int8_gemm: bool = False
 
     name = "xla-cpu-kernels"
 
@@ -229,7 +235,12 @@ class CpuKernelLowering(XlaLowering):
         if blocks and not all(form in BLOCK_KERNEL_FORMS for form in forms_of(self.block_forms[param.name])):
             return super().linear(x, weight, param, bias, out_dtype, scale, mins)  # dequantized in HLO
         first, last = dict(self.kernel_rows).get("blocks" if blocks else weight.dtype, (0, 0))
-        if 0 < first <= int(np.prod(x.dims[:-1])) <= last:
+        rows_in = int(np.prod(x.dims[:-1]))
+        if (blocks and self.int8_activations and self.int8_gemm and rows_in > last
+                and not block_form(self.block_forms[param.name]).as_file):
+            product = gemm_blocks_x8_kernel(ew.convert(x, "f32"), weight, scale, mins)
+            return self._finish(product, param, bias, out_dtype or x.dtype)
+        if 0 < first <= rows_in <= last:
             rows = ew.convert(x, "f32")
             quant = self.block_forms[param.name] if blocks else None
             form = block_form(quant) if blocks else None

@@ -80,10 +80,13 @@ def cpu_kernel_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, t
     """XLA:CPU with pyhlo's kernels: products of the activation rows the kernel wins on this
     CPU (measured once: kernel_calibration.kernel_rows) on the matrix-vector kernel, the LM
     head in the amp type, decode steps as one program unless NeuronConfig says otherwise."""
+    from runtime import cpu_kernels
+
     whole = neuron_config.whole_model_program
     return CpuKernelLowering(dtype, head_dtype=dtype, whole_model_decode=True if whole is None else whole,
                              kernel_rows=tuple(kernel_rows(backend).items()),
                              int8_activations=neuron_config.int8_activations,
+                             int8_gemm=neuron_config.int8_activations and cpu_kernels.int8_gemm_is_fast(),
                              tp_degree=tp_degree, kv_sharding=kv_sharding, quant=neuron_config.quant,
                              gguf_blocks=gguf_blocks, kv_cache_quant=neuron_config.kv_cache_quant,
                              f32_dot_precision=neuron_config.f32_dot_precision)

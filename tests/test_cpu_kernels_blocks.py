@@ -1,6 +1,7 @@
 """pyhlo's matrix-vector kernel on weights in GGUF block forms (Q8_0, Q4_0, Q4_1) equals
 numpy on the same blocks dequantized (tests/test_quantized_blocks.py proves that numpy
-reading equal to the gguf package's), at 1-8 activation rows."""
+reading equal to the gguf package's), at 1-8 activation rows; and the prefill GEMM kernel with
+int8 activations at many rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,10 +26,13 @@ def kernels():
     assert cpu_kernels.register(), "the CPU kernels did not build"
 
 
-def run_kernel(x: np.ndarray, arrays: list[np.ndarray], int8_activations: bool = False) -> np.ndarray:
+def run_kernel(x: np.ndarray, arrays: list[np.ndarray], int8_activations: bool = False,
+               gemm: bool = False) -> np.ndarray:
     def program(scribe):
         params = [getattr(scribe, SCRIBE_TYPES[a.dtype.name])[a.shape].Parameter(parameter_number=i)
                   for i, a in enumerate([x, *arrays])]
+        if gemm:
+            return linalg.gemm_blocks_x8_kernel(*params)
         return linalg.matvec_blocks_kernel(*params, int8_activations=int8_activations)
 
     (out,) = run_fn(program, x, *arrays)
@@ -80,6 +84,38 @@ def test_int8_activation_block_kernels_match_numpy(form, lead, n, blocks, seed):
     assert (np.abs(out - x.astype(np.float64) @ w.T) <= 0.01 * exact_bound).all()
 
 
+# The prefill GEMM: the same function as the _x8 matvec kernels (numpy on the rounded
+# activations, to f32 rounding), at row counts past the tiles of 4 rows and weight rows past
+# the panels of 32 (odd n: a panel half padded).
+@settings(max_examples=30, deadline=None)
+@given(form=st.sampled_from(FORMS), lead=st.sampled_from([(1,), (5,), (17,), (128,), (3, 7)]),
+       n=st.sampled_from([1, 15, 17, 33, 67, 100]), blocks=st.integers(1, 9), seed=st.integers(0, 2**32 - 1))
+def test_int8_activation_gemm_kernels_match_numpy(form, lead, n, blocks, seed):
+    k = 32 * blocks
+    weight = random_blocks(form, n, k, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((*lead, k)).astype(np.float32)
+    x[..., :32] *= 100                      # blocks of different scales in one row
+    out = run_kernel(x, [a for a in weight[1:] if a is not None], gemm=True)
+    w = dequantize_blocks(weight).astype(np.float64)
+    rounded = rounded_activations(x)
+    bound = np.abs(rounded) @ np.abs(w).T
+    assert out.shape == (*lead, n) and out.dtype == np.float32
+    assert (np.abs(out - rounded @ w.T) <= 1e-5 * bound + 1e-30).all()
+    exact_bound = np.abs(x).astype(np.float64) @ np.abs(w).T
+    assert (np.abs(out - x.astype(np.float64) @ w.T) <= 0.01 * exact_bound).all()
+
+
+def test_gemm_kernel_splits_a_prefill_across_threads_and_agrees_with_the_matvec_kernel():
+    for form in FORMS:
+        weight = random_blocks(form, 1001, 576, 3)
+        arrays = [a for a in weight[1:] if a is not None]
+        x = np.random.default_rng(4).standard_normal((130, 576)).astype(np.float32)
+        gemm = run_kernel(x, arrays, gemm=True)
+        matvec = run_kernel(x, arrays, int8_activations=True)
+        bound = np.abs(rounded_activations(x)) @ np.abs(dequantize_blocks(weight).astype(np.float64)).T
+        assert (np.abs(gemm - matvec) <= 1e-5 * bound).all(), form
+
+
 def test_a_large_head_splits_across_threads_and_stays_exact():
     weight = random_blocks("q8_0", 4099, 576, 7)
     x = np.random.default_rng(0).standard_normal((1, 576)).astype(np.float32)
@@ -107,6 +143,13 @@ def test_block_kernel_rejects_shapes_it_cannot_run():
         compile_py_func(build((1, 64), ("u8", (4, 64)), (4, 2)))              # Q4 values are k/2 bytes
     with pytest.raises(HloShapeError, match="mins"):
         compile_py_func(build((1, 64), ("s8", (4, 64)), (4, 2), (4, 2)))       # Q8_0 has no minimums
+
+    def gemm(scribe):
+        return linalg.gemm_blocks_x8_kernel(scribe.f32[128, 64].Parameter(parameter_number=0),
+                                            scribe.u8[4, 64].Parameter(parameter_number=1),
+                                            scribe.f16[4, 2].Parameter(parameter_number=2))
+    with pytest.raises(HloShapeError, match="gemm_blocks_x8_kernel: .*u8 values"):
+        compile_py_func(gemm)
 
 
 KERNEL_FORMS = {"avx2": "-mno-avx512f", "portable": "-mno-avx2 -mno-avx512f"}

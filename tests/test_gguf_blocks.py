@@ -104,11 +104,13 @@ def test_blocks_that_cannot_be_kept_are_clear_errors(block_file, tiny_llama):
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("form", list(FORMS))
-def test_int8_activations_round_the_decode_products_only(block_file, form):
+def test_int8_activations_round_the_block_products(block_file, form):
     """NeuronConfig(int8_activations=True): products of block weights on the kernels (decode
-    steps, the LM head) run the _x8 kernels (activations rounded to int8 per 32 values), and
-    the logits stay within the rounding's reach of the exact ones."""
+    steps, the LM head) run the _x8 kernels (activations rounded to int8 per 32 values), a
+    prompt's products the int8 GEMM (where it has its fast form) instead of weights widened in
+    the program, and the logits stay within the rounding's reach of the exact ones."""
     from decoders.programs.keys import Block
+    from runtime import cpu_kernels
 
     path = block_file(form)
     exact = build(path, True, True, batch_size=1)
@@ -118,6 +120,11 @@ def test_int8_activations_round_the_decode_products_only(block_file, form):
     module = rounded.programs.build(Block(1, 128)).module
     targets = {i.custom_call_target for c in module.computations for i in c.instructions} - {""}
     assert f"pyhlo_matvec_{form}_x8" in targets and f"pyhlo_matvec_{form}" not in targets
+    prefill = rounded.programs.build(Block(16, 128)).module
+    targets = {i.custom_call_target for c in prefill.computations for i in c.instructions} - {""}
+    assert (f"pyhlo_gemm_{form}_x8" in targets) == cpu_kernels.int8_gemm_is_fast()
+    exact_prefill = exact.programs.build(Block(16, 128)).module
+    assert not any("gemm" in i.custom_call_target for c in exact_prefill.computations for i in c.instructions)
     prompt = np.arange(5, 30)[None]
     _, logits = rounded.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
     _, expected = exact.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)

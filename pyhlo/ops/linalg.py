@@ -79,6 +79,25 @@ def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: 
     values to int8 (d = max|x| / 127, as llama.cpp rounds activations) and each block's product
     is an integer sum (the _x8 targets). The kernel must be registered with the backend
     (runtime.cpu_kernels.register()) before a program using it is compiled."""
+    form = _block_form("matvec_blocks_kernel", x, values, scales, mins)
+    operands = [x, values, scales] + ([mins] if mins is not None else [])
+    target = f"pyhlo_matvec_{form}" + ("_x8" if int8_activations else "")
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, target)
+
+
+def gemm_blocks_x8_kernel(x: HloValue, values: HloValue, scales: HloValue,
+                          mins: HloValue | None = None) -> HloValue:
+    """matvec_blocks_kernel(..., int8_activations=True) for many activation rows (a prefill): the
+    same operands, the same rounding of x to int8 per 32 values, the products as a tiled integer
+    GEMM (runtime/kernels/gemm_blocks.cc). The kernel must be registered with the backend
+    (runtime.cpu_kernels.register()) before a program using it is compiled."""
+    form = _block_form("gemm_blocks_x8_kernel", x, values, scales, mins)
+    operands = [x, values, scales] + ([mins] if mins is not None else [])
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, f"pyhlo_gemm_{form}_x8")
+
+
+def _block_form(op: str, x: HloValue, values: HloValue, scales: HloValue, mins: HloValue | None) -> str:
+    """The block form ("q8_0", "q4_0", "q4_1") of a block kernel's operands, which it checks."""
     per_byte = 1 if values.dtype == "s8" else 2
     k = x.dims[-1] if x.dims else -1
     if (x.dtype != "f32" or values.dtype not in ("s8", "u8") or len(values.dims) != 2 or k % 32
@@ -87,13 +106,10 @@ def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: 
             or (mins is not None
                 and (values.dtype != "u8" or mins.dtype != "f16" or mins.dims != scales.dims))):
         got = [f"{v.dtype}{list(v.dims)}" for v in (x, values, scales, mins) if v is not None]
-        raise HloShapeError("matvec_blocks_kernel: need f32 x[..., k] (k a multiple of 32), s8 values "
+        raise HloShapeError(f"{op}: need f32 x[..., k] (k a multiple of 32), s8 values "
                             "[n, k] or u8 values [n, k/2], f16 scales [n, k/32] (and f16 mins [n, k/32] "
                             f"with u8 values); got {', '.join(got)}")
-    form = "q8_0" if values.dtype == "s8" else ("q4_1" if mins is not None else "q4_0")
-    operands = [x, values, scales] + ([mins] if mins is not None else [])
-    target = f"pyhlo_matvec_{form}" + ("_x8" if int8_activations else "")
-    return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, target)
+    return "q8_0" if values.dtype == "s8" else ("q4_1" if mins is not None else "q4_0")
 
 
 # GGML types with a kernel of their own on the file's bytes (Q8_0, Q4_0, Q4_1: matvec_blocks_kernel).

@@ -12,6 +12,7 @@
   device       `--device cpu|cuda`: pyhlo, HF eager and HF static cache + torch.compile
   serve        `--serve`: `pyhlo serve` against llama.cpp's server
   speculative  `--speculative K`: speculative decoding's speed-up
+  block_products  one prefill product of a GGUF block weight, each way pyhlo can run it
   stats        the numbers behind a row: medians, decode speed, roofline, buckets
   report       the reports of the CPU and device benchmarks: their dicts, notes, markdown, JSON, PNG
 """

@@ -1,0 +1,408 @@
+// pyhlo_gemm_q8_0_x8, _q4_0_x8, _q4_1_x8: y[m, n] = sum_k x[m, k] * w[n, k] for many rows of
+// activations (a prefill), w in llama.cpp's GGUF block forms split into arrays as the
+// pyhlo_matvec_<form>_x8 targets take them (runtime/kernels/matvec.cc has the layout), x
+// rounded to int8 per 32 values as those targets round it (d = max |x| / 127, q = round(x / d)).
+//
+// The matrix-vector kernels read each weight row once and are bound by memory; with a hundred
+// rows of activations the integer products bind instead, so this kernel keeps them in registers
+// the way llamafile's tinyBLAS does: a tile of 32 weight rows by 4 activation rows, each block's
+// int32 sums in 8 vectors. To make one vpdpbusd serve 16 weight rows, each thread first
+// repacks a panel of 32 weight rows (in its cache, once for all activation rows): per block,
+// the weights as signed bytes in groups of 4 consecutive values, the 16 rows of a vector side by
+// side (Q4_0's nibbles become q - 8; Q4_1's stay q, its minimum added through the sums of the
+// rounded x), with each row's f32 scale and minimum. vpdpbusd multiplies unsigned by signed
+// bytes, so x enters as q + 128, and each block's int32 sums start from -128 * sum of the
+// weights, which the panel keeps. A block's sums are then scaled by d_w * d_x into f32.
+//
+// Panels are split between the caller and XLA's intra-op thread pool. Paths: AVX-512 VNNI
+// where the CPU has it; elsewhere a portable form on the same packed panels, correct but not
+// fast (the lowering takes this kernel only where it measures faster than XLA's dot).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "half.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PYHLO_GEMM_VNNI 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Form { kQ8_0, kQ4_0, kQ4_1 };
+constexpr int64_t kBlock = 32;
+constexpr int kLanes = 16;               // int32 lanes of a vector: weight rows side by side
+constexpr int kPanelRows = 2 * kLanes;   // weight rows of a panel (two vectors)
+constexpr int kTileRows = 4;             // activation rows of a tile
+constexpr int kQuads = kBlock / 4;       // groups of 4 values in a block
+
+using pyhlo_kernels::half_to_f32;
+
+struct Problem {
+  Form form;
+  int64_t m, n, k, nb;
+  const void* w;                 // s8 [N, K] (Q8_0) or u8 [N, K/2] (Q4)
+  const uint16_t* scales;        // f16 [N, K/32]
+  const uint16_t* mins;          // f16 [N, K/32] (Q4_1)
+  const uint8_t* xq;             // [M, K]: rounded x + 128
+  const float* xd;               // [M, K/32]: the rounding's scales
+  const float* xsum;             // [M, K/32]: d * sum of the rounded values (Q4_1)
+  float* y;                      // [M, N]
+};
+
+// A panel of kPanelRows weight rows, block after block. Rows past N are zeros.
+struct Panel {
+  std::vector<int8_t> values;    // [nb][kQuads][kPanelRows][4]
+  std::vector<int32_t> bias;     // [nb][kPanelRows]: -128 * sum of the block's weights
+  std::vector<float> d;          // [nb][kPanelRows]
+  std::vector<float> min;        // [nb][kPanelRows] (Q4_1)
+
+  explicit Panel(int64_t nb)
+      : values(nb * kQuads * kPanelRows * 4), bias(nb * kPanelRows), d(nb * kPanelRows),
+        min(nb * kPanelRows) {}
+};
+
+// Weight j of block b of row n as the packed panel holds it.
+inline int8_t packed_weight(const Problem& p, int64_t n, int64_t b, int j) {
+  if (p.form == kQ8_0) return static_cast<const int8_t*>(p.w)[n * p.k + b * kBlock + j];
+  const uint8_t byte = static_cast<const uint8_t*>(p.w)[n * (p.k / 2) + b * (kBlock / 2) + j % (kBlock / 2)];
+  const int q = j < kBlock / 2 ? byte & 0xF : byte >> 4;
+  return int8_t(p.form == kQ4_0 ? q - 8 : q);
+}
+
+#ifdef PYHLO_GEMM_VNNI
+// The 16 bytes at `at` of 16 rows as 4 vectors, vector q holding bytes 4q..4q+3 of every row
+// (row r in lane r): four rows to a vector by 128-bit lanes, then a 4 x 4 transpose of 32-bit
+// values within each lane.
+inline void transpose_16x4(const char* const rows[kLanes], int64_t at, __m512i out[4]) {
+  __m512i a[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + at)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 + i] + at)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[8 + i] + at)), 2);
+    a[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[12 + i] + at)), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+#endif
+
+void pack(const Problem& p, int64_t n0, Panel& panel) {
+  const int64_t nb = p.nb, rows = std::min<int64_t>(kPanelRows, p.n - n0);
+  std::vector<float> row_d(nb), row_min(nb);
+  for (int r = 0; r < kPanelRows; ++r) {
+    const bool real = r < rows;
+    for (int64_t b = 0; b < nb; ++b) {
+      row_d[b] = real ? half_to_f32(p.scales[(n0 + r) * nb + b]) : 0.0f;
+      row_min[b] = real && p.mins != nullptr ? half_to_f32(p.mins[(n0 + r) * nb + b]) : 0.0f;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      panel.d[b * kPanelRows + r] = row_d[b];
+      panel.min[b * kPanelRows + r] = row_min[b];
+    }
+  }
+#ifdef PYHLO_GEMM_VNNI
+  // 16 rows' blocks transposed in registers so that a vector holds one group of 4 values of
+  // every row (gathering them measured several times slower); the sums of the weights come
+  // from vpdpbusd against 128s.
+  const __m512i x128 = _mm512_set1_epi8(char(0x80)), nibble = _mm512_set1_epi8(0x0F);
+  const int64_t stride = p.form == kQ8_0 ? p.k : p.k / 2;
+  for (int half = 0; half < 2; ++half) {
+    const int64_t first = n0 + half * kLanes;
+    const int64_t real = std::clamp<int64_t>(p.n - first, 0, kLanes);
+    if (real == 0) {
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int quad = 0; quad < kQuads; ++quad)
+          _mm512_storeu_si512(panel.values.data() + ((b * kQuads + quad) * kPanelRows + half * kLanes) * 4,
+                              _mm512_setzero_si512());
+        _mm512_storeu_si512(panel.bias.data() + b * kPanelRows + half * kLanes, _mm512_setzero_si512());
+      }
+      continue;
+    }
+    const __mmask16 mask = real >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << real) - 1);
+    const char* rows[kLanes];
+    for (int r = 0; r < kLanes; ++r)   // rows past N read row `first` again, then are masked to zero
+      rows[r] = static_cast<const char*>(p.w) + (first + (r < real ? r : 0)) * stride;
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512i v[kQuads];
+      if (p.form == kQ8_0) {
+        transpose_16x4(rows, b * kBlock, v);
+        transpose_16x4(rows, b * kBlock + 16, v + 4);
+      } else {
+        transpose_16x4(rows, b * (kBlock / 2), v);
+        for (int quad = 0; quad < 4; ++quad) {
+          v[quad + 4] = _mm512_and_si512(_mm512_srli_epi16(v[quad], 4), nibble);
+          v[quad] = _mm512_and_si512(v[quad], nibble);
+        }
+      }
+      int8_t* out = panel.values.data() + b * kQuads * kPanelRows * 4 + half * kLanes * 4;
+      __m512i sum = _mm512_setzero_si512();
+      for (int quad = 0; quad < kQuads; ++quad) {
+        if (p.form == kQ4_0) v[quad] = _mm512_sub_epi8(v[quad], _mm512_set1_epi8(8));
+        v[quad] = _mm512_maskz_mov_epi32(mask, v[quad]);
+        _mm512_storeu_si512(out + quad * kPanelRows * 4, v[quad]);
+        sum = _mm512_dpbusd_epi32(sum, x128, v[quad]);
+      }
+      _mm512_storeu_si512(panel.bias.data() + b * kPanelRows + half * kLanes,
+                          _mm512_sub_epi32(_mm512_setzero_si512(), sum));
+    }
+  }
+#else
+  for (int64_t b = 0; b < nb; ++b)
+    for (int r = 0; r < kPanelRows; ++r) {
+      int32_t sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int8_t v = r < rows ? packed_weight(p, n0 + r, b, j) : 0;
+        panel.values[((b * kQuads + j / 4) * kPanelRows + r) * 4 + j % 4] = v;
+        sum += v;
+      }
+      panel.bias[b * kPanelRows + r] = -128 * sum;
+    }
+#endif
+}
+
+#ifdef PYHLO_GEMM_VNNI
+template <int R>
+void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
+  const int64_t nb = p.nb, k = p.k;
+  __m512 acc[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* wb = panel.values.data() + b * kQuads * kPanelRows * 4;
+    const __m512i bias0 = _mm512_loadu_si512(panel.bias.data() + b * kPanelRows);
+    const __m512i bias1 = _mm512_loadu_si512(panel.bias.data() + b * kPanelRows + kLanes);
+    __m512i sum[2][R];
+    for (int r = 0; r < R; ++r) sum[0][r] = bias0, sum[1][r] = bias1;
+    for (int quad = 0; quad < kQuads; ++quad) {
+      __m512i w0 = _mm512_loadu_si512(wb + quad * kPanelRows * 4);
+      __m512i w1 = _mm512_loadu_si512(wb + quad * kPanelRows * 4 + kLanes * 4);
+      // In registers, not read again by every vpdpbusd (what the compiler picks otherwise): a
+      // 64-byte load per instruction measured the bottleneck.
+      asm("" : "+v"(w0), "+v"(w1));
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, p.xq + (m0 + r) * k + b * kBlock + quad * 4, sizeof(four));
+        const __m512i x = _mm512_set1_epi32(four);
+        sum[0][r] = _mm512_dpbusd_epi32(sum[0][r], x, w0);
+        sum[1][r] = _mm512_dpbusd_epi32(sum[1][r], x, w1);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(panel.d.data() + b * kPanelRows);
+    const __m512 d1 = _mm512_loadu_ps(panel.d.data() + b * kPanelRows + kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(p.xd[(m0 + r) * nb + b]);
+      acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[0][r]), _mm512_mul_ps(d0, dx), acc[0][r]);
+      acc[1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[1][r]), _mm512_mul_ps(d1, dx), acc[1][r]);
+    }
+    if (p.form == kQ4_1) {
+      const __m512 min0 = _mm512_loadu_ps(panel.min.data() + b * kPanelRows);
+      const __m512 min1 = _mm512_loadu_ps(panel.min.data() + b * kPanelRows + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xs = _mm512_set1_ps(p.xsum[(m0 + r) * nb + b]);
+        acc[0][r] = _mm512_fmadd_ps(min0, xs, acc[0][r]);
+        acc[1][r] = _mm512_fmadd_ps(min1, xs, acc[1][r]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t first = n0 + h * kLanes;
+    const int64_t real = std::clamp<int64_t>(p.n - first, 0, kLanes);
+    if (real == 0) continue;
+    const __mmask16 mask = real >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << real) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (m0 + r) * p.n + first, mask, acc[h][r]);
+  }
+}
+#else
+template <int R>
+void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
+  const int64_t nb = p.nb, k = p.k;
+  float acc[R][kPanelRows] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* wb = panel.values.data() + b * kQuads * kPanelRows * 4;
+    for (int r = 0; r < R; ++r) {
+      int32_t sum[kPanelRows];
+      for (int c = 0; c < kPanelRows; ++c) sum[c] = panel.bias[b * kPanelRows + c];
+      const uint8_t* x = p.xq + (m0 + r) * k + b * kBlock;
+      for (int quad = 0; quad < kQuads; ++quad)
+        for (int c = 0; c < kPanelRows; ++c)
+          for (int j = 0; j < 4; ++j)
+            sum[c] += int32_t(x[quad * 4 + j]) * wb[(quad * kPanelRows + c) * 4 + j];
+      const float dx = p.xd[(m0 + r) * nb + b];
+      const float xs = p.form == kQ4_1 ? p.xsum[(m0 + r) * nb + b] : 0.0f;
+      for (int c = 0; c < kPanelRows; ++c)
+        acc[r][c] += float(sum[c]) * (panel.d[b * kPanelRows + c] * dx) + panel.min[b * kPanelRows + c] * xs;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelRows && n0 + c < p.n; ++c) p.y[(m0 + r) * p.n + n0 + c] = acc[r][c];
+}
+#endif
+
+void panel_product(const Problem& p, Panel& panel, int64_t n0) {
+  pack(p, n0, panel);
+  int64_t m0 = 0;
+  for (; m0 + kTileRows <= p.m; m0 += kTileRows) tile<kTileRows>(p, panel, n0, m0);
+  switch (p.m - m0) {
+    case 3: tile<3>(p, panel, n0, m0); break;
+    case 2: tile<2>(p, panel, n0, m0); break;
+    case 1: tile<1>(p, panel, n0, m0); break;
+    default: break;
+  }
+}
+
+// x rounded per 32 values, as the matvec _x8 targets round it: d = max |x| / 127, q =
+// round(x * (1 / d)) half to even; kept as q + 128 (unsigned bytes for vpdpbusd).
+void round_activations(const float* x, int64_t m, int64_t k, uint8_t* xq, float* xd, float* xsum) {
+  const int64_t nb = k / kBlock;
+  for (int64_t i = 0; i < m * nb; ++i) {
+    const float* xb = x + i * kBlock;
+    uint8_t* qb = xq + i * kBlock;
+#ifdef PYHLO_GEMM_VNNI
+    const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    const float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
+    const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+    const __m512i qa = _mm512_min_epi32(high, _mm512_max_epi32(low, _mm512_cvtps_epi32(
+        _mm512_mul_ps(a, _mm512_set1_ps(inverse)))));
+    const __m512i qc = _mm512_min_epi32(high, _mm512_max_epi32(low, _mm512_cvtps_epi32(
+        _mm512_mul_ps(c, _mm512_set1_ps(inverse)))));
+    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+    const __m512i shift = _mm512_set1_epi32(128);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(_mm512_add_epi32(qa, shift)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(qc, shift)));
+#else
+    float amax = 0;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
+    int32_t total = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int32_t q = std::max(-127, std::min(127, int32_t(std::nearbyint(xb[j] * inverse))));
+      qb[j] = uint8_t(q + 128);
+      total += q;
+    }
+#endif
+    xd[i] = d;
+    xsum[i] = d * float(total);
+  }
+}
+
+// Panels handed out by an atomic counter: whoever is free takes the next one, so the result
+// never waits on a helper that has not started.
+struct SharedWork {
+  Problem problem;
+  int64_t panels = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void drain() {
+    Panel panel(problem.nb);
+    int64_t finished = 0;
+    for (int64_t c = next.fetch_add(1); c < panels; c = next.fetch_add(1), ++finished)
+      panel_product(problem, panel, c * kPanelRows);
+    done.fetch_add(finished, std::memory_order_release);
+  }
+};
+
+ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::AnyBuffer& scales,
+               ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  const int64_t per_byte = form == kQ8_0 ? 1 : 2;
+  const auto values_type = form == kQ8_0 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 || x_dims.size() < 1 ||
+      w.element_type() != values_type || w_dims.size() != 2 || x_dims[x_dims.size() - 1] != w_dims[1] * per_byte ||
+      x_dims[x_dims.size() - 1] % kBlock != 0 || scales.element_type() != ffi::DataType::F16 ||
+      scales.element_count() != static_cast<size_t>(w_dims[0] * (w_dims[1] * per_byte / kBlock)) ||
+      (mins != nullptr && (mins->element_type() != ffi::DataType::F16 ||
+                           mins->element_count() != scales.element_count())))
+    return ffi::Error::InvalidArgument(
+        "pyhlo_gemm_q8_0/q4_0/q4_1_x8: need f32 x[..., K] (K a multiple of 32), s8 values [N, K] (Q8_0) or "
+        "u8 values [N, K/2] (Q4), f16 scales [N, K/32] and, for Q4_1, f16 mins [N, K/32]");
+  Problem p;
+  p.form = form;
+  p.k = w_dims[1] * per_byte;
+  p.nb = p.k / kBlock;
+  p.n = w_dims[0];
+  p.m = x.element_count() / p.k;
+  p.w = w.untyped_data();
+  p.scales = static_cast<const uint16_t*>(scales.untyped_data());
+  p.mins = mins != nullptr ? static_cast<const uint16_t*>(mins->untyped_data()) : nullptr;
+  p.y = static_cast<float*>(y->untyped_data());
+  if (y->element_count() != static_cast<size_t>(p.m * p.n))
+    return ffi::Error::InvalidArgument("pyhlo_gemm_q8_0/q4_0/q4_1_x8: y must have x's rows and N columns");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  std::vector<uint8_t> xq(p.m * p.k);
+  std::vector<float> xd(p.m * p.nb), xsum(p.m * p.nb);
+  round_activations(static_cast<const float*>(x.untyped_data()), p.m, p.k, xq.data(), xd.data(), xsum.data());
+  p.xq = xq.data();
+  p.xd = xd.data();
+  p.xsum = xsum.data();
+
+  // PYHLO_MATVEC_THREADS (read once) caps the threads per product, as for the matvec kernels.
+  static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
+  int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
+  if (cap != 0) threads = cap > 0 ? cap : 1;
+  auto work = std::make_shared<SharedWork>();
+  work->problem = p;
+  work->panels = (p.n + kPanelRows - 1) / kPanelRows;
+  const int64_t helpers = std::min(threads - 1, work->panels - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->panels) {
+#ifdef PYHLO_GEMM_VNNI
+    _mm_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmQ8_0X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  return Run(pool, kQ8_0, x, w, scales, nullptr, y);
+}
+
+ffi::Error GemmQ4_0X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                      ffi::Result<ffi::AnyBuffer> y) {
+  return Run(pool, kQ4_0, x, w, scales, nullptr, y);
+}
+
+ffi::Error GemmQ4_1X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                      ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y) {
+  return Run(pool, kQ4_1, x, w, scales, &mins, y);
+}
+
+}  // namespace
+
+#define PYHLO_GEMM_HANDLER(symbol, function, ...)                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, function,                                             \
+                                ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() __VA_ARGS__.Ret<ffi::AnyBuffer>())
+
+PYHLO_GEMM_HANDLER(PyhloGemmQ8_0X8, GemmQ8_0X8, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
+PYHLO_GEMM_HANDLER(PyhloGemmQ4_0X8, GemmQ4_0X8, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
+PYHLO_GEMM_HANDLER(PyhloGemmQ4_1X8, GemmQ4_1X8,
+                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
+
+// Whether this build has the AVX-512 VNNI form (1) or only the portable one (0), which is
+// correct but slower than XLA's dot: the lowering takes the kernel only in the first case.
+extern "C" int PyhloGemmBlocksVnni() {
+#ifdef PYHLO_GEMM_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
