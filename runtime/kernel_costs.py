@@ -65,8 +65,9 @@ def _moved(operands: Sequence[hlo_pb2.ShapeProto], result: hlo_pb2.ShapeProto) -
 
 def matvec_cost(operands: Sequence[hlo_pb2.ShapeProto], result: hlo_pb2.ShapeProto) -> KernelCost:
     """x f32[..., k] times a weight matrix of n rows -> f32[..., n] (every matvec form: f32/bf16,
-    s8 with per-row scales, GGUF blocks): 2 * rows * k * n FLOPs, where rows is the product of
-    x's leading dimensions. The weights' form only changes the bytes read (values, scales, mins)."""
+    s8 with per-row scales, GGUF blocks; the int8 prefill GEMM too): 2 * rows * k * n FLOPs, where
+    rows is the product of x's leading dimensions. The weights' form only changes the bytes read
+    (values, scales, mins)."""
     x = operands[0]
     rows, k, n = math.prod(x.dimensions[:-1]), x.dimensions[-1], result.dimensions[-1]
     return KernelCost(flops=2 * rows * k * n, bytes_accessed=_moved(operands, result))
@@ -90,6 +91,7 @@ COST_RULES: dict[str, CostRule] = {
     cpu_kernels.MATVEC_S8_TARGET: matvec_cost,
     **{target: matvec_cost for target in cpu_kernels.MATVEC_BLOCK_TARGETS.values()},
     **{target: matvec_cost for target in cpu_kernels.MATVEC_BLOCK_X8_TARGETS.values()},
+    **{target: matvec_cost for target in cpu_kernels.GEMM_BLOCK_X8_TARGETS.values()},
     **{target: matvec_cost for target in cpu_kernels.MATVEC_GGUF_TARGETS.values()},
     **{target: matvec_cost for target in cpu_kernels.MATVEC_GGUF_X8_TARGETS.values()},
     cpu_kernels.MATVEC_GGUF_ROWS_TARGET: matvec_cost,
