@@ -218,7 +218,8 @@ class DecoderForSampling:
 
     # -- to_neuron ---------------------------------------------------------------
     def to_neuron(self) -> DecoderForSampling:
-        """Build and compile every bucket's programs, and meanwhile place weights and KV caches."""
+        """Build and compile every bucket's programs, and meanwhile place weights and KV caches
+        and import what sample() imports: the first sample() then has nothing left to do lazily."""
         started = time.perf_counter()
 
         def place_weights() -> float:
