@@ -10,6 +10,7 @@ of that Session.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import pathlib
@@ -45,6 +46,11 @@ SAVE_FORMAT = 3
 # transformers-neuronx's n_positions when the caller gives none (lowered to what a learned
 # position table holds).
 DEFAULT_N_POSITIONS = 2048
+# sample()'s top_k when neither the call nor NeuronConfig.on_device_generation gives one (HF's).
+DEFAULT_TOP_K = 50
+# What sample() imports: to_neuron() imports it beside the compiles, so that the first call
+# does not pay for it (torch: 1 to 2 s on 2 cores, several more when its files left the page cache).
+SAMPLE_IMPORTS = ("torch",)
 
 
 class DecoderForSampling:
@@ -101,6 +107,10 @@ class DecoderForSampling:
         if self.neuron_config.on_device_generation is not None:
             self._on_device = self._checked_generation(self.neuron_config.on_device_generation)
             self.session.sampler_k_max = self._on_device_bound(self._on_device)
+        else:
+            # The sampler of sample()'s default top_k, compiled by to_neuron() rather than by the
+            # first call that samples (a smaller top_k runs the same program).
+            self.session.sampler_k_max = sampler_bound([DEFAULT_TOP_K], self.decoder.head.vocab_size)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, batch_size: int = 1,
@@ -208,25 +218,34 @@ class DecoderForSampling:
 
     # -- to_neuron ---------------------------------------------------------------
     def to_neuron(self) -> DecoderForSampling:
-        """Build and compile every bucket's programs, and meanwhile place weights and KV caches."""
+        """Build and compile every bucket's programs, and meanwhile place weights and KV caches
+        and import what sample() imports: the first sample() then has nothing left to do lazily."""
         started = time.perf_counter()
 
         def place_weights() -> float:
             self.session.load_weights(self.checkpoint, presharded=self._presharded)
             return time.perf_counter() - started
 
+        def import_for_sample() -> float:
+            for name in SAMPLE_IMPORTS:
+                importlib.import_module(name)
+            return time.perf_counter() - started
+
         # The weights are placed while the programs are built, compiled or loaded from the
-        # cache: building is Python, reading and placing mostly not, so each fills the other's waits.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyhlo-weights") as pool:
+        # cache: building is Python, reading and placing mostly not, so each fills the other's
+        # waits; what sample() imports comes in meanwhile too.
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="pyhlo-weights") as pool:
             placing = pool.submit(place_weights)
+            importing = pool.submit(import_for_sample)
             self.session.compile()
             compiled = time.perf_counter() - started
             placed = placing.result()
+            imported = importing.result()
         # The weights live on the device now: forget the checkpoint's file mapping (the
         # mapped pages the device uses in place stay, as its buffers).
         self.checkpoint.close()
-        log.info("to_neuron: compile %.2f s (%d from cache), weights %.2f s, side by side", compiled,
-                 self.programs.cache_hits, placed)
+        log.info("to_neuron: compile %.2f s (%d from cache), weights %.2f s, imports %.2f s, side by side",
+                 compiled, self.programs.cache_hits, placed, imported)
         return self
 
     def _require_loaded(self) -> None:
@@ -353,7 +372,7 @@ class DecoderForSampling:
         of prompts of different lengths: each line its prompt, then its new tokens. Lines
         that end early are right-padded with the EOS id. top_k, top_p and temperature default
         to the on-device generation settings (NeuronConfig.on_device_generation, changed by
-        update_generation_config), else 50, 1.0 and 1.0.
+        update_generation_config), else DEFAULT_TOP_K (50), 1.0 and 1.0.
         """
         import torch
 
@@ -380,7 +399,7 @@ class DecoderForSampling:
         on_device = self._on_device
         configured = on_device or GenerationConfig()
         if top_k is None:
-            top_k = self._top_ks(on_device) if on_device is not None else 50
+            top_k = self._top_ks(on_device) if on_device is not None else DEFAULT_TOP_K
         top_ks = per_line(top_k, self.batch_size, "top_k")
         top_ps = per_line(configured.top_p if top_p is None else top_p, self.batch_size, "top_p")
         temperatures = per_line(configured.temperature if temperature is None else temperature,

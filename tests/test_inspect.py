@@ -221,8 +221,9 @@ def test_unknown_program_names_the_programs_there_are(tiny_llama, capsys):
     assert code == 2
     listed = err.split("no program 'block_n9'; this model's programs: ", 1)[1].split("\n")[0].split(", ")
     # a decode block program per cache bucket where attention reads up to the bucket (XLA's
-    # own attention), one for the whole cache with pyhlo's decode attention kernel
-    assert listed[:3] == ["greedy", "embed_n1", "lm_head_n1"] and "block_n1_s256" in listed
+    # own attention), one for the whole cache with pyhlo's decode attention kernel; the
+    # samplers first (sample()'s default top_k of 50 draws from up to 64 candidates)
+    assert listed[:4] == ["greedy", "sample_k64", "embed_n1", "lm_head_n1"] and "block_n1_s256" in listed
     assert "block_n128_s128" in listed and "block_n9" not in listed
 
 

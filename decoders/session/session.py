@@ -89,8 +89,9 @@ class Session:
         # Speculative decoding (enable_speculative_decoder): the target checks this many draft
         # tokens, plus the token before them, in one program (check_drafts()).
         self.speculation_length: int | None = None
-        # The sampler bound of NeuronConfig.on_device_generation, compiled with the rest so that
-        # changing its settings later compiles nothing (None: the sampler is built on first use).
+        # The sampler bound of sample()'s default or NeuronConfig.on_device_generation's top_k,
+        # compiled with the rest so that neither the first sample() nor changing the on-device
+        # settings later compiles anything (None: each sampler is built on first use).
         self.sampler_k_max: int | None = None
 
     @property
@@ -118,7 +119,7 @@ class Session:
     def eager_programs(self) -> list[ProgramKey]:
         """What to_neuron() compiles: prefill per context bucket (embed, one block program for
         every layer, LM head), decode per decode bucket (the whole model in one program, or the
-        same three pieces), the greedy sampler, and the on-device generation's sampler if any."""
+        same three pieces), the greedy sampler, and the sampler for sampler_k_max if set."""
         keys: list[ProgramKey] = [Greedy()]
         if self.sampler_k_max is not None:
             keys.append(Sampler(self.sampler_k_max))
