@@ -64,12 +64,13 @@ def test_kquant_blocks_compute_what_the_weights_widened_at_load_compute(kquant_f
                                  if "norm" not in k)
                              for m in (kept, widened))
     assert kept_bytes * 4 * layout.block_values == f32_bytes * layout.block_bytes
-    if kernels:                  # a decode step's products run on the form's own kernel
+    if kernels:    # a decode step's products and a prompt's run on the form's own kernel
         from decoders.programs.keys import Block
 
-        module = kept.programs.build(Block(1, 128)).module
-        targets = {i.custom_call_target for c in module.computations for i in c.instructions}
-        assert f"pyhlo_matvec_{form}" in targets
+        for key in (Block(1, 128), Block(64, 128)):
+            module = kept.programs.build(key).module
+            targets = {i.custom_call_target for c in module.computations for i in c.instructions}
+            assert f"pyhlo_matvec_{form}" in targets, key
 
     prompts = [np.arange(3, 40) % 300 + 3, np.arange(90, 101)]
     tokens, logits = kept.sample(prompts, sequence_length=100, top_k=1, eos_token_id=[], output_scores=True)
