@@ -186,7 +186,8 @@ class Session:
             def place(param, layer):
                 spec = self.builder.spec(param)
                 name, dtype = preshards.tensor_name(param.name, layer), numpy_dtype(spec.dtype)
-                return self.placement.put_parts(lambda rank: files[rank].read(name, dtype, spec.dims))
+                return self.placement.put_parts(lambda rank: files[rank].read(name, dtype, spec.dims),
+                                                streamed=True)
         else:
             last: dict = {}
 
@@ -199,7 +200,8 @@ class Session:
                 else:
                     prepared = lowering.prepare(param, read(param, checkpoint, layer))
                 last.update(key=(param.part_of or param.name, layer), prepared=prepared)
-                return self.placement.put_parts(lambda rank: lowering.arrange(param, prepared, rank))
+                return self.placement.put_parts(lambda rank: lowering.arrange(param, prepared, rank),
+                                                streamed=True)
 
         self.shared = {p.name: place(p, None) for p in self.builder.shared_params()}
         declared = self.builder.layer_params()
