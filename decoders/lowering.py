@@ -227,7 +227,9 @@ class CpuKernelLowering(XlaLowering):
             return super().linear(x, weight, param, bias, out_dtype, scale, mins)  # dequantized in HLO
         first, last = dict(self.kernel_rows).get("blocks" if blocks else weight.dtype, (0, 0))
         if 0 < first <= int(np.prod(x.dims[:-1])) <= last:
-            rows = ew.convert(x, "f32")
+            # A bf16 model's activations stay bf16 for bf16 weights: an f32 copy would lose the
+            # rounding on XLA:CPU (it drops f32 -> bf16 -> f32 converts) and the bf16-pair kernel.
+            rows = x if x.dtype == weight.dtype == "bf16" and not blocks else ew.convert(x, "f32")
             form = block_form(self.block_forms[param.name]) if blocks else None
             if blocks and self.block_forms[param.name].startswith(ROWS):
                 product = matvec_gguf_rows_kernel(rows, weight, ggml_types(self.block_forms[param.name]))

@@ -630,8 +630,13 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, cons
                ffi::Result<ffi::AnyBuffer>& y) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
-  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("pyhlo_matvec: x and y must be f32");
+  // bf16 x (a bf16 model's activations) goes with bf16 weights: passed as bf16, it stays
+  // rounded (XLA:CPU drops an f32 -> bf16 -> f32 pair of converts, so rounding in the program
+  // before an f32 x does not reach the kernel) and takes the bf16-pair path.
+  const bool x_is_bf16 = x.element_type() == ffi::DataType::BF16;
+  if ((x.element_type() != ffi::DataType::F32 && !(x_is_bf16 && w.element_type() == ffi::DataType::BF16)) ||
+      y->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("pyhlo_matvec: x must be f32 (or bf16, with bf16 weights) and y f32");
   const bool s8 = w.element_type() == ffi::DataType::S8;
   if (s8 != (scale != nullptr) ||
       (!s8 && w.element_type() != ffi::DataType::F32 && w.element_type() != ffi::DataType::BF16))
@@ -652,10 +657,25 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, cons
   if (y->element_count() != static_cast<size_t>(p.m * p.n))
     return ffi::Error::InvalidArgument("pyhlo_matvec: y must have x's rows and w's N columns");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  std::vector<float> x_even, x_odd;
+  std::vector<float> x_even, x_odd, x_wide;
   std::vector<uint16_t> x_bf16;
+  if (x_is_bf16) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
 #if defined(PYHLO_AVX512) && defined(__AVX512BF16__)
-  if (p.w_is_bf16) {
+    p.x_bf16 = xb;
+#endif
+    p.x = nullptr;
+    if (p.x_bf16 == nullptr) {   // the widening paths read x as f32
+      x_wide.resize(p.m * p.k);
+      for (int64_t i = 0; i < p.m * p.k; ++i) {
+        const uint32_t bits = uint32_t(xb[i]) << 16;
+        std::memcpy(&x_wide[i], &bits, sizeof(bits));
+      }
+      p.x = x_wide.data();
+    }
+  }
+#if defined(PYHLO_AVX512) && defined(__AVX512BF16__)
+  if (p.w_is_bf16 && !x_is_bf16) {
     // x is exactly bf16 when the low halves of all its f32s are zero: then the high halves
     // are x as bf16. 16 values a step.
     const int64_t total = p.m * p.k;
