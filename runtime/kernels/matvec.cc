@@ -8,8 +8,8 @@
 // model's activations) and the CPU has AVX512-BF16, multiplied in bf16 pairs into f32
 // sums (vdpbf16ps), which takes a quarter of the instructions.
 //
-// Operands: x f32[..., K] (the leading dims are the activation rows), w f32 or bf16
-// [N, K] row-major ("out, in", like torch's Linear). Result: y f32[..., N].
+// Operands: x f32[..., K] (the leading dims are the activation rows), or bf16 with bf16
+// weights, w f32 or bf16 [N, K] row-major ("out, in", like torch's Linear). Result: y f32[..., N].
 //
 // pyhlo_matvec_s8: the same with int8 weights and one f32 scale per weight row (per
 // output channel, symmetric): y[m, n] = scale[n] * sum_k x[m, k] * w[n, k]. Each int8 is
