@@ -245,7 +245,9 @@ class CpuKernelLowering(XlaLowering):
         # value and writes the widened weight out (SmolLM2-1.7B's shape in Q4_K_M, 128-token
         # prompt: 8.8 -> 17.4 tokens/s exact, 8.7 -> 52.9 with int8 activations).
         if 0 < first <= rows_in and (rows_in <= last or as_file):
-            rows = ew.convert(x, "f32")
+            # A bf16 model's activations stay bf16 for bf16 weights: an f32 copy would lose the
+            # rounding on XLA:CPU (it drops f32 -> bf16 -> f32 converts) and the bf16-pair kernel.
+            rows = x if x.dtype == weight.dtype == "bf16" and not blocks else ew.convert(x, "f32")
             quant = self.block_forms[param.name] if blocks else None
             form = block_form(quant) if blocks else None
             rounded = blocks and self.int8_activations and has_int8_activation_kernel(quant)

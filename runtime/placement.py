@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from runtime import huge_pages
+
 
 class Replicas(list):
     """One entry per replica, replica r's device buffer at [r]; None where another process
@@ -69,12 +71,14 @@ class Placement:
         entries are not read."""
         return self.put_parts(lambda r: arrays[r])
 
-    def put_parts(self, part: Callable[[int], Any]) -> Any:
+    def put_parts(self, part: Callable[[int], Any], streamed: bool = False) -> Any:
         """part(r) on replica r, made and placed one replica at a time, for this process's
-        replicas only: no process makes the parts it does not keep."""
+        replicas only: no process makes the parts it does not keep. `streamed`: a value the
+        programs read whole at every step (a weight), kept on 2 MB pages on CPUs
+        (runtime/huge_pages.py)."""
         if self.replicas == 1:
-            return self.backend.to_device(part(0))
-        return Replicas(self.backend.to_device(part(r), replica=r) if mine else None
+            return self._placed(self.backend.to_device(part(0)), streamed)
+        return Replicas(self._placed(self.backend.to_device(part(r), replica=r), streamed) if mine else None
                         for r, mine in enumerate(self._is_local))
 
     def host_addresses(self, value: Any) -> set[int]:
@@ -85,6 +89,11 @@ class Placement:
             return set()
         buffers = [b for b in value if b is not None] if isinstance(value, Replicas) else [value]
         return {address(b) for b in buffers} - {None}
+
+    def _placed(self, buffer: Any, streamed: bool) -> Any:
+        if streamed and getattr(self.backend, "platform", None) == "cpu":
+            huge_pages.collapse(buffer)
+        return buffer
 
     def start_host_copy(self, value: Any) -> None:
         """Begin copying a value (this process's first replica's buffer) to the host once it

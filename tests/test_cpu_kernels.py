@@ -67,6 +67,46 @@ def test_int8_matvec_kernel_matches_numpy(rows, k, n, seed):
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.sqrt(k) * scale.max() * 127)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+@pytest.mark.parametrize("k", [127, 2081])
+def test_bf16_pair_kernel_rows_tails_and_shrinking_chunks(rows, k):
+    """Activations exactly bf16 with bf16 weights (the bf16-pair path on AVX512-BF16 CPUs):
+    1-8 activation rows, k shorter than one 128-wide step and past several with a tail, and
+    enough weight rows for the threads' chunks to shrink down to the smallest."""
+    rng = np.random.default_rng(rows * k)
+    n = 3001
+    x = rng.standard_normal((rows, k)).astype(BF16).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(BF16)
+
+    def program(scribe):
+        return linalg.matvec_kernel(scribe.f32[rows, k].Parameter(parameter_number=0),
+                                    scribe.bf16[n, k].Parameter(parameter_number=1))
+
+    (out,) = run_fn(program, x, w)
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-4,
+                               atol=1e-4 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("k", [127, 2081])
+def test_bf16_activations_with_bf16_weights(rows, k):
+    """x passed as bf16 (a bf16 model's activations, kept rounded): the product of the bf16
+    values, exact in f64."""
+    rng = np.random.default_rng(rows + k)
+    n = 3001
+    x = rng.standard_normal((rows, k)).astype(BF16)
+    w = rng.standard_normal((n, k)).astype(BF16)
+
+    def program(scribe):
+        return linalg.matvec_kernel(scribe.bf16[rows, k].Parameter(parameter_number=0),
+                                    scribe.bf16[n, k].Parameter(parameter_number=1))
+
+    (out,) = run_fn(program, x, w)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-4,
+                               atol=1e-4 * np.sqrt(k))
+
+
 def test_large_product_splits_across_threads_and_stays_exact():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 576)).astype(np.float32)

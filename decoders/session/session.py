@@ -187,7 +187,8 @@ class Session:
             def place(param, layer):
                 spec = self.builder.spec(param)
                 name, dtype = preshards.tensor_name(param.name, layer), numpy_dtype(spec.dtype)
-                return self.placement.put_parts(lambda rank: files[rank].read(name, dtype, spec.dims))
+                return self.placement.put_parts(lambda rank: files[rank].read(name, dtype, spec.dims),
+                                                streamed=True)
         else:
             last: dict = {}
 
@@ -200,7 +201,8 @@ class Session:
                 else:
                     prepared = lowering.prepare(param, read(param, checkpoint, layer))
                 last.update(key=(param.part_of or param.name, layer), prepared=prepared)
-                return self.placement.put_parts(lambda rank: lowering.arrange(param, prepared, rank))
+                return self.placement.put_parts(lambda rank: lowering.arrange(param, prepared, rank),
+                                                streamed=True)
 
         def release(placed: dict[str, Any]) -> None:
             # A mapped file's pages read for these weights, except those the device uses in

@@ -46,17 +46,20 @@ def matvec_kernel(x: HloValue, w: HloValue, scale: HloValue | None = None,
     """x[..., k] (f32) @ w[n, k].T -> f32[..., n] by a CPU kernel called through XLA's typed FFI.
 
     `w` is f32 or bf16 in torch's [out, in] layout, or s8 with `scale` f32[n], one per weight
-    row (per output channel): the product is then scale * (x @ w.T). The kernel must be
-    registered with the backend (runtime.cpu_kernels.register()) before a program using it
-    is compiled.
+    row (per output channel): the product is then scale * (x @ w.T). With bf16 weights x may
+    be bf16 too (a bf16 model's activations, multiplied in bf16 pairs where the CPU can). The
+    kernel must be registered with the backend (runtime.cpu_kernels.register()) before a
+    program using it is compiled.
     """
     quantized = w.dtype == "s8"
-    if (x.dtype != "f32" or w.dtype not in ("f32", "bf16", "s8") or len(w.dims) != 2
+    if (x.dtype not in ("f32", "bf16") or (x.dtype == "bf16" and w.dtype != "bf16")
+            or w.dtype not in ("f32", "bf16", "s8") or len(w.dims) != 2
             or x.dims[-1] != w.dims[1]
             or quantized != (scale is not None)
             or (quantized and (scale.dtype != "f32" or scale.dims != (w.dims[0],)))):
-        raise HloShapeError(f"matvec_kernel: need f32 x[..., k] and f32/bf16 w[n, k], or s8 w[n, k] with f32 "
-                            f"scale[n]; got {x.dtype}{list(x.dims)}, {w.dtype}{list(w.dims)}"
+        raise HloShapeError(f"matvec_kernel: need f32 x[..., k] and f32/bf16 w[n, k] (or bf16 x and bf16 w), "
+                            f"or s8 w[n, k] with f32 scale[n]; got {x.dtype}{list(x.dims)}, "
+                            f"{w.dtype}{list(w.dims)}"
                             + (f" and scale {scale.dtype}{list(scale.dims)}" if scale is not None else ""))
     shape = x.scribe.f32[(*x.dims[:-1], w.dims[0])]
     if quantized:
