@@ -65,6 +65,17 @@ def rounded_activations(x: np.ndarray) -> np.ndarray:
     return (d.astype(np.float64) * q).reshape(x.shape)
 
 
+def check_rounded_product(out: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    """An int8-activation kernel's product: numpy's on the rounded activations to f32 rounding,
+    and within the rounding's reach of the exact product (each activation moved by
+    |x - rounded|, at most half a step)."""
+    rounded = rounded_activations(x)
+    bound = np.abs(rounded) @ np.abs(w).T
+    assert (np.abs(out - rounded @ w.T) <= 1e-5 * bound + 1e-30).all()
+    reach = np.abs(x.astype(np.float64) - rounded) @ np.abs(w).T
+    assert (np.abs(out - x.astype(np.float64) @ w.T) <= reach + 1e-5 * bound + 1e-30).all()
+
+
 # The integer kernels against numpy on the rounded activations: the same function, to f32
 # rounding; and within the rounding's reach of the exact product.
 @settings(max_examples=40, deadline=None)
@@ -75,14 +86,8 @@ def test_int8_activation_block_kernels_match_numpy(form, lead, n, blocks, seed):
     weight = random_blocks(form, n, k, seed)
     x = np.random.default_rng(seed + 1).standard_normal((*lead, k)).astype(np.float32)
     out = run_kernel(x, [a for a in weight[1:] if a is not None], int8_activations=True)
-    w = dequantize_blocks(weight).astype(np.float64)
-    rounded = rounded_activations(x)
-    bound = np.abs(rounded) @ np.abs(w).T
     assert out.shape == (*lead, n) and out.dtype == np.float32
-    assert (np.abs(out - rounded @ w.T) <= 1e-5 * bound + 1e-30).all()
-    # The rounding's reach: each activation moved by |x - rounded| (at most half a step).
-    reach = np.abs(x.astype(np.float64) - rounded) @ np.abs(w).T
-    assert (np.abs(out - x.astype(np.float64) @ w.T) <= reach + 1e-5 * bound + 1e-30).all()
+    check_rounded_product(out, x, dequantize_blocks(weight).astype(np.float64))
 
 
 # The prefill GEMM: the same function as the _x8 matvec kernels (numpy on the rounded
@@ -97,14 +102,8 @@ def test_int8_activation_gemm_kernels_match_numpy(form, lead, n, blocks, seed):
     x = np.random.default_rng(seed + 1).standard_normal((*lead, k)).astype(np.float32)
     x[..., :32] *= 100                      # blocks of different scales in one row
     out = run_kernel(x, [a for a in weight[1:] if a is not None], gemm=True)
-    w = dequantize_blocks(weight).astype(np.float64)
-    rounded = rounded_activations(x)
-    bound = np.abs(rounded) @ np.abs(w).T
     assert out.shape == (*lead, n) and out.dtype == np.float32
-    assert (np.abs(out - rounded @ w.T) <= 1e-5 * bound + 1e-30).all()
-    # The rounding's reach: each activation moved by |x - rounded| (at most half a step).
-    reach = np.abs(x.astype(np.float64) - rounded) @ np.abs(w).T
-    assert (np.abs(out - x.astype(np.float64) @ w.T) <= reach + 1e-5 * bound + 1e-30).all()
+    check_rounded_product(out, x, dequantize_blocks(weight).astype(np.float64))
 
 
 def test_gemm_kernel_splits_a_prefill_across_threads_and_agrees_with_the_matvec_kernel():

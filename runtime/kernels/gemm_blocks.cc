@@ -26,6 +26,7 @@
 #include <memory>
 #include <vector>
 
+#include "block_operands.h"
 #include "half.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -320,19 +321,10 @@ struct SharedWork {
 
 ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::AnyBuffer& scales,
                ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y) {
-  const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const int64_t per_byte = form == kQ8_0 ? 1 : 2;
-  const auto values_type = form == kQ8_0 ? ffi::DataType::S8 : ffi::DataType::U8;
-  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 || x_dims.size() < 1 ||
-      w.element_type() != values_type || w_dims.size() != 2 || x_dims[x_dims.size() - 1] != w_dims[1] * per_byte ||
-      x_dims[x_dims.size() - 1] % kBlock != 0 || scales.element_type() != ffi::DataType::F16 ||
-      scales.element_count() != static_cast<size_t>(w_dims[0] * (w_dims[1] * per_byte / kBlock)) ||
-      (mins != nullptr && (mins->element_type() != ffi::DataType::F16 ||
-                           mins->element_count() != scales.element_count())))
-    return ffi::Error::InvalidArgument(
-        "pyhlo_gemm_q8_0/q4_0/q4_1_x8: need f32 x[..., K] (K a multiple of 32), s8 values [N, K] (Q8_0) or "
-        "u8 values [N, K/2] (Q4), f16 scales [N, K/32] and, for Q4_1, f16 mins [N, K/32]");
+  if (!pyhlo_kernels::block_operands_fit(form == kQ8_0, x, w, scales, mins, *y))
+    return ffi::Error::InvalidArgument(pyhlo_kernels::block_operands_needed("pyhlo_gemm_q8_0/q4_0/q4_1_x8"));
   Problem p;
   p.form = form;
   p.k = w_dims[1] * per_byte;

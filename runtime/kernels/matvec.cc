@@ -37,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "block_operands.h"
 #include "half.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -743,19 +744,10 @@ ffi::Error MatvecS8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 ffi::Error RunBlocks(ffi::ThreadPool& pool, BlockForm form, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                      ffi::AnyBuffer& scales, ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y,
                      bool int8_x = false) {
-  const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const int64_t per_byte = form == kQ8_0 ? 1 : 2;
-  const auto values_type = form == kQ8_0 ? ffi::DataType::S8 : ffi::DataType::U8;
-  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 || x_dims.size() < 1 ||
-      w.element_type() != values_type || w_dims.size() != 2 || x_dims[x_dims.size() - 1] != w_dims[1] * per_byte ||
-      x_dims[x_dims.size() - 1] % kBlock != 0 || scales.element_type() != ffi::DataType::F16 ||
-      scales.element_count() != static_cast<size_t>(w_dims[0] * (w_dims[1] * per_byte / kBlock)) ||
-      (mins != nullptr && (mins->element_type() != ffi::DataType::F16 ||
-                           mins->element_count() != scales.element_count())))
-    return ffi::Error::InvalidArgument(
-        "pyhlo_matvec_q8_0/q4_0/q4_1: need f32 x[..., K] (K a multiple of 32), s8 values [N, K] (Q8_0) or u8 "
-        "values [N, K/2] (Q4), f16 scales [N, K/32] and, for Q4_1, f16 mins [N, K/32]");
+  if (!pyhlo_kernels::block_operands_fit(form == kQ8_0, x, w, scales, mins, *y))
+    return ffi::Error::InvalidArgument(pyhlo_kernels::block_operands_needed("pyhlo_matvec_q8_0/q4_0/q4_1"));
   Problem p;
   p.form = form;
   p.k = w_dims[1] * per_byte;
