@@ -104,7 +104,10 @@ async def _drive(base: str, clients: int, requests: int,
                  max_tokens: int) -> tuple[list[float], list[str], float]:
     from openai import AsyncOpenAI
 
-    async with AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=600, max_retries=0) as api:
+    # A connection the server closed between two requests (llama-server closes idle keep-alive
+    # connections) fails before any byte of an answer: the client sends the request again, as a
+    # client in production does. A request that got an answer is never sent twice.
+    async with AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=600, max_retries=2) as api:
         return await _clients(api, clients, requests, max_tokens)
 
 
