@@ -106,7 +106,8 @@ async def _drive(base: str, clients: int, requests: int,
 
     # A connection the server closed between two requests (llama-server closes idle keep-alive
     # connections) fails before any byte of an answer: the client sends the request again, as a
-    # client in production does. A request that got an answer is never sent twice.
+    # client in production does (openai's retries: connection failures, 429 and 5xx answers; a
+    # stream that has begun is not sent again).
     async with AsyncOpenAI(base_url=base + "/v1", api_key="none", timeout=600, max_retries=2) as api:
         return await _clients(api, clients, requests, max_tokens)
 
