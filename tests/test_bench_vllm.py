@@ -161,3 +161,22 @@ def test_the_serving_table_names_each_servers_weights_and_the_ratio_to_vllm():
     # Without llama.cpp's servers, vLLM is the only peer.
     text = serve.table([rows[0], rows[2]]).splitlines()
     assert text[0].endswith("| TTFT p95 ms | pyhlo vs vllm tok/s |") and text[2].endswith("| 1.50x |")
+
+
+def test_a_server_that_fails_is_named_and_the_others_still_run(monkeypatch, tmp_path):
+    """One server's failure (here: it streams no text) is recorded with its reason; the
+    servers after it still give their rows."""
+    def one(engine, *_):
+        if engine == "vllm":
+            raise RuntimeError("it streamed no text in 24 requests")
+        return [{"engine": engine, "clients": 1}]
+
+    monkeypatch.setattr(serve, "_measure_one", one)
+    monkeypatch.setattr("decoders.checkpoints.open_checkpoint",
+                        lambda path: type("C", (), {"tokenizer": lambda self: None})())
+    failed = {}
+    rows = serve.measure(tmp_path / "m.gguf", ["vllm", "pyhlo"], [1], 2, 8, 2, tmp_path, failed)
+    assert rows == [{"engine": "pyhlo", "clients": 1}]
+    assert failed == {"vllm": "RuntimeError: it streamed no text in 24 requests"}
+    with pytest.raises(RuntimeError, match="streamed no text"):
+        serve.measure(tmp_path / "m.gguf", ["vllm"], [1], 2, 8, 2, tmp_path)

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tools.bench import llama_cpp_programs, peers, vllm_peer
 from tools.bench.machine import machine_info
@@ -138,33 +139,49 @@ async def _clients(api, clients: int, requests: int, max_tokens: int) -> tuple[l
 
 
 def measure(model: Path, engines: list[str], concurrency: list[int], requests: int, max_tokens: int,
-            threads: int, out: Path) -> list[dict]:
-    """One row per engine and concurrency."""
+            threads: int, out: Path, failed: dict[str, str] | None = None) -> list[dict]:
+    """One row per engine and concurrency. A server that fails (does not start, drops a
+    connection, streams no text) is recorded in `failed` with the reason, and the others run."""
     from decoders.checkpoints import open_checkpoint
 
     tokenizer = open_checkpoint(model).tokenizer()
     rows = []
     for engine in engines:
-        print(f"[serve] {engine}: starting", file=sys.stderr, flush=True)
-        process, base = start(engine, model, max(concurrency), 1024, threads,
-                              out / "logs" / f"serve-{engine}.log")
         try:
-            asyncio.run(_drive(base, 1, 1, 8))                     # warm-up
-            for clients in concurrency:
-                print(f"[serve] {engine}: {clients} clients", file=sys.stderr, flush=True)
-                ttft, texts, seconds = asyncio.run(_drive(base, clients, requests, max_tokens))
-                tokens = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts)
-                ordered = sorted(ttft)
-                rows.append({"engine": engine, "clients": clients, "requests": len(texts), "tokens": tokens,
-                             "seconds": seconds, "tokens_per_s": tokens / seconds,
-                             "ttft_p50_ms": 1e3 * statistics.median(ordered),
-                             "ttft_p95_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]})
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            rows += _measure_one(engine, model, concurrency, requests, max_tokens, threads, out, tokenizer)
+        except Exception as error:                   # one server's failure leaves the others' rows
+            if failed is None:
+                raise
+            failed[engine] = f"{type(error).__name__}: {error}"
+            print(f"[serve] {engine}: failed: {failed[engine]}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _measure_one(engine: str, model: Path, concurrency: list[int], requests: int, max_tokens: int,
+                 threads: int, out: Path, tokenizer: Any) -> list[dict]:
+    rows = []
+    print(f"[serve] {engine}: starting", file=sys.stderr, flush=True)
+    log = out / "logs" / f"serve-{engine}.log"
+    process, base = start(engine, model, max(concurrency), 1024, threads, log)
+    try:
+        asyncio.run(_drive(base, 1, 1, 8))                     # warm-up
+        for clients in concurrency:
+            print(f"[serve] {engine}: {clients} clients", file=sys.stderr, flush=True)
+            ttft, texts, seconds = asyncio.run(_drive(base, clients, requests, max_tokens))
+            if not ttft:
+                raise RuntimeError(f"it streamed no text in {len(texts)} requests (see {log})")
+            tokens = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts)
+            ordered = sorted(ttft)
+            rows.append({"engine": engine, "clients": clients, "requests": len(texts), "tokens": tokens,
+                         "seconds": seconds, "tokens_per_s": tokens / seconds,
+                         "ttft_p50_ms": 1e3 * statistics.median(ordered),
+                         "ttft_p95_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]})
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
     return rows
 
 
@@ -221,8 +238,9 @@ def run(args: argparse.Namespace) -> int:
     model_path = default_or_given_model(args)
     engines, unavailable = resolve_servers(args.engines, model_path)
     out = Path(args.out)
+    failed: dict[str, str] = {}
     rows = measure(model_path, engines, [1, 4, SLOTS], args.serve_requests, args.new_tokens or 64,
-                   args.threads, out)
+                   args.threads, out, failed)
     for row in rows:
         row["weights"] = weights(row["engine"], model_path)
     info = machine_info()
@@ -232,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
             f"CPU {info.get('cpu')}, {args.threads} threads\n\n" + table(rows))
     for engine, why in unavailable.items():
         text += f"\n\n{engine} left out: {why}"
+    for engine, why in failed.items():
+        text += f"\n\n{engine} failed: {why}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.md").write_text(text + "\n")
     (out / "serve.json").write_text(json.dumps(rows, indent=1))
