@@ -67,7 +67,7 @@ _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("matvec.cc", "matvec_gguf.cc", "gemm_blocks.cc", "decode_attention.cc")]
 # Included by the sources: part of what the library's cache name hashes.
 _HEADERS = [pathlib.Path(__file__).with_name("kernels") / name
-            for name in ("half.h", "kquants.h", "q8_blocks.h", "block_operands.h")]
+            for name in ("half.h", "vector_sum.h", "kquants.h", "q8_blocks.h", "block_operands.h")]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 

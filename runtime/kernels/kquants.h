@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "half.h"
+#include "vector_sum.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -281,14 +282,6 @@ inline void quantize_q8_k(const float* x, int64_t k, int8_t* q, float* d, int16_
   }
 }
 
-#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 // The exact product of unpacked super-blocks w with G activation rows x[g] (and the sums of
 // each 16 of them, x_sums[g]), added to out[g]: sum_i (d * scale) * (q_i - centre) * x_i, plus

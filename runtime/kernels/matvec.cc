@@ -39,6 +39,7 @@
 
 #include "block_operands.h"
 #include "half.h"
+#include "vector_sum.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -88,15 +89,10 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kPrefetchAhead = 1024;
 
 using pyhlo_kernels::half_to_f32;
-
 #ifdef PYHLO_AVX2
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pyhlo_kernels::sum8;
 #endif
+
 
 // The terms of a Q4 row that do not depend on its nibbles: -8 * sum_b d_b * xsum_b (Q4_0)
 // or sum_b m_b * xsum_b (Q4_1), for activation row m.

@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "half.h"
+#include "vector_sum.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -76,13 +77,6 @@ inline void quantize_q8_1(const float* x, int64_t k, int8_t* q, float* d, float*
 }
 
 #if defined(PYHLO_Q8B_AVX512) || defined(PYHLO_Q8B_AVX2)
-inline float sum8_q8b(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // One block's integer sum, 8 lanes: |w| times x with w's sign (unsigned by signed bytes, the
 // form vpdpbusd and vpmaddubsw take; |w| <= 128 and |x| <= 127, so no 16-bit sum saturates).
 inline __m256i block_sum_8(__m256i w, __m256i x) {
@@ -106,7 +100,7 @@ inline float dot_q8_32(const int8_t* w, const float* w_d, const float* w_m, cons
     // Eight blocks at a time, not one chain of dependent scalar adds.
     __m256 acc = _mm256_setzero_ps();
     for (; b + 8 <= blocks; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w_m + b), _mm256_loadu_ps(x_s + b), acc);
-    minimums = sum8_q8b(acc);
+    minimums = sum8(acc);
 #endif
     for (; b < blocks; ++b) minimums += w_m[b] * x_s[b];
   }
@@ -130,7 +124,7 @@ inline float dot_q8_32(const int8_t* w, const float* w_d, const float* w_m, cons
   if (b < blocks) {
     const __m256i sum = block_sum_8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kBlockValues * b)),
                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlockValues * b)));
-    total += sum8_q8b(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(w_d[b] * x_d[b])));
+    total += sum8(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(w_d[b] * x_d[b])));
   }
   return total + minimums;
 #elif defined(PYHLO_Q8B_AVX2)
@@ -140,7 +134,7 @@ inline float dot_q8_32(const int8_t* w, const float* w_d, const float* w_m, cons
                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlockValues * b)));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(w_d[b] * x_d[b]), acc);
   }
-  return sum8_q8b(acc) + minimums;
+  return sum8(acc) + minimums;
 #else
   float total = 0;
   for (int64_t b = 0; b < blocks; ++b) {
