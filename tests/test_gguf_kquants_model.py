@@ -191,24 +191,34 @@ def k_quants_and_q5_0(name: str):
     return kinds.Q5_K if ".attn_" in name else kinds.Q4_K
 
 
+def int8_model(path):
+    """The GGUF file's blocks as stored on the CPU kernels, activations rounded to int8."""
+    return LlamaForSampling.from_pretrained(
+        path, batch_size=1, n_positions=128, context_length_estimate=[16, 64],
+        neuron_config=NeuronConfig(gguf_blocks=True, cpu_kernels=True, int8_activations=True)).to_neuron()
+
+
+def decode_kernel_targets(model) -> set[str]:
+    """The custom calls of a decode step's programs (a layer block and the LM head)."""
+    from decoders.programs.keys import Block, LMHead
+
+    return {i.custom_call_target for key in (Block(1, 128), LMHead(1))
+            for c in model.programs.build(key).module.computations for i in c.instructions}
+
+
 @pytest.mark.cpu_only
 def test_int8_activations_round_the_k_quant_products(kquant_file):
     """NeuronConfig(int8_activations=True): the decode products of K-quant weights, rows of mixed
     K-quants too, run the _x8 kernels (activations rounded as llama.cpp's Q8_K rounds them), a
     Q5_0 weight its own (per 32, as llama.cpp's Q8_0); the logits stay within the rounding's
     reach of the exact ones."""
-    from decoders.programs.keys import Block, LMHead
-
     path = kquant_file("k_quants_q5_0", k_quants_and_q5_0)
     exact = build(path, True, True, batch_size=1)
-    rounded = LlamaForSampling.from_pretrained(
-        path, batch_size=1, n_positions=128, context_length_estimate=[16, 64],
-        neuron_config=NeuronConfig(gguf_blocks=True, cpu_kernels=True, int8_activations=True)).to_neuron()
+    rounded = int8_model(path)
     assert dict(rounded.lowering.gguf_blocks) == {
         "attn.qkv.weight": "q5_k", "attn.out.weight": "q5_0", "mlp.gate_up.weight": "q4_k",
         "mlp.down.weight": "rows:q4_k+q6_k", "lm_head.weight": "q6_k"}
-    targets = {i.custom_call_target for key in (Block(1, 128), LMHead(1))
-               for c in rounded.programs.build(key).module.computations for i in c.instructions}
+    targets = decode_kernel_targets(rounded)
     assert {"pyhlo_matvec_q4_k_x8", "pyhlo_matvec_q5_k_x8", "pyhlo_matvec_q6_k_x8",
             "pyhlo_matvec_gguf_rows_x8", "pyhlo_matvec_q5_0_x8"} <= targets
     assert not {"pyhlo_matvec_q4_k", "pyhlo_matvec_q5_k", "pyhlo_matvec_q6_k", "pyhlo_matvec_q5_0",
@@ -228,19 +238,15 @@ def test_int8_activations_round_every_product_of_a_q4_k_m_mix(kquant_file):
     super-blocks (q|k|v rows Q5_0 with a Q8_0 or Q5_0 v, attn_output Q5_0, ffn_down Q6_K and
     Q4_K): in int8 mode every decode product runs an integer kernel, none an exact one, and
     the logits stay within the rounding's reach of the exact ones."""
-    from decoders.programs.keys import Block, LMHead
     from runtime.cpu_kernels import MATVEC_GGUF_ROWS_TARGET, MATVEC_GGUF_TARGETS
 
     path = kquant_file("q4_k_m", q4_k_m_like)
     exact = build(path, True, True, batch_size=1)
-    rounded = LlamaForSampling.from_pretrained(
-        path, batch_size=1, n_positions=128, context_length_estimate=[16, 64],
-        neuron_config=NeuronConfig(gguf_blocks=True, cpu_kernels=True, int8_activations=True)).to_neuron()
+    rounded = int8_model(path)
     assert dict(rounded.lowering.gguf_blocks) == {
         "attn.out.weight": "q5_0", "lm_head.weight": "q6_k", "mlp.gate_up.weight": "q4_k",
         "attn.qkv.weight": "rows:q5_0+q8_0", "mlp.down.weight": "rows:q4_k+q6_k"}
-    targets = {i.custom_call_target for key in (Block(1, 128), LMHead(1))
-               for c in rounded.programs.build(key).module.computations for i in c.instructions}
+    targets = decode_kernel_targets(rounded)
     assert {"pyhlo_matvec_q5_0_x8", "pyhlo_matvec_q4_k_x8", "pyhlo_matvec_q6_k_x8",
             "pyhlo_matvec_gguf_rows_x8"} <= targets
     assert not {*MATVEC_GGUF_TARGETS.values(), MATVEC_GGUF_ROWS_TARGET} & targets
