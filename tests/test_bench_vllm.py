@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_bench import tiny_q8_0  # noqa: F401  (a fixture)
 
 from tools.bench import serve, vllm_peer
 
@@ -113,28 +114,28 @@ def test_the_install_takes_out_the_gpu_builds_and_keeps_to_one_registry(tmp_path
     assert wanted == ["regex", "torch==2.13.0", "transformers<5.20.0,>=5.16.1"]
 
 
-def test_a_gguf_model_runs_in_vllm_from_an_hf_directory_of_its_weights(tiny_llama, no_vllm, monkeypatch):
-    """The folder vLLM gets for a GGUF file loads in HF transformers and gives the logits of the model
-    the file was written from, with the file's tokenizer; the GGUF's blocks are not in it."""
+def test_a_gguf_model_runs_in_vllm_from_an_hf_directory_of_its_weights(tiny_q8_0, no_vllm, monkeypatch):  # noqa: F811
+    """The folder vLLM gets for a GGUF file of blocks holds every weight, widened: it loads in HF
+    transformers with none missing and gives the logits of HF's own reading of the file, with the
+    file's tokenizer and chat template."""
     import torch
-    from test_bench import write_source_gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decoders.checkpoints import open_checkpoint
 
-    monkeypatch.setenv("PYHLO_GGUF_CACHE", str(no_vllm / "converted"))
     monkeypatch.setenv("PYHLO_TOKENIZER_CACHE", str(no_vllm / "tokenizers"))
-    model, _ = tiny_llama("mha", "safetensors")
-    source = write_source_gguf(model, no_vllm / "tiny.gguf")
+    _, source = tiny_q8_0                                           # Q8_0 blocks, as llama.cpp writes them
     folder = vllm_peer.hf_directory(source)
     assert folder.parent == vllm_peer.venv_dir().parent / "vllm-models"
-    assert not list(folder.glob("blocks*")) and (folder / "model.safetensors").is_file()
     assert vllm_peer.hf_directory(source) == folder                  # made once
-    loaded = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    loaded, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    direct = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name,
+                                                  dtype=torch.float32)
     tokens = torch.tensor([[1, 5, 17, 42, 7, 99]])
     with torch.no_grad():
-        np.testing.assert_allclose(loaded(tokens).logits.numpy(), model(tokens).logits.float().numpy(),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(loaded(tokens).logits.numpy(), direct(tokens).logits.numpy(),
+                                   rtol=1e-6, atol=1e-6)
     text = "hello world, a cat"
     expected = open_checkpoint(source).tokenizer()(text)["input_ids"]
     assert AutoTokenizer.from_pretrained(folder)(text)["input_ids"] == expected

@@ -8,9 +8,8 @@ are removed after the install (vLLM's language models need none of them). The wh
 CPU build (torch==2.13.0+cpu), which PyPI itself does not carry; where pip cannot find it, the
 install takes PyPI's torch of that release instead (on Linux its CUDA build, several GB more).
 
-vLLM reads HF directories only. A GGUF model runs in vLLM from pyhlo's converted folder of
-the file (its weights dequantized to f32 safetensors, see decoders/checkpoints/gguf_cache.py),
-linked into a folder of its own with the tokenizer saved beside it.
+vLLM reads HF directories only. A GGUF model runs in vLLM from an HF directory of its weights
+dequantized to f32 by HF transformers' GGUF reader, with the file's tokenizer beside them.
 """
 from __future__ import annotations
 
@@ -137,9 +136,9 @@ def install() -> pathlib.Path:
 
 
 def hf_directory(model: pathlib.Path) -> pathlib.Path:
-    """The HF directory vLLM runs for `model`: the directory itself, or for a GGUF file pyhlo's
-    converted folder of it (f32 safetensors) linked into a folder of its own with the tokenizer
-    (vLLM would also load the converted folder's blocks file, which holds the GGUF's blocks)."""
+    """The HF directory vLLM runs for `model`: the directory itself, or for a GGUF file an HF
+    directory of its weights dequantized to f32 by HF transformers' own GGUF reader (saved with
+    save_pretrained, once, in the model cache) with the file's tokenizer beside them."""
     model = pathlib.Path(model)
     if model.is_dir():
         if not (model / "config.json").is_file():
@@ -147,33 +146,46 @@ def hf_directory(model: pathlib.Path) -> pathlib.Path:
         return model
     if model.suffix != ".gguf":
         raise ValueError(f"vLLM runs an HF directory or (converted) a .gguf file, not {model}")
-    from decoders.checkpoints.default_model import default_cache_dir
-    from decoders.checkpoints.gguf_cache import converted_dir, open_gguf
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    converted = converted_dir(model)
-    if converted is None:
-        raise ValueError("vLLM runs a GGUF file from pyhlo's converted folder of it, and PYHLO_GGUF_CACHE=0 "
-                         "turns those off: unset PYHLO_GGUF_CACHE")
-    checkpoint = open_gguf(model)           # converts the file once, if it is not yet
-    try:
-        if not (converted / "model.safetensors").is_file():
-            raise RuntimeError(f"converting {model.name} into {converted} failed (no space?)")
-        target = default_cache_dir() / "vllm-models" / converted.name
-        if (target / "tokenizer_config.json").is_file():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".linking-"))
-        for name in ("config.json", "model.safetensors", "chat_template.jinja"):
-            if (converted / name).is_file():
-                (staging / name).symlink_to(converted / name)
-        checkpoint.tokenizer().save_pretrained(str(staging))
-        try:
-            staging.replace(target)
-        except OSError:                     # another process made it first
-            shutil.rmtree(staging, ignore_errors=True)
+    from decoders.checkpoints import open_checkpoint
+    from decoders.checkpoints.default_model import default_cache_dir
+    from decoders.checkpoints.gguf import _cache_key
+
+    target = default_cache_dir() / "vllm-models" / f"{model.stem}-{_cache_key(model)}-hf"
+    if (target / "tokenizer_config.json").is_file():
         return target
-    finally:
-        checkpoint.close()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".writing-"))
+    try:
+        # Every weight, widened from its blocks: pyhlo's converted folder keeps the blocks apart,
+        # in a file vLLM does not read, and vLLM runs whatever weights it does not find as zeros.
+        # (transformers marks a model read from GGUF as quantized and will not save_pretrained it:
+        # its config and weights are saved as they are instead.)
+        hf_model = AutoModelForCausalLM.from_pretrained(str(model.parent), gguf_file=model.name,
+                                                        dtype=torch.float32)
+        config = hf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(str(staging))
+        safetensors.torch.save_model(hf_model, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        checkpoint = open_checkpoint(model)
+        try:
+            checkpoint.tokenizer().save_pretrained(str(staging))
+            template = checkpoint.chat_template()
+            if template and not (staging / "chat_template.jinja").is_file():
+                (staging / "chat_template.jinja").write_text(template)
+        finally:
+            checkpoint.close()
+        staging.replace(target)
+    except OSError:                         # another process made it first
+        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
 
 
 def _cpus(threads: int) -> str:
