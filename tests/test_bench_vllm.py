@@ -119,6 +119,7 @@ def test_a_gguf_model_runs_in_vllm_from_an_hf_directory_of_its_weights(tiny_q8_0
     transformers with none missing and gives the logits of HF's own reading of the file, with the
     file's tokenizer and chat template."""
     import torch
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decoders.checkpoints import open_checkpoint
@@ -130,6 +131,12 @@ def test_a_gguf_model_runs_in_vllm_from_an_hf_directory_of_its_weights(tiny_q8_0
     assert vllm_peer.hf_directory(source) == folder                  # made once
     loaded, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+    # As vLLM reads it: the model class named, and a tied head stored as the token table only.
+    assert loaded.config.architectures == ["LlamaForCausalLM"]
+    with safe_open(folder / "model.safetensors", "np") as stored:
+        names = set(stored.keys())
+    assert "model.embed_tokens.weight" in names
+    assert ("lm_head.weight" in names) != bool(loaded.config.tie_word_embeddings)
     direct = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name,
                                                   dtype=torch.float32)
     tokens = torch.tensor([[1, 5, 17, 42, 7, 99]])

@@ -169,8 +169,12 @@ def hf_directory(model: pathlib.Path) -> pathlib.Path:
         config = hf_model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        config.architectures = [type(hf_model).__name__]     # vLLM picks its model class by it
         config.save_pretrained(str(staging))
-        safetensors.torch.save_model(hf_model, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        weights = {name: tensor.contiguous().clone() for name, tensor in hf_model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            weights.pop("lm_head.weight", None)              # the token table is the head
+        safetensors.torch.save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
         checkpoint = open_checkpoint(model)
         try:
             checkpoint.tokenizer().save_pretrained(str(staging))
