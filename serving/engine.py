@@ -74,11 +74,32 @@ class Sampling:
 
 
 class _QueueStreamer(TextStreamer):
-    """TextStreamer whose finished text pieces go to an asyncio queue (from the engine thread)."""
+    """TextStreamer whose finished text pieces go to an asyncio queue (from the engine thread).
+
+    TextStreamer holds the last word back until a space follows it, in case a later token
+    changes it: so a reply's first text waited a decode step after its first token. Where the
+    tokenizer does not clean up spaces when decoding (clean_up_tokenization_spaces false, as
+    for the byte-level BPE and SentencePiece tokenizers of today's models), the decoded text
+    only grows as tokens come, save a character whose bytes are not all there yet (decoded
+    as U+FFFD): each token's text goes out at once, as vLLM and llama-server send it, all but
+    such a character. Otherwise TextStreamer's rule stands."""
 
     def __init__(self, tokenizer: Any, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
         super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
         self.loop, self.queue = loop, queue
+        self.at_once = getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+
+    def put(self, value: Any) -> None:
+        if not self.at_once:
+            return super().put(value)
+        self.token_cache.extend(value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+        ready = max(self.print_len, len(text.rstrip("\ufffd")))
+        piece = text[self.print_len:ready]
+        self.print_len = ready
+        if text.endswith("\n"):           # as TextStreamer: a line's tokens are decoded no more
+            self.token_cache, self.print_len = [], 0
+        self.on_finalized_text(piece)
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         if text:
