@@ -54,12 +54,13 @@ from runtime.placement import Placement, Replicas
 
 log = logging.getLogger("pyhlo")
 
-# Prompt chunks of the narrowest context buckets, this many of them, are prefilled for several
-# lines in one program with programs compiled by to_neuron() (prefill_lines()). A narrow chunk
-# costs about a pass over the weights, which one program over several lines pays once; a wide
-# chunk already spreads that pass over many tokens, and every width adds a program per row
-# count and attention bucket.
-BATCHED_PREFILL_WIDTHS = 2
+# Prompt chunks of context buckets up to this many tokens (a chat prompt's, or what is left of
+# it past a kept prefix) are prefilled for several lines in one program, with programs
+# compiled by to_neuron() (prefill_lines()). A narrow chunk costs about a pass over the
+# weights (and, for GGUF blocks widened in the program, their widening), which one program
+# over several lines pays once; a wide chunk already spreads that over many tokens, and every
+# width adds a program per row count and attention bucket.
+BATCHED_PREFILL_MAX_WIDTH = 64
 
 
 class Session:
@@ -178,8 +179,8 @@ class Session:
 
     def batched_prefill_buckets(self) -> list[int]:
         """Continuous batching: the context buckets whose chunks prefill_lines() runs for several
-        lines with programs to_neuron() compiles: the BATCHED_PREFILL_WIDTHS narrowest."""
-        return self.context_buckets[:BATCHED_PREFILL_WIDTHS] if self.row_prefill else []
+        lines with programs to_neuron() compiles: those of at most BATCHED_PREFILL_MAX_WIDTH."""
+        return [c for c in self.context_buckets if c <= BATCHED_PREFILL_MAX_WIDTH] if self.row_prefill else []
 
     def prefill_rows(self, n_tokens: int) -> list[int]:
         """The row counts of the programs to_neuron() compiles for prompt chunks of n_tokens (a
@@ -496,7 +497,8 @@ class Session:
         (every_position: [k, n, vocab]). The programs are those for the smallest of decode_rows()
         that holds k rows (rows past k write into other lines' scratch slots, as in
         decode_lines()), or the program over every line, where the lines not given have no part.
-        The other lines' caches below n_positions are untouched."""
+        The other lines' caches below n_positions are untouched. Programs for several lines of
+        chunks wider than batched_prefill_buckets() are compiled on first use."""
         if not self.row_prefill:
             raise ValueError("prefill_lines() needs a continuous-batching model of more than one line whose "
                              "caches are not spread over replicas (no flash decoding, no lines split by "
