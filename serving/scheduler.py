@@ -6,14 +6,17 @@
         batcher.step()
 
 Each batch line holds one request at a time. A step runs every active line once: a line with
-prompt tokens still to write takes the next chunk of them (a context bucket wide) in a
-program for that line alone, costing its own tokens only (Session.prefill_line); then the
+prompt tokens still to write takes the next chunk of them (a context bucket wide); then the
 lines that are generating take their newest token in one decode step (in the programs for
-that many rows when few lines are active), so each prompt being written delays the others by
-one chunk of its own per step. Where the caches are spread over replicas (no one-line
-programs) the chunks and the newest tokens share one program over every line instead. A request that
-ends (an end-of-sequence token, its token budget, or the end of the cache) frees its line
-for the next waiting request.
+that many rows when few lines are active). The chunks of one width run together in one
+program over those lines only (Session.prefill_lines) where the session compiled such
+programs for that width (its narrowest buckets: short prompts arriving together, or the rest
+of prompts whose prefix a line kept); a wider chunk, or one whose every position's logits are
+asked for (prompt logprobs), runs in a program for its line alone, costing its own tokens
+only. Grouping by width keeps a short prompt from being padded to a long one's chunk. Where
+the caches are spread over replicas (no programs for some lines) the chunks and the newest
+tokens share one program over every line instead. A request that ends (an end-of-sequence
+token, its token budget, or the end of the cache) frees its line for the next waiting request.
 
 Prefix caching: a free line keeps the keys and values of the tokens its last request wrote.
 A new request goes to the free line whose kept tokens share the longest prefix with its
@@ -100,7 +103,7 @@ class ContinuousBatcher:
     kept prefix (the tokens its cache still holds, for prefix reuse); it chooses each
     request's tokens on the host and ends requests (end of sequence, budget, end of cache,
     cancelled). The model's Session owns the device state: the batcher only calls its
-    continuous-batching entry points (prefill_line, step_every_line, decode_lines). Not
+    continuous-batching entry points (prefill_lines, step_every_line, decode_lines). Not
     thread-safe: one thread steps it (serving.engine.Engine); request() may be called from
     any thread.
     """
@@ -195,55 +198,76 @@ class ContinuousBatcher:
         """Admit waiting requests into free lines, then run every active line once.
 
         A failure ends the requests it belongs to, with finish_reason "error", and no other:
-        choosing a request's token, its callbacks and its own prompt chunk (a program for its
-        line alone) fail that request only. A program over several lines (the decode step, or
-        the one program over every line) fails every request in it: their logits come from one
-        run, so none of them has a token it can trust, and no request is kept waiting on a
-        program that may fail again. Requests still waiting are not touched and run in later
-        steps. A failed program may have written (or, its buffers donated, lost) any line's
-        cache, so every line's kept prefix is dropped: later prompts are computed in full.
+        choosing a request's token, its callbacks and its prompt's logprobs fail that request
+        only. A program fails every request in it (a prompt chunk alone, the chunks of one
+        width prefilled together, the decode step, or the one program over every line): their
+        logits come from one run, so none of them has a token it can trust, and no request is
+        kept waiting on a program that may fail again. Requests still waiting are not touched
+        and run in later steps. A failed program may have written (or, its buffers donated,
+        lost) any line's cache, so every line's kept prefix is dropped: later prompts are
+        computed in full.
         """
         self._admit()
         active = [r for r in self.lines if r is not None]
         if not active:
             return
         if self.session.row_prefill:
-            # Each prompt's next chunk in a program for its line alone (the cost of its own
+            # The prompts' next chunks in programs for their lines only (the cost of their own
             # tokens), then one decode step for the lines that are generating.
             chunked = [r for r in active if len(r.prompt) - r.written > 1]
-            for r in chunked:
-                self._prefill_line(r)
+            for group in self._prefill_groups(chunked):
+                self._prefill(group)
             active = [r for r in active if r not in chunked]
         if active:
             self._run_lines(active)
         self.steps += 1
 
-    def _prefill_line(self, r: Request) -> None:
+    def _chunk_width(self, r: Request) -> int:
+        """The context bucket that r's next prompt chunk runs in."""
+        buckets = self.session.context_buckets
+        return bucketing.pick(buckets, min(len(r.prompt) - r.written, buckets[-1]))
+
+    def _prefill_groups(self, chunked: list[Request]) -> list[list[Request]]:
+        """The requests whose next chunks run in one program: those of one width where the
+        session prefills that width for several lines; each of the others alone (a prompt
+        whose logprobs are asked for too: every position's logits are computed for it)."""
+        together = self.session.batched_prefill_buckets()
+        groups: dict[int, list[Request]] = {}
+        alone = []
+        for r in chunked:
+            width = self._chunk_width(r)
+            if width in together and r.prompt_logprobs is None:
+                groups.setdefault(width, []).append(r)
+            else:
+                alone.append([r])
+        return [*groups.values(), *alone]
+
+    def _prefill(self, group: list[Request]) -> None:
+        """The next prompt chunk of each request in `group` (chunks of one width) in one program."""
         session = self.session
-        remaining = len(r.prompt) - r.written
-        width = bucketing.pick(session.context_buckets, min(remaining, session.context_buckets[-1]))
-        part = r.prompt[r.written:r.written + width]
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, :len(part)] = part
+        width = self._chunk_width(group[0])
+        parts = [r.prompt[r.written:r.written + width] for r in group]
+        tokens = np.zeros((len(group), width), np.int32)
+        for i, part in enumerate(parts):
+            tokens[i, :len(part)] = part
+        # Every position's logits only where the prompt's logprobs are asked for (a group of one).
+        every = group[0].prompt_logprobs is not None
         try:
-            every = r.prompt_logprobs is not None
-            # Every position's logits only where the prompt's logprobs are asked for.
-            extra = {"every_position": True} if every else {}
-            logits = session.host_logits(
-                session.prefill_line(tokens, r.line, r.written, len(part) - 1, **extra))
-            row = logits[0, len(part) - 1] if every else logits[0]
+            logits = session.prefill_lines(tokens, [r.line for r in group], [r.written for r in group],
+                                           [len(part) - 1 for part in parts], every_position=every)
         except Exception as error:
-            self._program_failed([r], error)
+            self._program_failed(group, error)
             return
-        if every:
-            try:
-                self._prompt_logprobs(r, logits[0, :len(part)])
-            except Exception as error:            # this request's own part: it alone fails
-                self.fail(r, f"the prompt's logprobs failed: {type(error).__name__}: {error}")
-                return
-        self._wrote(r, len(part))
-        if r.written == len(r.prompt):
-            self._give(r, row)
+        for i, (r, part) in enumerate(zip(group, parts)):
+            if every:
+                try:
+                    self._prompt_logprobs(r, logits[i, :len(part)])
+                except Exception as error:            # this request's own part: it alone fails
+                    self.fail(r, f"the prompt's logprobs failed: {type(error).__name__}: {error}")
+                    continue
+            self._wrote(r, len(part))
+            if r.written == len(r.prompt):
+                self._give(r, logits[i, len(part) - 1] if every else logits[i])
 
     def _run_lines(self, active: list[Request]) -> None:
         """One program over every line: a chunk of each pending prompt, the newest token of

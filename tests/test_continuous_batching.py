@@ -113,13 +113,13 @@ def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(
     lengths = [1, 3, 7, 8, 9, 15, 16, 17, 25, 33, 4, 12]          # under, at and over the buckets; chunked
     budgets = [20, 5, 12, 30, 8, 16, 3, 24, 10, 6, 28, 14]
     requests, streamed = [], {}
-    # Prompt chunks go through the one-line programs; the every-line program only decodes.
+    # Prompt chunks go through the programs for their lines only; the every-line program only decodes.
     widths, chunks = [], []
-    every_line, one_line = model.session.step_every_line, model.session.prefill_line
+    every_line, some_lines = model.session.step_every_line, model.session.prefill_lines
     model.session.step_every_line = (
         lambda tokens, *rest: widths.append(tokens.shape[1]) or every_line(tokens, *rest))
-    model.session.prefill_line = (
-        lambda tokens, *rest: chunks.append(tokens.shape[1]) or one_line(tokens, *rest))
+    model.session.prefill_lines = (
+        lambda tokens, *rest, **options: chunks.append(tokens.shape) or some_lines(tokens, *rest, **options))
     # Decode steps with one or two active lines run the programs for that many rows.
     row_steps, some_rows = [], model.session.decode_lines
     model.session.decode_lines = (
@@ -143,7 +143,8 @@ def test_twelve_sequences_through_four_lines_each_get_their_greedy_tokens_alone(
     # Steps ran lines together: far fewer than one request after another would take.
     alone = sum(-(-length // 16) + budget - 1 for length, budget in zip(lengths, budgets))
     assert batcher.steps < 0.5 * alone, (batcher.steps, alone)
-    assert set(widths) == {1} and len(chunks) >= sum(length > 1 for length in lengths)
+    assert set(widths) == {1} and sum(k for k, _ in chunks) >= sum(length > 1 for length in lengths)
+    assert max(k for k, _ in chunks) > 1                   # prompts arriving together: one program
     assert model.session.decode_rows() == [1, 2] and set(row_steps) == {1, 2}
     assert batcher.prompt_tokens_written + batcher.prompt_tokens_reused == sum(lengths)
 
@@ -178,12 +179,13 @@ def test_eos_cancel_and_the_end_of_the_cache_free_their_lines(tiny_llama):
 
 
 def test_a_failing_request_ends_alone_and_its_neighbours_get_their_greedy_tokens(tiny_llama):
-    """A failure in one request's token choice, its callback, or its own prompt chunk ends
-    that request with an error; the others run on to the tokens they get alone."""
+    """A failure in one request's token choice, its callback, or a prompt chunk's program
+    that request alone ran ends that request with an error; the others run on to the tokens
+    they get alone (prompts[3] is the only one whose first chunk is 16 wide)."""
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
     model = batched_model(path)
     batcher = ContinuousBatcher(model)
-    prompts = [[5, 6, 7], list(range(10, 30)), [40, 41], list(range(50, 70)), [8, 9, 10, 11], [3, 4]]
+    prompts = [[5, 6, 7], list(range(10, 15)), [40, 41], list(range(50, 70)), [8, 9, 10, 11], [3, 4]]
 
     def on_token(request, token):
         if request.prompt == prompts[1] and len(request.tokens) == 3:
@@ -196,14 +198,14 @@ def test_a_failing_request_ends_alone_and_its_neighbours_get_their_greedy_tokens
             raise FloatingPointError("the sampler failed")
         return choose(request, logits)
 
-    prefill_line = model.session.prefill_line
+    prefill_lines = model.session.prefill_lines
 
-    def failing_chunk(tokens, line, *rest):
-        if batcher.lines[line].prompt == prompts[3]:
+    def failing_chunk(tokens, lines, *rest, **options):
+        if any(batcher.lines[line].prompt == prompts[3] for line in lines):
             raise RuntimeError("this prompt's chunk failed")
-        return prefill_line(tokens, line, *rest)
+        return prefill_lines(tokens, lines, *rest, **options)
 
-    batcher._choose, model.session.prefill_line = failing_choice, failing_chunk
+    batcher._choose, model.session.prefill_lines = failing_choice, failing_chunk
     requests = [batcher.submit(prompt, max_new_tokens=12, on_token=on_token) for prompt in prompts]
     for _ in range(200):
         if not batcher.busy:

@@ -17,6 +17,7 @@ Under continuous batching (builder.per_line_slots) every line is its own sequenc
 own length:
     step_every_line(token_ids, slots, last_index)   # every line's chunk or newest token, one program
     prefill_line(token_ids, line, slot, last_index)  # one line's prompt chunk, that line alone
+    prefill_lines(token_ids, lines, slots, last_index)   # a chunk for each of a few lines, one program
     decode_lines(token_ids, lines, slots)            # one token for each of a few lines
 A chunk runs from each line's length into the scratch slots past n_positions (tokens past a
 line's last index are padding: written beyond its length, never attended, overwritten by its
@@ -52,6 +53,14 @@ from runtime.kv_cache import KVCache
 from runtime.placement import Placement, Replicas
 
 log = logging.getLogger("pyhlo")
+
+# Prompt chunks of context buckets up to this many tokens (a chat prompt's, or what is left of
+# it past a kept prefix) are prefilled for several lines in one program, with programs
+# compiled by to_neuron() (prefill_lines()). A narrow chunk costs about a pass over the
+# weights (and, for GGUF blocks widened in the program, their widening), which one program
+# over several lines pays once; a wide chunk already spreads that over many tokens, and every
+# width adds a program per row count and attention bucket.
+BATCHED_PREFILL_MAX_WIDTH = 64
 
 
 class Session:
@@ -133,7 +142,10 @@ class Session:
                 # A chunk joins lines at any length: it attends as far as the longest.
                 keys += [Block(c, s) for s in self.token_buckets if s > c]
             if self.row_prefill:
-                keys += [Embed(c, 1), LMHead(c, 1)] + [Block(c, s, 1) for s in self.token_buckets if s >= c]
+                # A first chunk attends to its own width (prefill_line()), then to token buckets.
+                attends = [c] + [s for s in self.token_buckets if s > c]
+                for rows in self.prefill_rows(c):
+                    keys += [Embed(c, rows), LMHead(c, rows)] + [Block(c, s, rows) for s in attends]
         for rows in self.decode_rows():
             keys += [Embed(1, rows), LMHead(1, rows)] + [Block(1, s, rows) for s in self.token_buckets]
         if self.speculation_length is not None:
@@ -164,6 +176,22 @@ class Session:
         if not self.row_prefill:
             return []
         return [1 << i for i in range(self.batch_size.bit_length()) if 1 << i < self.batch_size]
+
+    def batched_prefill_buckets(self) -> list[int]:
+        """Continuous batching: the context buckets whose chunks prefill_lines() runs for several
+        lines with programs to_neuron() compiles: those of at most BATCHED_PREFILL_MAX_WIDTH."""
+        return [c for c in self.context_buckets if c <= BATCHED_PREFILL_MAX_WIDTH] if self.row_prefill else []
+
+    def prefill_rows(self, n_tokens: int) -> list[int]:
+        """The row counts of the programs to_neuron() compiles for prompt chunks of n_tokens (a
+        context bucket) of some lines: one line (prefill_line()), and, for the narrowest chunks,
+        decode_rows()' larger counts (prefill_lines(); more lines than those run the program
+        over every line)."""
+        if not self.row_prefill:
+            return []
+        if n_tokens not in self.batched_prefill_buckets():
+            return [1]
+        return self.decode_rows()
 
     def compile(self) -> None:
         self.programs.compile_all(self.eager_programs())
@@ -460,6 +488,67 @@ class Session:
         return self._run(token_ids, n, n_attend, np.array([slot], np.int32), np.zeros(1, np.int32),
                          np.array([last_index], np.int32), lines=np.array([line], np.int32),
                          every_position=every_position)
+
+    def prefill_lines(self, token_ids: np.ndarray, lines: np.ndarray, slots: np.ndarray,
+                      last_index: np.ndarray, every_position: bool = False) -> np.ndarray:
+        """Continuous batching, the prompt chunks of k lines in one program: token_ids[i] (n
+        tokens, a context bucket) written into line lines[i] at slots slots[i] .. slots[i] + n - 1.
+        Logits on the host, f32 [k, vocab] of each line's token last_index[i], in the order given
+        (every_position: [k, n, vocab]). The programs are those for the smallest of decode_rows()
+        that holds k rows (rows past k write into other lines' scratch slots, as in
+        decode_lines()), or the program over every line, where the lines not given have no part.
+        The other lines' caches below n_positions are untouched. Programs for several lines of
+        chunks wider than batched_prefill_buckets() are compiled on first use."""
+        if not self.row_prefill:
+            raise ValueError("prefill_lines() needs a continuous-batching model of more than one line whose "
+                             "caches are not spread over replicas (no flash decoding, no lines split by "
+                             "replica)")
+        token_ids = np.asarray(token_ids, np.int32)
+        lines, slots = np.asarray(lines, np.int32), np.asarray(slots, np.int32)
+        last_index = np.asarray(last_index, np.int32)
+        b = self.batch_size
+        if token_ids.ndim != 2 or not 1 <= token_ids.shape[0] <= b \
+                or token_ids.shape[1] not in self.context_buckets:
+            raise ValueError(f"prefill_lines: token_ids [k, n] with k in 1..{b} lines and n a context bucket "
+                             f"{self.context_buckets}; got {token_ids.shape}")
+        k, n = token_ids.shape
+        if lines.shape != (k,) or slots.shape != (k,) or last_index.shape != (k,):
+            raise ValueError(f"prefill_lines: lines, slots and last_index [{k}], one per row of token_ids; "
+                             f"got {lines.shape}, {slots.shape}, {last_index.shape}")
+        if len(set(lines.tolist())) != k or (lines < 0).any() or (lines >= b).any():
+            raise ValueError(f"prefill_lines: distinct lines in 0..{b - 1}; got {lines.tolist()}")
+        reach = slots + last_index + 1
+        if (slots < 0).any() or (last_index < 0).any() or (last_index >= n).any() \
+                or (reach > self.n_positions).any():
+            raise ValueError(f"prefill_lines: slots >= 0, last_index in 0..{n - 1} and each last token's "
+                             f"slot below n_positions {self.n_positions}; got slots {slots.tolist()}, "
+                             f"last_index {last_index.tolist()}")
+        longest = int(reach.max())
+        n_attend = n if longest <= n else bucketing.pick(self.token_buckets, longest)
+        fitting = [r for r in self.decode_rows() if r >= k]
+        if fitting:
+            rows = fitting[0]
+            given = set(lines.tolist())
+            others = np.asarray([line for line in range(b) if line not in given][:rows - k], np.int32)
+            padding = rows - k
+            logits = self._run(np.concatenate([token_ids, np.zeros((padding, n), np.int32)]), n, n_attend,
+                               np.concatenate([slots, np.full(padding, self.n_positions, np.int32)]),
+                               np.zeros(rows, np.int32),
+                               np.concatenate([last_index, np.zeros(padding, np.int32)]),
+                               lines=np.concatenate([lines, others]), every_position=every_position)
+            return self.host_logits(logits)[:k]
+        # Every line's row: each line given at its own; the others have no part (as in
+        # step_every_line(): at slot n_positions, attending to their scratch slot only).
+        every_tokens = np.zeros((b, n), np.int32)
+        every_tokens[lines] = token_ids
+        every_slots = np.full(b, self.n_positions, np.int32)
+        every_slots[lines] = slots
+        every_last = np.zeros(b, np.int32)
+        every_last[lines] = last_index
+        pads = np.where(every_slots < self.n_positions, 0, self.n_positions).astype(np.int32)
+        logits = self._run(every_tokens, n, n_attend, every_slots, pads, every_last,
+                           every_position=every_position)
+        return self.host_logits(logits)[lines]
 
     def copy_line(self, source: int, target: int) -> None:
         """Continuous batching: line `target`'s cache made a copy of line `source`'s, every
