@@ -1,0 +1,270 @@
+// pyhlo_gemm_q2_k_x8 ... pyhlo_gemm_q6_k_x8: y[m, n] = sum_k x[m, k] * w[n, k] for many rows of
+// activations (a prefill), w in one of llama.cpp's K-quant forms as a GGUF file stores it (u8
+// [N, K / 256 * bytes], as the pyhlo_matvec_<form>_x8 targets take it), x rounded per 256
+// values as llama.cpp's Q8_K (kquants.h's quantize_q8_k, as those targets round it). Each
+// super-block's product is the same integer sums as theirs (kquants.h's dot_q8_k), scaled the
+// same way, so the result equals theirs up to the order of the f32 sums.
+//
+// As gemm_blocks.cc does for Q8_0 / Q4_x: each thread repacks a panel of 32 weight rows once
+// for all activation rows (every super-block unpacked by kquants.h: values 0..63 as unsigned
+// bytes in groups of 4 consecutive values, the 16 rows of a vector side by side; each group of
+// 16 values' integer scale, the minimums' integers in pairs, d and dlow per row), then runs
+// tiles of 32 weight rows by 4 activation rows: vpdpbusd sums 16 unsigned weights times
+// signed activations per group, vpmulld scales the group and the super-block's sum goes to
+// f32 times d_w * d_x; the minimums (or a centred form's centre) come through the sums of
+// each 16 rounded activations, two groups a vpdpwssd, times dlow * d_x.
+//
+// Paths: AVX-512 VNNI where the CPU has it; elsewhere a portable form on the same panels,
+// correct but not fast (the lowering keeps the matrix-vector kernel there).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kquants.h"
+#include "panel_threads.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PYHLO_KQ_GEMM_VNNI 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using pyhlo_kernels::KQuant;
+using pyhlo_kernels::kSuperValues;
+using pyhlo_kernels::SuperBlock;
+
+constexpr int kLanes = 16;               // int32 lanes of a vector: weight rows side by side
+constexpr int kPanelRows = 2 * kLanes;   // weight rows of a panel (two vectors)
+constexpr int kTileRows = 4;             // activation rows of a tile
+constexpr int kGroups = kSuperValues / 16;   // groups of 16 values of a super-block, a scale each
+constexpr int kPairs = kGroups / 2;          // pairs of groups: a minimum's vpdpwssd
+constexpr int kQuads = kSuperValues / 4;     // groups of 4 values: a vpdpbusd
+// Bytes of a super-block, Q2_K to Q6_K (KQuant's order).
+constexpr int64_t kSuperBytes[] = {84, 110, 144, 176, 210};
+
+struct Problem {
+  KQuant form;
+  int64_t m, n, k, nb;           // nb: super-blocks of a row
+  const uint8_t* w;              // [N, nb * kSuperBytes[form]]
+  const int8_t* xq;              // [M, K]: x rounded as Q8_K
+  const float* xd;               // [M, nb]: the rounding's scales
+  const int16_t* xsums;          // [M, K / 16]: sums of each 16 rounded values
+  float* y;                      // [M, N]
+};
+
+// A panel of kPanelRows weight rows, super-block after super-block. Rows past N are zeros.
+struct Panel {
+  std::vector<uint8_t> values;   // [nb][kQuads][kPanelRows][4]
+  std::vector<int32_t> scales;   // [nb][kGroups][kPanelRows]
+  std::vector<int32_t> lows;     // [nb][kPairs][kPanelRows]: the lows of groups 2p, 2p + 1 as int16s
+  std::vector<float> d, dlow;    // [nb][kPanelRows]
+
+  explicit Panel(int64_t nb)
+      : values(nb * kQuads * kPanelRows * 4), scales(nb * kGroups * kPanelRows), lows(nb * kPairs * kPanelRows),
+        d(nb * kPanelRows), dlow(nb * kPanelRows) {}
+};
+
+void pack(const Problem& p, int64_t n0, Panel& panel) {
+  const int64_t nb = p.nb, row_bytes = nb * kSuperBytes[int(p.form)];
+  SuperBlock s;
+  for (int r = 0; r < kPanelRows; ++r) {
+    const bool real = n0 + r < p.n;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (real) {
+        pyhlo_kernels::unpack(p.form, p.w + (n0 + r) * row_bytes + b * kSuperBytes[int(p.form)], &s, false);
+      } else {
+        std::memset(&s, 0, sizeof(s));
+      }
+      uint8_t* values = panel.values.data() + b * kQuads * kPanelRows * 4 + r * 4;
+      for (int quad = 0; quad < kQuads; ++quad) std::memcpy(values + quad * kPanelRows * 4, s.q + 4 * quad, 4);
+      for (int j = 0; j < kGroups; ++j) panel.scales[(b * kGroups + j) * kPanelRows + r] = s.scale[j];
+      for (int j = 0; j < kPairs; ++j)
+        panel.lows[(b * kPairs + j) * kPanelRows + r] =
+            int32_t(uint32_t(uint16_t(s.low[2 * j])) | (uint32_t(uint16_t(s.low[2 * j + 1])) << 16));
+      panel.d[b * kPanelRows + r] = s.d;
+      panel.dlow[b * kPanelRows + r] = s.dlow;
+    }
+  }
+}
+
+inline int32_t four_bytes(const void* at) {
+  int32_t v;
+  std::memcpy(&v, at, sizeof(v));
+  return v;
+}
+
+#ifdef PYHLO_KQ_GEMM_VNNI
+template <int R>
+void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
+  const int64_t nb = p.nb;
+  __m512 acc[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = panel.values.data() + b * kQuads * kPanelRows * 4;
+    const int32_t* scales = panel.scales.data() + b * kGroups * kPanelRows;
+    const int8_t* x[R];
+    for (int r = 0; r < R; ++r) x[r] = p.xq + (m0 + r) * p.k + b * kSuperValues;
+    __m512i total[2][R];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) total[h][r] = _mm512_setzero_si512();
+    for (int g = 0; g < kGroups; ++g) {
+      __m512i part[2][R];
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) part[h][r] = _mm512_setzero_si512();
+      for (int quad = 4 * g; quad < 4 * g + 4; ++quad) {
+        __m512i w0 = _mm512_loadu_si512(wb + quad * kPanelRows * 4);
+        __m512i w1 = _mm512_loadu_si512(wb + quad * kPanelRows * 4 + kLanes * 4);
+        // In registers, not read again by every vpdpbusd (gemm_blocks.cc measured that the bottleneck).
+        asm("" : "+v"(w0), "+v"(w1));
+        for (int r = 0; r < R; ++r) {
+          const __m512i four = _mm512_set1_epi32(four_bytes(x[r] + quad * 4));
+          part[0][r] = _mm512_dpbusd_epi32(part[0][r], w0, four);
+          part[1][r] = _mm512_dpbusd_epi32(part[1][r], w1, four);
+        }
+      }
+      const __m512i s0 = _mm512_loadu_si512(scales + g * kPanelRows);
+      const __m512i s1 = _mm512_loadu_si512(scales + g * kPanelRows + kLanes);
+      for (int r = 0; r < R; ++r) {
+        total[0][r] = _mm512_add_epi32(total[0][r], _mm512_mullo_epi32(part[0][r], s0));
+        total[1][r] = _mm512_add_epi32(total[1][r], _mm512_mullo_epi32(part[1][r], s1));
+      }
+    }
+    __m512i low[2][R];
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < R; ++r) low[h][r] = _mm512_setzero_si512();
+    for (int j = 0; j < kPairs; ++j) {
+      const __m512i l0 = _mm512_loadu_si512(panel.lows.data() + (b * kPairs + j) * kPanelRows);
+      const __m512i l1 = _mm512_loadu_si512(panel.lows.data() + (b * kPairs + j) * kPanelRows + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const __m512i sums = _mm512_set1_epi32(four_bytes(p.xsums + (m0 + r) * (p.k / 16) + b * kGroups + 2 * j));
+        low[0][r] = _mm512_dpwssd_epi32(low[0][r], l0, sums);
+        low[1][r] = _mm512_dpwssd_epi32(low[1][r], l1, sums);
+      }
+    }
+    const __m512 d[2] = {_mm512_loadu_ps(panel.d.data() + b * kPanelRows),
+                         _mm512_loadu_ps(panel.d.data() + b * kPanelRows + kLanes)};
+    const __m512 dlow[2] = {_mm512_loadu_ps(panel.dlow.data() + b * kPanelRows),
+                            _mm512_loadu_ps(panel.dlow.data() + b * kPanelRows + kLanes)};
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(p.xd[(m0 + r) * nb + b]);
+      for (int h = 0; h < 2; ++h) {
+        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[h][r]), _mm512_mul_ps(d[h], dx), acc[h][r]);
+        acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low[h][r]), _mm512_mul_ps(dlow[h], dx), acc[h][r]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t first = n0 + h * kLanes;
+    const int64_t real = std::clamp<int64_t>(p.n - first, 0, kLanes);
+    if (real == 0) continue;
+    const __mmask16 mask = real >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << real) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (m0 + r) * p.n + first, mask, acc[h][r]);
+  }
+}
+#else
+template <int R>
+void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
+  const int64_t nb = p.nb;
+  float acc[R][kPanelRows] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = panel.values.data() + b * kQuads * kPanelRows * 4;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = p.xq + (m0 + r) * p.k + b * kSuperValues;
+      const int16_t* sums = p.xsums + (m0 + r) * (p.k / 16) + b * kGroups;
+      const float dx = p.xd[(m0 + r) * nb + b];
+      for (int c = 0; c < kPanelRows; ++c) {
+        int32_t total = 0, low = 0;
+        for (int g = 0; g < kGroups; ++g) {
+          int32_t part = 0;
+          for (int quad = 4 * g; quad < 4 * g + 4; ++quad)
+            for (int j = 0; j < 4; ++j) part += int32_t(wb[(quad * kPanelRows + c) * 4 + j]) * x[quad * 4 + j];
+          total += part * panel.scales[(b * kGroups + g) * kPanelRows + c];
+        }
+        for (int j = 0; j < kPairs; ++j) {
+          const int32_t pair = panel.lows[(b * kPairs + j) * kPanelRows + c];
+          low += int16_t(pair & 0xFFFF) * sums[2 * j] + int16_t(uint32_t(pair) >> 16) * sums[2 * j + 1];
+        }
+        acc[r][c] += float(total) * (panel.d[b * kPanelRows + c] * dx);
+        acc[r][c] += float(low) * (panel.dlow[b * kPanelRows + c] * dx);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelRows && n0 + c < p.n; ++c) p.y[(m0 + r) * p.n + n0 + c] = acc[r][c];
+}
+#endif
+
+void panel_product(const Problem& p, Panel& panel, int64_t n0) {
+  pack(p, n0, panel);
+  int64_t m0 = 0;
+  for (; m0 + kTileRows <= p.m; m0 += kTileRows) tile<kTileRows>(p, panel, n0, m0);
+  switch (p.m - m0) {
+    case 3: tile<3>(p, panel, n0, m0); break;
+    case 2: tile<2>(p, panel, n0, m0); break;
+    case 1: tile<1>(p, panel, n0, m0); break;
+    default: break;
+  }
+}
+
+ffi::Error Run(ffi::ThreadPool& pool, KQuant form, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
+               ffi::Result<ffi::AnyBuffer>& y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  const int64_t k = x_dims.size() ? x_dims[x_dims.size() - 1] : 0;
+  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 ||
+      w.element_type() != ffi::DataType::U8 || w_dims.size() != 2 || k % kSuperValues != 0 ||
+      w_dims[1] != k / kSuperValues * kSuperBytes[int(form)])
+    return ffi::Error::InvalidArgument(
+        "pyhlo_gemm_<K-quant>_x8: need f32 x[..., K] (K a multiple of 256) and u8 w[N, K / 256 * bytes] of "
+        "whole super-blocks");
+  Problem p;
+  p.form = form;
+  p.k = k;
+  p.nb = k / kSuperValues;
+  p.n = w_dims[0];
+  p.m = k == 0 ? 0 : static_cast<int64_t>(x.element_count()) / k;
+  p.w = static_cast<const uint8_t*>(w.untyped_data());
+  p.y = static_cast<float*>(y->untyped_data());
+  if (y->element_count() != static_cast<size_t>(p.m * p.n))
+    return ffi::Error::InvalidArgument("pyhlo_gemm_<K-quant>_x8: y must have x's rows and N columns");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  std::vector<int8_t> xq(p.m * p.k);
+  std::vector<float> xd(p.m * p.nb);
+  std::vector<int16_t> xsums(p.m * (p.k / 16));
+  const float* xf = static_cast<const float*>(x.untyped_data());
+  for (int64_t m = 0; m < p.m; ++m)
+    pyhlo_kernels::quantize_q8_k(xf + m * p.k, p.k, xq.data() + m * p.k, xd.data() + m * p.nb,
+                                 xsums.data() + m * (p.k / 16));
+  p.xq = xq.data();
+  p.xd = xd.data();
+  p.xsums = xsums.data();
+  pyhlo_kernels::share_panels(
+      pool, (p.n + kPanelRows - 1) / kPanelRows, [&p] { return Panel(p.nb); },
+      [&p](int64_t c, Panel& panel) { panel_product(p, panel, c * kPanelRows); });
+  return ffi::Error::Success();
+}
+
+template <KQuant F>
+ffi::Error GemmKQuantX8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  return Run(pool, F, x, w, y);
+}
+
+}  // namespace
+
+#define PYHLO_KQ_GEMM_HANDLER(symbol, form)                                                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                       \
+      symbol, (GemmKQuantX8<form>),                                                                    \
+      ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>())
+
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ2_KX8, KQuant::kQ2_K);
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ3_KX8, KQuant::kQ3_K);
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ4_KX8, KQuant::kQ4_K);
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ5_KX8, KQuant::kQ5_K);
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ6_KX8, KQuant::kQ6_K);
