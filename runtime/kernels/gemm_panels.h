@@ -1,6 +1,6 @@
-// The GEMM kernels' (gemm_blocks.cc, gemm_kquants.cc) split of a product into panels of weight
-// rows, shared between the caller and XLA's intra-op thread pool: one place for the thread
-// count and the hand-out.
+// What the GEMM kernels (gemm_blocks.cc, gemm_kquants.cc) share: the split of a product into
+// panels of weight rows between the caller and XLA's intra-op thread pool, and the transpose
+// that packs 16 weight rows side by side for vpdpbusd.
 #pragma once
 
 #include <algorithm>
@@ -61,5 +61,26 @@ void share_panels(xla::ffi::ThreadPool& pool, int64_t panels, Make make, Run run
 #endif
   }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The 16 bytes at `at` of 16 rows as 4 vectors, vector q holding bytes 4q..4q+3 of every row
+// (row r in lane r): four rows to a vector by 128-bit lanes, then a 4 x 4 transpose of 32-bit
+// values within each lane. (Gathering them measured several times slower.)
+inline void transpose_16x4(const char* const rows[16], int64_t at, __m512i out[4]) {
+  __m512i a[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + at)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 + i] + at)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[8 + i] + at)), 2);
+    a[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[12 + i] + at)), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+#endif
 
 }  // namespace pyhlo_kernels
