@@ -6,7 +6,8 @@
         "pyhlo_matvec_q4_k" (_q5_k, _q6_k, _q5_0 ...: GGUF blocks as the file stores them;
         "pyhlo_matvec_q4_k_x8" ...: the K-quants with int8 activations),
         "pyhlo_gemm_q8_0_x8" (_q4_0_x8, _q4_1_x8: prefill products with int8 activations),
-        "pyhlo_gemm_q4_k_x8" (_q2_k_x8 ... _q6_k_x8: the same for the K-quants as the file stores them),
+        "pyhlo_gemm_q4_k_x8" (_q2_k_x8 ... _q6_k_x8, _gguf_rows_x8: the same for K-quants as the file
+        stores them),
         "pyhlo_decode_attention" in CPU programs...
 
 The sources live in runtime/kernels/. They are compiled with the machine's C++ compiler
@@ -43,6 +44,8 @@ GEMM_BLOCK_X8_TARGETS = {form: f"pyhlo_gemm_{form}_x8" for form in ("q8_0", "q4_
 # targets round it (llama.cpp's Q8_K): a tiled integer GEMM (runtime/kernels/gemm_kquants.cc).
 GEMM_GGUF_X8_TARGETS = {ggml_type: f"pyhlo_gemm_{ggml_type.lower()}_x8"
                         for ggml_type in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+# The same for a weight whose rows come in several K-quant forms, each row's form in its last byte.
+GEMM_GGUF_ROWS_X8_TARGET = "pyhlo_gemm_gguf_rows_x8"
 # GGUF blocks kept as the file's bytes (decoders/weights/stored.py): GGML type -> target
 MATVEC_GGUF_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}"
                        for ggml_type in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -67,6 +70,7 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            **{target: f"PyhloGemm{ggml_type}X8" for ggml_type, target in GEMM_GGUF_X8_TARGETS.items()},
            **{target: f"PyhloMatvec{ggml_type}" for ggml_type, target in MATVEC_GGUF_TARGETS.items()},
            **{target: f"PyhloMatvec{ggml_type}X8" for ggml_type, target in MATVEC_GGUF_X8_TARGETS.items()},
+           GEMM_GGUF_ROWS_X8_TARGET: "PyhloGemmGgufRowsX8",
            MATVEC_GGUF_ROWS_TARGET: "PyhloMatvecGgufRows",
            MATVEC_GGUF_ROWS_X8_TARGET: "PyhloMatvecGgufRowsX8"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name

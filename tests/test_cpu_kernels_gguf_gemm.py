@@ -1,8 +1,8 @@
 """The int8 GEMM of K-quant weights kept as a GGUF file stores them (the pyhlo_gemm_<form>_x8
-targets, a prefill's products) equals numpy on the gguf package's dequantization of the same
-blocks with the activations rounded as llama.cpp's Q8_K, and the int8-activation matrix-vector
-kernel on the same operands; in its AVX-512 VNNI form where the host has it, and its portable
-form."""
+targets, a prefill's products; pyhlo_gemm_gguf_rows_x8 for rows of mixed K-quants) equals numpy
+on the gguf package's dequantization of the same blocks with the activations rounded as
+llama.cpp's Q8_K, and the int8-activation matrix-vector kernel on the same operands; in its
+AVX-512 VNNI form where the host has it, and its portable form."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +10,7 @@ import pytest
 from child_env import python_path
 from hlo_run import run_fn
 from test_cpu_kernels_gguf import check_int8_activation_product, q8_k_rounded, run_kernel
-from test_gguf_kquant_blocks import gguf_dequantized, random_gguf_blocks
+from test_gguf_kquant_blocks import gguf_dequantized, mixed_rows, random_gguf_blocks
 
 from pyhlo import compile_py_func
 from pyhlo.ops import linalg
@@ -66,6 +66,44 @@ def test_the_gemm_splits_a_prefill_across_threads_and_agrees_with_the_matvec_ker
     assert (np.abs(gemm - matvec) <= 1e-5 * bound + 1e-30).all()
 
 
+def run_rows_gemm(x: np.ndarray, data: np.ndarray, forms: tuple[str, ...], gemm: bool = True) -> np.ndarray:
+    def program(scribe):
+        x_value = scribe.f32[x.shape].Parameter(parameter_number=0)
+        data_value = scribe.u8[data.shape].Parameter(parameter_number=1)
+        if gemm:
+            return linalg.gemm_gguf_rows_x8_kernel(x_value, data_value, forms)
+        return linalg.matvec_gguf_rows_kernel(x_value, data_value, forms, int8_activations=True)
+
+    (out,) = run_fn(program, x, data)
+    return out
+
+
+# Q4_K and Q6_K rows as llama.cpp's Q4_K_M mixes them, one of each form in a panel, every form
+# (a scale per 16 values for all rows), and one form only (a scale per 32: Q4_K alone).
+@pytest.mark.parametrize("types", [["Q4_K", "Q6_K"] * 20 + ["Q6_K"], ["Q6_K"] + ["Q4_K"] * 40,
+                                   list(linalg.GGUF_GEMM_X8_KERNEL_TYPES) * 7, ["Q4_K"] * 33])
+def test_the_gemm_of_rows_of_mixed_k_quants_matches_numpy_and_the_matvec_kernel(types):
+    forms = tuple(sorted(set(types) | {"Q6_K"}))      # padded to the widest form
+    data, _ = mixed_rows(types, forms, 512, seed=len(types))
+    x = np.random.default_rng(len(types)).standard_normal((13, 512)).astype(np.float32)
+    out = run_rows_gemm(x, data, forms)
+    assert out.shape == (13, len(types))
+    check_int8_activation_product(out, x, types, data)
+    matvec = run_rows_gemm(x, data, forms, gemm=False)
+    w = np.concatenate([gguf_dequantized(t, np.ascontiguousarray(data[i:i + 1, :LAYOUTS[t][1] * 2]))
+                        for i, t in enumerate(types)])
+    bound = np.abs(q8_k_rounded(x)) @ np.abs(w.astype(np.float64)).T
+    assert (np.abs(out - matvec) <= 1e-5 * bound + 1e-30).all()
+
+
+def test_a_row_naming_no_k_quant_is_a_clear_error():
+    """A Q5_0 row (per 32 values: the matrix-vector kernel's) among Q6_K ones, at the width rows
+    of Q4_K and Q6_K have: the kernel names the problem when it runs."""
+    data, _ = mixed_rows(["Q6_K", "Q5_0"], ("Q6_K", "Q5_0"), 256, 0)
+    with pytest.raises(Exception, match="names no K-quant"):
+        run_rows_gemm(np.ones((5, 256), np.float32), data, ("Q4_K", "Q6_K"))
+
+
 def test_the_gemm_refuses_forms_and_shapes_it_cannot_run():
     def build(x_shape, data_shape, ggml_type):
         def program(scribe):
@@ -77,6 +115,10 @@ def test_the_gemm_refuses_forms_and_shapes_it_cannot_run():
         compile_py_func(build((8, 256), (4, 176), "Q5_0"))       # no GEMM for a per-32 form
     with pytest.raises(HloShapeError, match="gemm_gguf_x8_kernel: .*got Q4_K"):
         compile_py_func(build((8, 256), (4, 150), "Q4_K"))       # a partial super-block
+    with pytest.raises(HloShapeError, match="rows of Q4_K/Q5_0: the GEMM takes only"):
+        compile_py_func(lambda scribe: linalg.gemm_gguf_rows_x8_kernel(
+            scribe.f32[8, 256].Parameter(parameter_number=0), scribe.u8[4, 177].Parameter(parameter_number=1),
+            ("Q4_K", "Q5_0")))
     assert set(cpu_kernels.GEMM_GGUF_X8_TARGETS) == set(linalg.GGUF_GEMM_X8_KERNEL_TYPES)
 
 

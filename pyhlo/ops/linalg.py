@@ -183,6 +183,26 @@ def gemm_gguf_x8_kernel(x: HloValue, data: HloValue, ggml_type: str) -> HloValue
     return ffi_call(shape, [x, data], f"pyhlo_gemm_{ggml_type.lower()}_x8")
 
 
+def gemm_gguf_rows_x8_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...]) -> HloValue:
+    """matvec_gguf_rows_kernel(..., int8_activations=True) for many activation rows (a prefill) of a
+    weight whose rows come in several K-quant forms (`ggml_types`, of GGUF_GEMM_X8_KERNEL_TYPES;
+    llama.cpp's Q4_K_M mixes Q4_K and Q6_K so): the same operands and rounding of x, each row
+    multiplied as its form is, as the tiled integer GEMM of gemm_gguf_x8_kernel. The kernel
+    checks each row's code when it runs."""
+    from pyhlo.ops.gguf_blocks import row_bytes
+
+    k = x.dims[-1] if x.dims else -1
+    if not ggml_types or not set(ggml_types) <= set(GGUF_GEMM_X8_KERNEL_TYPES):
+        raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)}: the GEMM takes only "
+                            f"{', '.join(GGUF_GEMM_X8_KERNEL_TYPES)} (others: matvec_gguf_rows_kernel)")
+    width = max(row_bytes(t, k) for t in ggml_types) + 1
+    if x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2 or data.dims[1] != width or k % 256:
+        raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)} need f32 x[..., k] "
+                            f"(k a multiple of 256) and u8 w[n, {width}]; got {x.dtype}{list(x.dims)} and "
+                            f"{data.dtype}{list(data.dims)}")
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], "pyhlo_gemm_gguf_rows_x8")
+
+
 def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...],
                             int8_activations: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] in rows of mixed GGUF forms

@@ -14,6 +14,12 @@
 // f32 times d_w * d_x; the minimums (or a centred form's centre) come through the sums of
 // each 16 rounded activations, two groups a vpdpwssd, times dlow * d_x.
 //
+// pyhlo_gemm_gguf_rows_x8: the same for a weight whose rows come in several K-quant forms
+// (llama.cpp's Q4_K_M gives ffn_down Q6_K in some layers, Q4_K in others), laid out as
+// matvec_gguf.cc's pyhlo_matvec_gguf_rows_x8 takes it: u8 [N, widest row + 1], each row its
+// blocks, padding, and its form's code last (pyhlo/ops/gguf_blocks.py's ROW_CODES). Rows of
+// forms rounding x per 32 values (Q8_0, Q5_0 ...) stay on that matrix-vector kernel.
+//
 // Paths: AVX-512 VNNI where the CPU has it; elsewhere a portable form on the same panels,
 // correct but not fast (the lowering keeps the matrix-vector kernel there).
 #include <algorithm>
@@ -47,11 +53,16 @@ constexpr int kPairs = kGroups / 2;          // pairs of groups: a minimum's vpd
 constexpr int kQuads = kSuperValues / 4;     // groups of 4 values: a vpdpbusd
 // Bytes of a super-block, Q2_K to Q6_K (KQuant's order).
 constexpr int64_t kSuperBytes[] = {84, 110, 144, 176, 210};
+// A row of mixed forms names Q2_K ... Q6_K by these codes (ROW_CODES, as matvec_gguf.cc's Form).
+constexpr int kRowCodeQ2_K = 2;
+constexpr int kRowCodes = 5;
 
 struct Problem {
   KQuant form;
   int64_t m, n, k, nb;           // nb: super-blocks of a row
-  const uint8_t* w;              // [N, nb * kSuperBytes[form]]
+  const uint8_t* w;              // [N, nb * kSuperBytes[form]], or rows of mixed forms [N, stride]
+  int64_t stride = 0;            // rows of mixed forms: bytes a row, its form's code last; 0: one form
+  bool per_32 = false;           // every row Q4_K or Q5_K: a scale per 32 values
   const int8_t* xq;              // [M, K]: x rounded as Q8_K
   const float* xd;               // [M, nb]: the rounding's scales
   const int16_t* xsums;          // [M, K / 16]: sums of each 16 rounded values
@@ -80,8 +91,19 @@ void pack_scales(const SuperBlock& s, int64_t b, int r, Panel& panel) {
   panel.dlow[b * kPanelRows + r] = s.dlow;
 }
 
+// Weight row n's super-block b and its form.
+inline const uint8_t* super_block(const Problem& p, int64_t n, int64_t b, KQuant* form) {
+  if (p.stride == 0) {
+    *form = p.form;
+    return p.w + (n * p.nb + b) * kSuperBytes[int(p.form)];
+  }
+  *form = KQuant(p.w[n * p.stride + p.stride - 1] - kRowCodeQ2_K);
+  return p.w + n * p.stride + b * kSuperBytes[int(*form)];
+}
+
 void pack(const Problem& p, int64_t n0, Panel& panel) {
-  const int64_t nb = p.nb, block_bytes = kSuperBytes[int(p.form)], row_bytes = nb * block_bytes;
+  const int64_t nb = p.nb;
+  KQuant form;
 #ifdef PYHLO_KQ_GEMM_VNNI
   // 16 rows' super-blocks unpacked side by side, then transposed in registers (the values of
   // a scattered copy, 4 bytes at a time, measured a fifth of a 128-row product).
@@ -93,8 +115,10 @@ void pack(const Problem& p, int64_t n0, Panel& panel) {
     const int real = int(std::clamp<int64_t>(p.n - first, 0, kLanes));
     for (int r = real; r < kLanes; ++r) std::memset(&s[r], 0, sizeof(s[r]));   // rows past N: zeros
     for (int64_t b = 0; b < nb; ++b) {
-      for (int r = 0; r < real; ++r)
-        pyhlo_kernels::unpack(p.form, p.w + (first + r) * row_bytes + b * block_bytes, &s[r], false);
+      for (int r = 0; r < real; ++r) {
+        const uint8_t* block = super_block(p, first + r, b, &form);
+        pyhlo_kernels::unpack(form, block, &s[r], false);
+      }
       uint8_t* values = panel.values.data() + b * kQuads * kPanelRows * 4 + half * kLanes * 4;
       for (int c = 0; c < kSuperValues / 16; ++c) {
         __m512i v[4];
@@ -110,7 +134,10 @@ void pack(const Problem& p, int64_t n0, Panel& panel) {
     const bool real = n0 + r < p.n;
     if (!real) std::memset(&s, 0, sizeof(s));
     for (int64_t b = 0; b < nb; ++b) {
-      if (real) pyhlo_kernels::unpack(p.form, p.w + (n0 + r) * row_bytes + b * block_bytes, &s, false);
+      if (real) {
+        const uint8_t* block = super_block(p, n0 + r, b, &form);
+        pyhlo_kernels::unpack(form, block, &s, false);
+      }
       uint8_t* values = panel.values.data() + b * kQuads * kPanelRows * 4 + r * 4;
       for (int quad = 0; quad < kQuads; ++quad) std::memcpy(values + quad * kPanelRows * 4, s.q + 4 * quad, 4);
       pack_scales(s, b, r, panel);
@@ -242,19 +269,35 @@ void panel_product(const Problem& p, Panel& panel, int64_t n0) {
   }
 }
 
-ffi::Error Run(ffi::ThreadPool& pool, KQuant form, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
+// rows: a weight of rows of mixed forms (`form` unused).
+ffi::Error Run(ffi::ThreadPool& pool, KQuant form, bool rows, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                ffi::Result<ffi::AnyBuffer>& y) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const int64_t k = x_dims.size() ? x_dims[x_dims.size() - 1] : 0;
   if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 ||
       w.element_type() != ffi::DataType::U8 || w_dims.size() != 2 || k % kSuperValues != 0 ||
-      w_dims[1] != k / kSuperValues * kSuperBytes[int(form)])
+      (!rows && w_dims[1] != k / kSuperValues * kSuperBytes[int(form)]))
     return ffi::Error::InvalidArgument(
         "pyhlo_gemm_<K-quant>_x8: need f32 x[..., K] (K a multiple of 256) and u8 w[N, K / 256 * bytes] of "
-        "whole super-blocks");
+        "whole super-blocks (rows of mixed forms: u8 w[N, widest row + 1])");
   Problem p;
   p.form = form;
+  p.per_32 = form == KQuant::kQ4_K || form == KQuant::kQ5_K;
+  if (rows) {
+    // Every row's code names a K-quant whose super-blocks fit the row.
+    p.stride = w_dims[1];
+    p.per_32 = true;
+    const uint8_t* bytes = static_cast<const uint8_t*>(w.untyped_data());
+    for (int64_t n = 0; n < w_dims[0]; ++n) {
+      const int code = bytes[n * p.stride + p.stride - 1] - kRowCodeQ2_K;
+      if (code < 0 || code >= kRowCodes || k / kSuperValues * kSuperBytes[code] > p.stride - 1)
+        return ffi::Error::InvalidArgument(
+            "pyhlo_gemm_gguf_rows_x8: a row's last byte names no K-quant (Q2_K ... Q6_K) whose super-blocks fit "
+            "the row; rows of other forms take pyhlo_matvec_gguf_rows_x8");
+      p.per_32 = p.per_32 && (KQuant(code) == KQuant::kQ4_K || KQuant(code) == KQuant::kQ5_K);
+    }
+  }
   p.k = k;
   p.nb = k / kSuperValues;
   p.n = w_dims[0];
@@ -277,7 +320,7 @@ ffi::Error Run(ffi::ThreadPool& pool, KQuant form, ffi::AnyBuffer& x, ffi::AnyBu
   pyhlo_kernels::share_panels(
       pool, (p.n + kPanelRows - 1) / kPanelRows, [&p] { return Panel(p.nb); },
       [&p](int64_t c, Panel& panel) {
-        if (p.form == KQuant::kQ4_K || p.form == KQuant::kQ5_K) {
+        if (p.per_32) {
           panel_product<8>(p, panel, c * kPanelRows);
         } else {
           panel_product<4>(p, panel, c * kPanelRows);
@@ -286,20 +329,21 @@ ffi::Error Run(ffi::ThreadPool& pool, KQuant form, ffi::AnyBuffer& x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-template <KQuant F>
+template <KQuant F, bool Rows>
 ffi::Error GemmKQuantX8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
-  return Run(pool, F, x, w, y);
+  return Run(pool, F, Rows, x, w, y);
 }
 
 }  // namespace
 
-#define PYHLO_KQ_GEMM_HANDLER(symbol, form)                                                            \
+#define PYHLO_KQ_GEMM_HANDLER(symbol, form, rows)                                                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                       \
-      symbol, (GemmKQuantX8<form>),                                                                    \
+      symbol, (GemmKQuantX8<form, rows>),                                                              \
       ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>())
 
-PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ2_KX8, KQuant::kQ2_K);
-PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ3_KX8, KQuant::kQ3_K);
-PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ4_KX8, KQuant::kQ4_K);
-PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ5_KX8, KQuant::kQ5_K);
-PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ6_KX8, KQuant::kQ6_K);
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ2_KX8, KQuant::kQ2_K, false);
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ3_KX8, KQuant::kQ3_K, false);
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ4_KX8, KQuant::kQ4_K, false);
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ5_KX8, KQuant::kQ5_K, false);
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmQ6_KX8, KQuant::kQ6_K, false);
+PYHLO_KQ_GEMM_HANDLER(PyhloGemmGgufRowsX8, KQuant::kQ4_K, true);   // each row's form from its last byte
