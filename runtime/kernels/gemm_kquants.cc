@@ -27,8 +27,8 @@
 #include <cstring>
 #include <vector>
 
-#include "kquants.h"
 #include "gemm_panels.h"
+#include "kquants.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #include <immintrin.h>
