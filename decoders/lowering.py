@@ -71,8 +71,9 @@ from pyhlo.scribe import HloValue, check_precision
 DEFAULT_KERNEL_ROWS = {"f32": (1, 4), "bf16": (1, 4), "s8": (1, 8), "blocks": (1, 8)}
 # With int8 activations, the activation rows from which a K-quant product (of one form or rows
 # of mixed K-quants) takes the int8 GEMM instead of the int8 matrix-vector kernel. Measured on
-# an AMD EPYC Zen 4 (2 cores, scripts/bench_kquant_gemm.py at SmolLM2-1.7B's MLP shapes): about
-# even at 4-8 rows, the GEMM 1.3-2x faster at 16 and 2-3.8x at 128.
+# an AMD EPYC Zen 4 (2 cores, shared; scripts/bench_kquant_gemm.py at SmolLM2-1.7B's MLP
+# shapes): about even at 4 rows, the GEMM mostly ahead at 8 (up to 1.8x), 1.3-1.9x at 16 and
+# 2.2-3.8x at 128.
 K_QUANT_GEMM_FIRST_ROWS = 8
 
 
