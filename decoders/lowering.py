@@ -8,7 +8,7 @@ platform at hand:
   for the element type and batch size (measured: f32 [in, out]; bf16/f16 at batch 1 [out, in]).
 - `CpuKernelLowering`: XLA:CPU with pyhlo's kernels (runtime/kernels/): products with few
   activation rows (decode steps at small batch sizes) on the matrix-vector kernel, with
-  int8 activations GGUF block products of more rows (prefill) on the int8 GEMM kernel, decode
+  int8 activations GGUF block products of more rows (prefill) on the int8 GEMM kernels, decode
   attention reading the cache in place, weights [out, in], decode steps as one unrolled
   program and, as the attention kernel reads only the filled slots, one decode program.
 
@@ -47,9 +47,12 @@ from pyhlo.ops.collectives import all_reduce_sum
 from pyhlo.ops.gguf_blocks import dequantize_gguf, dequantize_gguf_rows
 from pyhlo.ops.linalg import (
     BLOCK_KERNEL_FORMS,
+    GGUF_GEMM_X8_KERNEL_TYPES,
     GGUF_ROWS_X8_KERNEL_TYPES,
     GGUF_X8_KERNEL_TYPES,
     gemm_blocks_x8_kernel,
+    gemm_gguf_rows_x8_kernel,
+    gemm_gguf_x8_kernel,
     matmul,
     matmul_transposed,
     matvec_blocks_kernel,
@@ -66,6 +69,12 @@ from pyhlo.scribe import HloValue, check_precision
 # without a measurement uses. choose_lowering() takes the rows measured on the machine
 # (decoders/kernel_calibration.py).
 DEFAULT_KERNEL_ROWS = {"f32": (1, 4), "bf16": (1, 4), "s8": (1, 8), "blocks": (1, 8)}
+# With int8 activations, the activation rows from which a K-quant product (of one form or rows
+# of mixed K-quants) takes the int8 GEMM instead of the int8 matrix-vector kernel. Measured on
+# an AMD EPYC Zen 4 (2 cores, shared; scripts/bench_kquant_gemm.py at SmolLM2-1.7B's MLP
+# shapes): about even at 4 rows, the GEMM mostly ahead at 8 (up to 1.8x), 1.3-1.9x at 16 and
+# 2.2-3.8x at 128.
+K_QUANT_GEMM_FIRST_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -217,7 +226,9 @@ class CpuKernelLowering(XlaLowering):
     kernel_rows: tuple[tuple[str, tuple[int, int]], ...] = tuple(DEFAULT_KERNEL_ROWS.items())
     # With int8_activations: products of Q8_0 / Q4_0 / Q4_1 block weights past the kernel rows
     # (prefill) take the tiled int8 GEMM kernel instead of weights widened to f32 in the
-    # program. True where the kernel has its fast form (runtime.cpu_kernels.int8_gemm_is_fast()).
+    # program, and K-quant products of K_QUANT_GEMM_FIRST_ROWS or more rows theirs instead of
+    # the matrix-vector kernel. True where the kernels have their fast form
+    # (runtime.cpu_kernels.int8_gemm_is_fast()).
     int8_gemm: bool = False
 
     name = "xla-cpu-kernels"
@@ -239,6 +250,10 @@ class CpuKernelLowering(XlaLowering):
         as_file = blocks and block_form(self.block_forms[param.name]).as_file
         if blocks and self.int8_activations and self.int8_gemm and rows_in > last and not as_file:
             product = gemm_blocks_x8_kernel(ew.convert(x, "f32"), weight, scale, mins)
+            return self._finish(product, param, bias, out_dtype or x.dtype)
+        if (blocks and self.int8_activations and self.int8_gemm and rows_in >= K_QUANT_GEMM_FIRST_ROWS
+                and has_k_quant_gemm(self.block_forms[param.name])):
+            product = k_quant_gemm(ew.convert(x, "f32"), weight, self.block_forms[param.name])
             return self._finish(product, param, bias, out_dtype or x.dtype)
         # Forms kept as the file's bytes (K-quants, Q5_x, IQ4, rows of mixed forms) take their
         # kernel at every row count: the program's own unpacking of them is many operations a
@@ -292,6 +307,19 @@ def has_int8_activation_kernel(form: str) -> bool:
         return True
     with_x8 = GGUF_ROWS_X8_KERNEL_TYPES if form.startswith(ROWS) else GGUF_X8_KERNEL_TYPES
     return all(t in with_x8 for t in ggml_types(form))
+
+
+def has_k_quant_gemm(form: str) -> bool:
+    """Whether a GGUF block weight's form has an int8 GEMM over the file's bytes: a K-quant, or
+    rows of mixed K-quants (GGUF_GEMM_X8_KERNEL_TYPES)."""
+    return block_form(form).as_file and set(ggml_types(form)) <= set(GGUF_GEMM_X8_KERNEL_TYPES)
+
+
+def k_quant_gemm(x: HloValue, weight: HloValue, form: str) -> HloValue:
+    """x @ weight.T on the int8 GEMM of a form has_k_quant_gemm() accepts."""
+    if form.startswith(ROWS):
+        return gemm_gguf_rows_x8_kernel(x, weight, ggml_types(form))
+    return gemm_gguf_x8_kernel(x, weight, BLOCK_FORMS[form].ggml_type)
 
 
 def ggml_types(form: str) -> tuple[str, ...]:

@@ -6,6 +6,8 @@
         "pyhlo_matvec_q4_k" (_q5_k, _q6_k, _q5_0 ...: GGUF blocks as the file stores them;
         "pyhlo_matvec_q4_k_x8" ...: the K-quants with int8 activations),
         "pyhlo_gemm_q8_0_x8" (_q4_0_x8, _q4_1_x8: prefill products with int8 activations),
+        "pyhlo_gemm_q4_k_x8" (_q2_k_x8 ... _q6_k_x8, _gguf_rows_x8: the same for K-quants as the file
+        stores them),
         "pyhlo_decode_attention" in CPU programs...
 
 The sources live in runtime/kernels/. They are compiled with the machine's C++ compiler
@@ -38,6 +40,12 @@ MATVEC_BLOCK_TARGETS = {form: f"pyhlo_matvec_{form}" for form in ("q8_0", "q4_0"
 MATVEC_BLOCK_X8_TARGETS = {form: f"pyhlo_matvec_{form}_x8" for form in ("q8_0", "q4_0", "q4_1")}
 # Prefill products of the same forms, x rounded to int8 as the _x8 targets do: a tiled integer GEMM.
 GEMM_BLOCK_X8_TARGETS = {form: f"pyhlo_gemm_{form}_x8" for form in ("q8_0", "q4_0", "q4_1")}
+# Prefill products of the K-quants kept as the file's bytes, x rounded as their _x8 matvec
+# targets round it (llama.cpp's Q8_K): a tiled integer GEMM (runtime/kernels/gemm_kquants.cc).
+GEMM_GGUF_X8_TARGETS = {ggml_type: f"pyhlo_gemm_{ggml_type.lower()}_x8"
+                        for ggml_type in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+# The same for a weight whose rows come in several K-quant forms, each row's form in its last byte.
+GEMM_GGUF_ROWS_X8_TARGET = "pyhlo_gemm_gguf_rows_x8"
 # GGUF blocks kept as the file's bytes (decoders/weights/stored.py): GGML type -> target
 MATVEC_GGUF_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}"
                        for ggml_type in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -59,15 +67,19 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            **{target: f"PyhloMatvec{form.capitalize()}X8"
               for form, target in MATVEC_BLOCK_X8_TARGETS.items()},
            **{target: f"PyhloGemm{form.capitalize()}X8" for form, target in GEMM_BLOCK_X8_TARGETS.items()},
+           **{target: f"PyhloGemm{ggml_type}X8" for ggml_type, target in GEMM_GGUF_X8_TARGETS.items()},
            **{target: f"PyhloMatvec{ggml_type}" for ggml_type, target in MATVEC_GGUF_TARGETS.items()},
            **{target: f"PyhloMatvec{ggml_type}X8" for ggml_type, target in MATVEC_GGUF_X8_TARGETS.items()},
+           GEMM_GGUF_ROWS_X8_TARGET: "PyhloGemmGgufRowsX8",
            MATVEC_GGUF_ROWS_TARGET: "PyhloMatvecGgufRows",
            MATVEC_GGUF_ROWS_X8_TARGET: "PyhloMatvecGgufRowsX8"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
-            for name in ("matvec.cc", "matvec_gguf.cc", "gemm_blocks.cc", "decode_attention.cc")]
+            for name in ("matvec.cc", "matvec_gguf.cc", "gemm_blocks.cc", "gemm_kquants.cc",
+                         "decode_attention.cc")]
 # Included by the sources: part of what the library's cache name hashes.
 _HEADERS = [pathlib.Path(__file__).with_name("kernels") / name
-            for name in ("half.h", "vector_sum.h", "kquants.h", "q8_blocks.h", "block_operands.h")]
+            for name in ("half.h", "vector_sum.h", "kquants.h", "q8_blocks.h", "block_operands.h",
+                         "gemm_panels.h")]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 
@@ -159,9 +171,9 @@ def register() -> bool:
 
 
 def int8_gemm_is_fast() -> bool:
-    """Whether the int8 GEMM kernels (GEMM_BLOCK_X8_TARGETS) run in their AVX-512 VNNI form on
-    this machine. Elsewhere they have a portable form, correct but slower than XLA's dot, which
-    the lowering does not take."""
+    """Whether the int8 GEMM kernels (GEMM_BLOCK_X8_TARGETS, GEMM_GGUF_X8_TARGETS) run in their
+    AVX-512 VNNI form on this machine. Elsewhere they have a portable form, correct but slower
+    than XLA's dot or the matrix-vector kernel, which the lowering does not take."""
     return register() and bool(_loaded[-1].PyhloGemmBlocksVnni())
 
 

@@ -355,3 +355,33 @@ def test_smollm2_in_q4_k_m_types_keeps_them_as_stored_and_answers_the_widened_to
             logits = np.asarray(scores[step - prompt.shape[1]][line])
             gap = logits[expected[line][step]] - logits[tokens[line][step]]
             assert 0 <= gap < 1e-3 * np.abs(logits).max(), (line, step, gap)
+
+
+@pytest.mark.cpu_only
+def test_a_prompt_on_the_k_quant_int8_gemm_answers_as_on_the_matvec_kernel(kquant_file, monkeypatch):
+    """Where the int8 GEMM has its fast form (AVX-512 VNNI), a prompt's K-quant products (Q4_K,
+    Q5_K, rows of mixed Q4_K and Q6_K) run it, with the same integer sums as the int8
+    matrix-vector kernel that runs them without it: the logits of the prompt and of the decode
+    steps after it (which read the keys and values it wrote) equal the kernel's up to f32
+    summation order."""
+    from decoders.programs.keys import Block
+    from runtime import cpu_kernels
+
+    if not cpu_kernels.int8_gemm_is_fast():
+        pytest.skip("the int8 GEMM needs AVX-512 VNNI, which this CPU lacks")
+    path = kquant_file("k_quants_q5_0", k_quants_and_q5_0)
+    gemm = int8_model(path)
+    prefill = {i.custom_call_target for c in gemm.programs.build(Block(64, 128)).module.computations
+               for i in c.instructions}
+    assert {"pyhlo_gemm_q4_k_x8", "pyhlo_gemm_q5_k_x8", "pyhlo_gemm_gguf_rows_x8"} <= prefill
+    assert not {"pyhlo_matvec_q4_k_x8", "pyhlo_matvec_q5_k_x8", "pyhlo_matvec_gguf_rows_x8"} & prefill
+    monkeypatch.setattr(cpu_kernels, "int8_gemm_is_fast", lambda: False)
+    matvec = int8_model(path)
+    assert not matvec.lowering.int8_gemm
+    prompt = np.arange(5, 30)[None]
+    tokens, logits = gemm.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
+    expected, expected_logits = matvec.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[],
+                                              output_scores=True)
+    for step in range(len(logits)):
+        assert relative_error(logits[step], expected_logits[step]) < 1e-5, step
+    np.testing.assert_array_equal(tokens, expected)

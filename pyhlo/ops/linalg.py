@@ -159,6 +159,50 @@ def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str,
     return ffi_call(shape, [x, data], f"pyhlo_matvec_{ggml_type.lower()}{suffix}")
 
 
+# K-quants with an int8 GEMM for products of many activation rows (gemm_gguf_x8_kernel).
+GGUF_GEMM_X8_KERNEL_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def gemm_gguf_x8_kernel(x: HloValue, data: HloValue, ggml_type: str) -> HloValue:
+    """matvec_gguf_kernel(..., int8_activations=True) for many activation rows (a prefill) of a
+    K-quant weight (GGUF_GEMM_X8_KERNEL_TYPES): the same operands, the same rounding of x (per
+    256 values, as llama.cpp's Q8_K), the same integer sums per super-block as a tiled integer
+    GEMM (runtime/kernels/gemm_kquants.cc); only the order of the f32 sums differs. The kernel
+    must be registered with the backend (runtime.cpu_kernels.register()) before a program
+    using it is compiled."""
+    from pyhlo.ops.gguf_blocks import LAYOUTS
+
+    values, size = LAYOUTS.get(ggml_type, (0, 0)) if ggml_type in GGUF_GEMM_X8_KERNEL_TYPES else (0, 0)
+    k = x.dims[-1] if x.dims else -1
+    if (not size or x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2
+            or data.dims[1] % size or data.dims[1] // size * values != k):
+        raise HloShapeError(f"gemm_gguf_x8_kernel: needs f32 x[..., k] and u8 w[n, k / 256 * bytes] of "
+                            f"one of {', '.join(GGUF_GEMM_X8_KERNEL_TYPES)}; got {ggml_type} with "
+                            f"{x.dtype}{list(x.dims)} and {data.dtype}{list(data.dims)}")
+    shape = x.scribe.f32[(*x.dims[:-1], data.dims[0])]
+    return ffi_call(shape, [x, data], f"pyhlo_gemm_{ggml_type.lower()}_x8")
+
+
+def gemm_gguf_rows_x8_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...]) -> HloValue:
+    """matvec_gguf_rows_kernel(..., int8_activations=True) for many activation rows (a prefill) of a
+    weight whose rows come in several K-quant forms (`ggml_types`, of GGUF_GEMM_X8_KERNEL_TYPES;
+    llama.cpp's Q4_K_M mixes Q4_K and Q6_K so): the same operands and rounding of x, each row
+    multiplied as its form is, as the tiled integer GEMM of gemm_gguf_x8_kernel. The kernel
+    checks each row's code when it runs."""
+    from pyhlo.ops.gguf_blocks import row_bytes
+
+    k = x.dims[-1] if x.dims else -1
+    if not ggml_types or not set(ggml_types) <= set(GGUF_GEMM_X8_KERNEL_TYPES):
+        raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)}: the GEMM takes only "
+                            f"{', '.join(GGUF_GEMM_X8_KERNEL_TYPES)} (others: matvec_gguf_rows_kernel)")
+    width = max(row_bytes(t, k) for t in ggml_types) + 1
+    if x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2 or data.dims[1] != width or k % 256:
+        raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)} need f32 x[..., k] "
+                            f"(k a multiple of 256) and u8 w[n, {width}]; got {x.dtype}{list(x.dims)} and "
+                            f"{data.dtype}{list(data.dims)}")
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], "pyhlo_gemm_gguf_rows_x8")
+
+
 def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...],
                             int8_activations: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] in rows of mixed GGUF forms

@@ -14,19 +14,18 @@
 // bytes, so x enters as q + 128, and each block's int32 sums start from -128 * sum of the
 // weights, which the panel keeps. A block's sums are then scaled by d_w * d_x into f32.
 //
-// Panels are split between the caller and XLA's intra-op thread pool. Paths: AVX-512 VNNI
+// Panels are split between the caller and XLA's intra-op thread pool (gemm_panels.h). Paths: AVX-512 VNNI
 // where the CPU has it; elsewhere a portable form on the same packed panels, correct but not
 // fast (the lowering takes this kernel only where it measures faster than XLA's dot).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "block_operands.h"
+#include "gemm_panels.h"
 #include "half.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -81,27 +80,6 @@ inline int8_t packed_weight(const Problem& p, int64_t n, int64_t b, int j) {
   return int8_t(p.form == kQ4_0 ? q - 8 : q);
 }
 
-#ifdef PYHLO_GEMM_VNNI
-// The 16 bytes at `at` of 16 rows as 4 vectors, vector q holding bytes 4q..4q+3 of every row
-// (row r in lane r): four rows to a vector by 128-bit lanes, then a 4 x 4 transpose of 32-bit
-// values within each lane.
-inline void transpose_16x4(const char* const rows[kLanes], int64_t at, __m512i out[4]) {
-  __m512i a[4];
-  for (int i = 0; i < 4; ++i) {
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + at)));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 + i] + at)), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[8 + i] + at)), 2);
-    a[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[12 + i] + at)), 3);
-  }
-  const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
-  out[0] = _mm512_unpacklo_epi64(t0, t2);
-  out[1] = _mm512_unpackhi_epi64(t0, t2);
-  out[2] = _mm512_unpacklo_epi64(t1, t3);
-  out[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-#endif
-
 void pack(const Problem& p, int64_t n0, Panel& panel) {
   const int64_t nb = p.nb, rows = std::min<int64_t>(kPanelRows, p.n - n0);
   std::vector<float> row_d(nb), row_min(nb);
@@ -141,10 +119,10 @@ void pack(const Problem& p, int64_t n0, Panel& panel) {
     for (int64_t b = 0; b < nb; ++b) {
       __m512i v[kQuads];
       if (p.form == kQ8_0) {
-        transpose_16x4(rows, b * kBlock, v);
-        transpose_16x4(rows, b * kBlock + 16, v + 4);
+        pyhlo_kernels::transpose_16x4(rows, b * kBlock, v);
+        pyhlo_kernels::transpose_16x4(rows, b * kBlock + 16, v + 4);
       } else {
-        transpose_16x4(rows, b * (kBlock / 2), v);
+        pyhlo_kernels::transpose_16x4(rows, b * (kBlock / 2), v);
         for (int quad = 0; quad < 4; ++quad) {
           v[quad + 4] = _mm512_and_si512(_mm512_srli_epi16(v[quad], 4), nibble);
           v[quad] = _mm512_and_si512(v[quad], nibble);
@@ -302,23 +280,6 @@ void round_activations(const float* x, int64_t m, int64_t k, uint8_t* xq, float*
   }
 }
 
-// Panels handed out by an atomic counter: whoever is free takes the next one, so the result
-// never waits on a helper that has not started.
-struct SharedWork {
-  Problem problem;
-  int64_t panels = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void drain() {
-    Panel panel(problem.nb);
-    int64_t finished = 0;
-    for (int64_t c = next.fetch_add(1); c < panels; c = next.fetch_add(1), ++finished)
-      panel_product(problem, panel, c * kPanelRows);
-    done.fetch_add(finished, std::memory_order_release);
-  }
-};
-
 ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::AnyBuffer& scales,
                ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y) {
   const auto w_dims = w.dimensions();
@@ -345,21 +306,9 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuff
   p.xd = xd.data();
   p.xsum = xsum.data();
 
-  // PYHLO_MATVEC_THREADS (read once) caps the threads per product, as for the matvec kernels.
-  static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
-  int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
-  if (cap != 0) threads = cap > 0 ? cap : 1;
-  auto work = std::make_shared<SharedWork>();
-  work->problem = p;
-  work->panels = (p.n + kPanelRows - 1) / kPanelRows;
-  const int64_t helpers = std::min(threads - 1, work->panels - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->panels) {
-#ifdef PYHLO_GEMM_VNNI
-    _mm_pause();
-#endif
-  }
+  pyhlo_kernels::share_panels(
+      pool, (p.n + kPanelRows - 1) / kPanelRows, [&p] { return Panel(p.nb); },
+      [&p](int64_t c, Panel& panel) { panel_product(p, panel, c * kPanelRows); });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,86 @@
+// What the GEMM kernels (gemm_blocks.cc, gemm_kquants.cc) share: the split of a product into
+// panels of weight rows between the caller and XLA's intra-op thread pool, and the transpose
+// that packs 16 weight rows side by side for vpdpbusd.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <utility>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace pyhlo_kernels {
+
+// Threads one product may take: the pool's and the caller's, or PYHLO_MATVEC_THREADS (read
+// once) where set, as for the matvec kernels.
+inline int64_t product_threads(xla::ffi::ThreadPool& pool) {
+  static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
+  const int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
+  if (cap != 0) return cap > 0 ? cap : 1;
+  return threads;
+}
+
+// run(panel, scratch) for every panel in [0, panels), `scratch` made by make() once per
+// thread that takes a panel. Panels are handed out by an atomic counter: whoever is free takes
+// the next one, so the result never waits on a helper that has not started. Returns once all
+// are done; a helper that starts later finds none left and touches nothing of the caller's.
+template <typename Make, typename Run>
+void share_panels(xla::ffi::ThreadPool& pool, int64_t panels, Make make, Run run) {
+  struct Shared {
+    Make make;
+    Run run;
+    int64_t panels;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+
+    Shared(Make m, Run r, int64_t count) : make(std::move(m)), run(std::move(r)), panels(count) {}
+
+    void drain() {
+      int64_t c = next.fetch_add(1);
+      if (c >= panels) return;
+      auto scratch = make();
+      int64_t finished = 0;
+      for (; c < panels; c = next.fetch_add(1), ++finished) run(c, scratch);
+      done.fetch_add(finished, std::memory_order_release);
+    }
+  };
+  auto shared = std::make_shared<Shared>(std::move(make), std::move(run), panels);
+  const int64_t helpers = std::min(product_threads(pool) - 1, panels - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->drain(); });
+  shared->drain();
+  while (shared->done.load(std::memory_order_acquire) < panels) {
+#if defined(__SSE2__)
+    _mm_pause();
+#endif
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The 16 bytes at `at` of 16 rows as 4 vectors, vector q holding bytes 4q..4q+3 of every row
+// (row r in lane r): four rows to a vector by 128-bit lanes, then a 4 x 4 transpose of 32-bit
+// values within each lane. (Gathering them measured several times slower.)
+inline void transpose_16x4(const char* const rows[16], int64_t at, __m512i out[4]) {
+  __m512i a[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + at)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 + i] + at)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[8 + i] + at)), 2);
+    a[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[12 + i] + at)), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+#endif
+
+}  // namespace pyhlo_kernels

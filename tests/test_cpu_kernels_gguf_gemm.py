@@ -1,0 +1,139 @@
+"""The int8 GEMM of K-quant weights kept as a GGUF file stores them (the pyhlo_gemm_<form>_x8
+targets, a prefill's products; pyhlo_gemm_gguf_rows_x8 for rows of mixed K-quants) equals numpy
+on the gguf package's dequantization of the same blocks with the activations rounded as
+llama.cpp's Q8_K, and the int8-activation matrix-vector kernel on the same operands; in its
+AVX-512 VNNI form where the host has it, and its portable form."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from child_env import python_path
+from hlo_run import run_fn
+from test_cpu_kernels_gguf import check_int8_activation_product, q8_k_rounded, run_kernel
+from test_gguf_kquant_blocks import gguf_dequantized, mixed_rows, random_gguf_blocks
+
+from pyhlo import compile_py_func
+from pyhlo.ops import linalg
+from pyhlo.ops.gguf_blocks import LAYOUTS
+from pyhlo.shape_inference import HloShapeError
+from runtime import cpu_kernels
+
+pytestmark = pytest.mark.cpu_only
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert cpu_kernels.register(), "the CPU kernels did not build"
+
+
+def run_gemm(x: np.ndarray, data: np.ndarray, ggml_type: str) -> np.ndarray:
+    def program(scribe):
+        return linalg.gemm_gguf_x8_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                          scribe.u8[data.shape].Parameter(parameter_number=1), ggml_type)
+
+    (out,) = run_fn(program, x, data)
+    return out
+
+
+def random_operands(ggml_type: str, lead: tuple[int, ...], n: int, super_blocks: int, seed: int):
+    data = random_gguf_blocks(ggml_type, n, super_blocks * 256 // LAYOUTS[ggml_type][0], seed)
+    x = np.random.default_rng(seed + 1).standard_normal((*lead, 256 * super_blocks)).astype(np.float32)
+    x[..., :256] *= 100                     # super-blocks of different scales in one row
+    return x, data
+
+
+# Activation rows around the tiles of 4 and up to a prompt's 130, weight rows around the panels
+# of 32 (a half or more of the last one padded), one and several super-blocks, a 2-d lead.
+@pytest.mark.parametrize("ggml_type", linalg.GGUF_GEMM_X8_KERNEL_TYPES)
+@pytest.mark.parametrize("lead, n, super_blocks", [((1,), 5, 1), ((3,), 33, 3), ((6,), 17, 2),
+                                                    ((2, 7), 40, 1), ((130,), 67, 2)])
+def test_each_k_quant_gemm_matches_numpy(ggml_type, lead, n, super_blocks):
+    x, data = random_operands(ggml_type, lead, n, super_blocks, seed=sum(lead) * 7 + n + len(ggml_type))
+    x.reshape(-1, x.shape[-1])[0, 256:512] = 0         # a super-block of zero activations
+    out = run_gemm(x, data, ggml_type)
+    assert out.shape == (*lead, n) and out.dtype == np.float32
+    check_int8_activation_product(out, x, [ggml_type] * n, data)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q6_K"])
+def test_the_gemm_splits_a_prefill_across_threads_and_agrees_with_the_matvec_kernel(ggml_type):
+    """Many panels (more than threads), a prompt's rows: the same integer sums as the int8
+    matrix-vector kernel, so the two differ only by the order of their f32 sums."""
+    x, data = random_operands(ggml_type, (130,), 301, 3, seed=5)
+    gemm = run_gemm(x, data, ggml_type)
+    matvec = run_kernel(x, data, ggml_type, int8_activations=True)
+    bound = np.abs(q8_k_rounded(x)) @ np.abs(gguf_dequantized(ggml_type, data).astype(np.float64)).T
+    assert (np.abs(gemm - matvec) <= 1e-5 * bound + 1e-30).all()
+
+
+def run_rows_gemm(x: np.ndarray, data: np.ndarray, forms: tuple[str, ...], gemm: bool = True) -> np.ndarray:
+    def program(scribe):
+        x_value = scribe.f32[x.shape].Parameter(parameter_number=0)
+        data_value = scribe.u8[data.shape].Parameter(parameter_number=1)
+        if gemm:
+            return linalg.gemm_gguf_rows_x8_kernel(x_value, data_value, forms)
+        return linalg.matvec_gguf_rows_kernel(x_value, data_value, forms, int8_activations=True)
+
+    (out,) = run_fn(program, x, data)
+    return out
+
+
+# Q4_K and Q6_K rows as llama.cpp's Q4_K_M mixes them, one of each form in a panel, every form
+# (a scale per 16 values for all rows), and one form only (a scale per 32: Q4_K alone).
+@pytest.mark.parametrize("types", [["Q4_K", "Q6_K"] * 20 + ["Q6_K"], ["Q6_K"] + ["Q4_K"] * 40,
+                                   list(linalg.GGUF_GEMM_X8_KERNEL_TYPES) * 7, ["Q4_K"] * 33])
+def test_the_gemm_of_rows_of_mixed_k_quants_matches_numpy_and_the_matvec_kernel(types):
+    forms = tuple(sorted(set(types) | {"Q6_K"}))      # padded to the widest form
+    data, _ = mixed_rows(types, forms, 512, seed=len(types))
+    x = np.random.default_rng(len(types)).standard_normal((13, 512)).astype(np.float32)
+    out = run_rows_gemm(x, data, forms)
+    assert out.shape == (13, len(types))
+    check_int8_activation_product(out, x, types, data)
+    matvec = run_rows_gemm(x, data, forms, gemm=False)
+    w = np.concatenate([gguf_dequantized(t, np.ascontiguousarray(data[i:i + 1, :LAYOUTS[t][1] * 2]))
+                        for i, t in enumerate(types)])
+    bound = np.abs(q8_k_rounded(x)) @ np.abs(w.astype(np.float64)).T
+    assert (np.abs(out - matvec) <= 1e-5 * bound + 1e-30).all()
+
+
+def test_a_row_naming_no_k_quant_is_a_clear_error():
+    """A Q5_0 row (per 32 values: the matrix-vector kernel's) among Q6_K ones, at the width rows
+    of Q4_K and Q6_K have: the kernel names the problem when it runs."""
+    data, _ = mixed_rows(["Q6_K", "Q5_0"], ("Q6_K", "Q5_0"), 256, 0)
+    with pytest.raises(Exception, match="names no K-quant"):
+        run_rows_gemm(np.ones((5, 256), np.float32), data, ("Q4_K", "Q6_K"))
+
+
+def test_the_gemm_refuses_forms_and_shapes_it_cannot_run():
+    def build(x_shape, data_shape, ggml_type):
+        def program(scribe):
+            return linalg.gemm_gguf_x8_kernel(scribe.f32[x_shape].Parameter(parameter_number=0),
+                                              scribe.u8[data_shape].Parameter(parameter_number=1), ggml_type)
+        return program
+
+    with pytest.raises(HloShapeError, match="gemm_gguf_x8_kernel: .*Q4_K.*got Q5_0"):
+        compile_py_func(build((8, 256), (4, 176), "Q5_0"))       # no GEMM for a per-32 form
+    with pytest.raises(HloShapeError, match="gemm_gguf_x8_kernel: .*got Q4_K"):
+        compile_py_func(build((8, 256), (4, 150), "Q4_K"))       # a partial super-block
+    with pytest.raises(HloShapeError, match="rows of Q4_K/Q5_0: the GEMM takes only"):
+        compile_py_func(lambda scribe: linalg.gemm_gguf_rows_x8_kernel(
+            scribe.f32[8, 256].Parameter(parameter_number=0), scribe.u8[4, 177].Parameter(parameter_number=1),
+            ("Q4_K", "Q5_0")))
+    assert set(cpu_kernels.GEMM_GGUF_X8_TARGETS) == set(linalg.GGUF_GEMM_X8_KERNEL_TYPES)
+
+
+def test_the_portable_form_of_the_gemm_matches_numpy():
+    """The kernels built without AVX-512 (on this host, the portable form of the GEMM) pass
+    this file's checks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYHLO_KERNEL_FLAGS="-mno-avx512f", PYTHONPATH=python_path(here.parent))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           str(here / "test_cpu_kernels_gguf_gemm.py"), "-k", "not portable"],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout
