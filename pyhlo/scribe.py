@@ -129,6 +129,7 @@ class Scribe:
         self._stack: list[_ComputationBuilder] = []
         self._built: dict[Any, int] = {}
         self._names: set[str] = set()
+        self._suffixes: dict[str, int] = {}
         self._counter = 0
         for name in dtypes.ELEMENT_TYPES:
             setattr(self, name, DType(self, name))
@@ -139,10 +140,14 @@ class Scribe:
 
     def unique_name(self, base: str) -> str:
         base = re.sub(r"[^A-Za-z0-9_.\-]", "_", base) or "x"
-        name, n = base, 1
+        # The suffix search starts where this base's last one ended (from 1 it was quadratic in
+        # the uses of a base: a 1.7 B decode step has thousands of "add"s).
+        n = self._suffixes.get(base, 1)
+        name = base if n == 1 else f"{base}.{n}"
         while name in self._names:
             n += 1
             name = f"{base}.{n}"
+        self._suffixes[base] = n
         self._names.add(name)
         return name
 
