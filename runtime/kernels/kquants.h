@@ -423,4 +423,197 @@ inline float dot_q8_k(const SuperBlock* w, const int8_t* xq, const float* xd, co
 #endif
 }
 
+// Rows of activations rounded as Q8_K (quantize_q8_k), for the row kernels below: row g's
+// values at q + g * k, its scales at d + g * (k / 256), its sums of 16 at bsum + g * (k / 16);
+// the pointers may start inside the rows (at a super-block).
+struct Q8KRows {
+  const int8_t* q;
+  const float* d;
+  const int16_t* bsum;
+  int64_t k;   // values in a whole row: the rows' stride
+};
+
+#ifdef PYHLO_KQ_AVX512
+// The int8-activation product of a weight row kept as the file's bytes, each super-block
+// unpacked in registers and multiplied at once, as llama.cpp's ggml_vec_dot_q4_K_q8_K (q5_K,
+// q6_K) do: no SuperBlock is stored, and each super-block's weights, unpacked once, serve G
+// activation rows. The integer sums are dot_q8_k's; only the order of the f32 sums differs.
+//
+// A super-block is 4 vectors of 64 unsigned weights, values 64 c .. 64 c + 63, and for each
+// the 16-bit scale of every pair of values (the 32 products vpmaddubsw gives); `scales` the
+// 16-bit factor of each 16's activation sum (Q4_K, Q5_K: its minimum; Q6_K: its scale, the
+// centre 32 taken off through those sums).
+struct RegisterBlock {
+  __m512i q[4];
+  __m512i pair_scale[4];
+  __m256i scales;
+  float d, dlow;   // value = d * scale * q + dlow * scales (Q6_K: dlow = -32 d, folded in as integers)
+};
+
+// Index of the 16-bit scale of each pair p of values 64 c + 2 p, 64 c + 2 p + 1: Q4_K / Q5_K
+// scales per 32 values (2 c + p / 16), Q6_K per 16 (4 c + p / 8).
+inline __m512i pair_index(int c, bool per_16) {
+  alignas(64) int16_t index[32];
+  for (int p = 0; p < 32; ++p) index[p] = int16_t(per_16 ? 4 * c + p / 8 : 2 * c + p / 16);
+  return _mm512_load_si512(index);
+}
+
+// Q4_K (high = nullptr) and Q5_K: layouts as unpack_q45_k's.
+inline void load_q45_k(const uint8_t* b, const uint8_t* high, const uint8_t* qs, const __m512i* index,
+                       RegisterBlock* r) {
+  r->d = f16_at(b);
+  r->dlow = -f16_at(b + 2);
+  uint32_t words[4];
+  std::memcpy(words, b + 4, 12);
+  const uint32_t six = 0x3f3f3f3f, nibble4 = 0x0f0f0f0f, two = 0x03030303;
+  words[3] = ((words[2] >> 4) & nibble4) | (((words[1] >> 6) & two) << 4);
+  const uint32_t mins = words[1] & six;
+  words[1] = (words[2] & nibble4) | (((words[0] >> 6) & two) << 4);
+  words[2] = mins;
+  words[0] &= six;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));   // 8 scales, 8 minimums
+  const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(bytes));
+  r->scales = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(bytes, bytes));   // each minimum for its two 16s
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i top = high ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)))
+                           : _mm512_setzero_si512();
+  for (int half = 0; half < 2; ++half) {
+    // 64 bytes: values 128 half + (0..31 and 64..95) in their low nibbles, the next 32 of each
+    // 64 in their high ones; regrouped into the 64 values of c = 2 half and 2 half + 1.
+    const __m512i packed = _mm512_loadu_si512(qs + 64 * half);
+    const __m512i low = _mm512_and_si512(packed, nibble);
+    const __m512i upper = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    r->q[2 * half] = _mm512_shuffle_i64x2(low, upper, 0x44);
+    r->q[2 * half + 1] = _mm512_shuffle_i64x2(low, upper, 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    if (high) {
+      const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << (2 * c))),
+                                              _mm256_set1_epi8(char(1 << (2 * c + 1))), 1);
+      r->q[c] = _mm512_mask_add_epi8(r->q[c], _mm512_test_epi8_mask(top, bits), r->q[c], _mm512_set1_epi8(16));
+    }
+    r->pair_scale[c] = _mm512_permutexvar_epi16(index[c], scales);
+  }
+}
+
+// Q6_K: layout as unpack_q6_k's.
+inline void load_q6_k(const uint8_t* b, const __m512i* index, RegisterBlock* r) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  r->d = f16_at(b + 208);
+  r->dlow = -32 * r->d;
+  r->scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  const __m512i scales = _mm512_castsi256_si512(r->scales);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
+  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i low = _mm512_loadu_si512(ql + 64 * h);
+    const __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+    r->q[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble), _mm512_and_si512(_mm512_sllv_epi16(top, up), pair));
+    r->q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
+                                      _mm512_and_si512(_mm512_sllv_epi16(_mm512_srli_epi16(top, 4), up), pair));
+  }
+  for (int c = 0; c < 4; ++c) r->pair_scale[c] = _mm512_permutexvar_epi16(index[c], scales);
+}
+
+// sum += products * scales in 32-bit lanes (VNNI's vpdpwssd where the CPU has it).
+inline __m512i add_scaled(__m512i sum, __m512i products, __m512i scales) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(sum, products, scales);
+#else
+  return _mm512_add_epi32(sum, _mm512_madd_epi16(products, scales));
+#endif
+}
+
+constexpr int64_t kKQuantPrefetchAhead = 1024;   // bytes of the weight stream asked for ahead
+
+// out[g] += the product of the weight row w (`blocks` super-blocks of F, the file's bytes)
+// with activation row g of x, for g < G.
+template <KQuant F, int G>
+void dot_q8_k_row(const uint8_t* w, int64_t blocks, const Q8KRows& x, float* out) {
+  constexpr bool q6 = F == KQuant::kQ6_K;
+  constexpr int64_t bytes = F == KQuant::kQ4_K ? 144 : F == KQuant::kQ5_K ? 176 : 210;
+  __m512i index[4];
+  for (int c = 0; c < 4; ++c) index[c] = pair_index(c, q6);
+  __m512 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * bytes;
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block) + kKQuantPrefetchAhead + line, _MM_HINT_T0);
+    RegisterBlock r;
+    if constexpr (F == KQuant::kQ4_K) load_q45_k(block, nullptr, block + 16, index, &r);
+    if constexpr (F == KQuant::kQ5_K) load_q45_k(block, block + 16, block + 48, index, &r);
+    if constexpr (q6) load_q6_k(block, index, &r);
+    for (int g = 0; g < G; ++g) {
+      const int8_t* xq = x.q + g * x.k + b * kSuperValues;
+      __m512i sum = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c)
+        sum = add_scaled(sum, _mm512_maddubs_epi16(r.q[c], _mm512_loadu_si512(xq + 64 * c)), r.pair_scale[c]);
+      const __m256i lows = _mm256_madd_epi16(
+          r.scales, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum + g * (x.k / 16) + 16 * b)));
+      const float xd = x.d[g * (x.k / kSuperValues) + b];
+      if constexpr (q6) {
+        // dlow = -32 d: the centre's sums join the integer sum (at most 2^28 apart, no overflow).
+        sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(_mm256_slli_epi32(lows, 5)));
+        acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xd * r.d), acc[g]);
+      } else {
+        acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xd * r.d), acc[g]);
+        acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(lows)), _mm512_set1_ps(xd * r.dlow),
+                                 acc[g]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g] += _mm512_reduce_add_ps(acc[g]);
+}
+
+template <KQuant F>
+void dot_q8_k_rows_of(const uint8_t* w, int64_t blocks, Q8KRows x, int64_t rows, float* out) {
+  constexpr int kMost = 8;   // activation rows a pass: their sums stay in registers
+  for (; rows >= kMost; rows -= kMost, out += kMost) {
+    dot_q8_k_row<F, kMost>(w, blocks, x, out);
+    x.q += kMost * x.k;
+    x.d += kMost * (x.k / kSuperValues);
+    x.bsum += kMost * (x.k / 16);
+  }
+  switch (rows) {
+    case 7: dot_q8_k_row<F, 7>(w, blocks, x, out); break;
+    case 6: dot_q8_k_row<F, 6>(w, blocks, x, out); break;
+    case 5: dot_q8_k_row<F, 5>(w, blocks, x, out); break;
+    case 4: dot_q8_k_row<F, 4>(w, blocks, x, out); break;
+    case 3: dot_q8_k_row<F, 3>(w, blocks, x, out); break;
+    case 2: dot_q8_k_row<F, 2>(w, blocks, x, out); break;
+    case 1: dot_q8_k_row<F, 1>(w, blocks, x, out); break;
+    default: break;
+  }
+}
+#endif
+
+// The forms dot_q8_k_rows multiplies in registers on this build (the others: unpack(), then
+// dot_q8_k()).
+inline bool has_row_kernel(KQuant form) {
+#ifdef PYHLO_KQ_AVX512
+  return form == KQuant::kQ4_K || form == KQuant::kQ5_K || form == KQuant::kQ6_K;
+#else
+  (void)form;
+  return false;
+#endif
+}
+
+// out[m] += the product of the weight row w (`blocks` super-blocks of `form`, the file's bytes)
+// with activation row m of x, for every m < rows; only for a form has_row_kernel() names.
+inline void dot_q8_k_rows(KQuant form, const uint8_t* w, int64_t blocks, const Q8KRows& x, int64_t rows,
+                          float* out) {
+#ifdef PYHLO_KQ_AVX512
+  switch (form) {
+    case KQuant::kQ4_K: return dot_q8_k_rows_of<KQuant::kQ4_K>(w, blocks, x, rows, out);
+    case KQuant::kQ5_K: return dot_q8_k_rows_of<KQuant::kQ5_K>(w, blocks, x, rows, out);
+    case KQuant::kQ6_K: return dot_q8_k_rows_of<KQuant::kQ6_K>(w, blocks, x, rows, out);
+    default: break;
+  }
+#endif
+  (void)form, (void)w, (void)blocks, (void)x, (void)rows, (void)out;
+}
+
+
 }  // namespace pyhlo_kernels

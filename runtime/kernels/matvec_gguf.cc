@@ -346,6 +346,14 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
     const Layout layout = kLayouts[form];
     const uint8_t* row = p.w + n * (p.stride ? p.stride : p.k / layout.values * layout.bytes);
     std::fill(sums.begin(), sums.end(), 0.0f);
+    if (integer && is_k_quant(form) && pyhlo_kernels::has_row_kernel(k_quant(form))) {
+      // Unpacked in registers, the whole row at once: nothing stored between unpacking and
+      // multiplying, and each super-block read once for every activation row.
+      const pyhlo_kernels::Q8KRows x{p.x_q8, p.x_q8_scale, p.x_q8_sums, p.k};
+      pyhlo_kernels::dot_q8_k_rows(k_quant(form), row, p.k / pyhlo_kernels::kSuperValues, x, p.m, sums.data());
+      for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
+      continue;
+    }
     for (int64_t start = 0; start < p.k; start += kPieceValues) {
       const int64_t length = std::min(kPieceValues, p.k - start), first = start / layout.values;
       const int64_t blocks = length / layout.values;
