@@ -425,13 +425,28 @@ inline float dot_q8_k(const SuperBlock* w, const int8_t* xq, const float* xd, co
 
 // Rows of activations rounded as Q8_K (quantize_q8_k), for the row kernels below: row g's
 // values at q + g * k, its scales at d + g * (k / 256), its sums of 16 at bsum + g * (k / 16);
-// the pointers may start inside the rows (at a super-block).
+// q_nibbles: the same values with each 128 in the order a Q4_K or Q5_K super-block keeps its
+// nibbles in (nibble_order_q8_k); the pointers may start inside the rows (at a super-block).
 struct Q8KRows {
   const int8_t* q;
+  const int8_t* q_nibbles;
   const float* d;
   const int16_t* bsum;
   int64_t k;   // values in a whole row: the rows' stride
 };
+
+// Rounded activations q (k values, a multiple of 256) in the order of a Q4_K or Q5_K
+// super-block's nibbles: 64 bytes of qs hold values 0-31 and 64-95 in their low nibbles, 32-63
+// and 96-127 in their high ones, so each 128 values go as 0-31, 64-95, 32-63, 96-127, and the
+// kernels multiply the nibbles where they lie.
+inline void nibble_order_q8_k(const int8_t* q, int64_t k, int8_t* out) {
+  for (int64_t i = 0; i < k; i += 128) {
+    std::memcpy(out + i, q + i, 32);
+    std::memcpy(out + i + 32, q + i + 64, 32);
+    std::memcpy(out + i + 64, q + i + 32, 32);
+    std::memcpy(out + i + 96, q + i + 96, 32);
+  }
+}
 
 #ifdef PYHLO_KQ_AVX512
 // The int8-activation product of a weight row kept as the file's bytes, each super-block
@@ -439,71 +454,83 @@ struct Q8KRows {
 // q6_K) do: no SuperBlock is stored, and each super-block's weights, unpacked once, serve G
 // activation rows. The integer sums are dot_q8_k's; only the order of the f32 sums differs.
 //
-// A super-block is 4 vectors of 64 unsigned weights, values 64 c .. 64 c + 63, and for each
-// the 16-bit scale of every pair of values (the 32 products vpmaddubsw gives); `scales` the
-// 16-bit factor of each 16's activation sum (Q4_K, Q5_K: its minimum; Q6_K: its scale, the
-// centre 32 taken off through those sums).
+// A super-block in registers: 4 vectors of 64 unsigned weights (Q6_K: values 64 v .. 64 v + 63;
+// Q4_K and Q5_K: in nibble order, see nibble_order_q8_k) and for each the 16-bit scale of every
+// pair of values (the 32 products vpmaddubsw gives); `lows` the 16-bit factor of each 16's
+// activation sum (Q4_K, Q5_K: its minimum; Q6_K: its scale, the centre 32 taken off through
+// those sums).
 struct RegisterBlock {
   __m512i q[4];
   __m512i pair_scale[4];
-  __m256i scales;
-  float d, dlow;   // value = d * scale * q + dlow * scales (Q6_K: dlow = -32 d, folded in as integers)
+  __m256i lows;
+  float d, dmin;   // Q4_K, Q5_K: value = d * scale * q - dmin * minimum
 };
 
-// Index of the 16-bit scale of each pair p of values 64 c + 2 p, 64 c + 2 p + 1: Q4_K / Q5_K
-// scales per 32 values (2 c + p / 16), Q6_K per 16 (4 c + p / 8).
-inline __m512i pair_index(int c, bool per_16) {
-  alignas(64) int16_t index[32];
-  for (int p = 0; p < 32; ++p) index[p] = int16_t(per_16 ? 4 * c + p / 8 : 2 * c + p / 16);
-  return _mm512_load_si512(index);
+// Byte shuffles that give each pair p of values in vector v its 16-bit scale from a 128-bit
+// lane of 8 scales (vpshufb, within lanes: cheaper than a permutation across the vector).
+// Q4_K / Q5_K, scales per 32: vector 2 h + u holds sub-blocks 4 h + u (p < 16) and 4 h + u + 2;
+// Q6_K, scales per 16: 4 v + p / 8, taken from a lane of scales 0-7 (v < 2) or 8-15.
+inline __m512i pair_shuffle(int v, bool q6) {
+  alignas(64) int8_t control[64];
+  for (int p = 0; p < 32; ++p) {
+    const int scale = q6 ? (4 * v + p / 8) % 8 : 4 * (v / 2) + v % 2 + (p < 16 ? 0 : 2);
+    control[2 * p] = int8_t(2 * scale);
+    control[2 * p + 1] = int8_t(2 * scale + 1);
+  }
+  return _mm512_load_si512(control);
+}
+
+// k4_scales' rearrangement in a register: the 8 scales in bytes 0-7, the 8 minimums in bytes
+// 8-15, from the 12 bytes at `packed` (16 read: the 4 after them belong to the same block).
+// Kept out of memory: stored and read back as a vector, the bytes waited on a failed store
+// forwarding in every super-block.
+inline __m128i k4_scales_in_register(const uint8_t* packed) {
+  const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));   // w0 w1 w2 (w3)
+  // Lanes 0 and 2 (scales and minimums 0-3): w0, w1 & 0x3f...; lanes 1 and 3 (4-7): the
+  // nibbles of w2 (low, then high) and bits 6-7 of w0, w1 as bits 4-5.
+  const __m128i nibbles = _mm_srlv_epi32(_mm_shuffle_epi32(words, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i low = _mm_and_si128(nibbles, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(words, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(low, top);
 }
 
 // Q4_K (high = nullptr) and Q5_K: layouts as unpack_q45_k's.
-inline void load_q45_k(const uint8_t* b, const uint8_t* high, const uint8_t* qs, const __m512i* index,
+inline void load_q45_k(const uint8_t* b, const uint8_t* high, const uint8_t* qs, const __m512i* shuffle,
                        RegisterBlock* r) {
-  r->d = f16_at(b);
-  r->dlow = -f16_at(b + 2);
-  uint32_t words[4];
-  std::memcpy(words, b + 4, 12);
-  const uint32_t six = 0x3f3f3f3f, nibble4 = 0x0f0f0f0f, two = 0x03030303;
-  words[3] = ((words[2] >> 4) & nibble4) | (((words[1] >> 6) & two) << 4);
-  const uint32_t mins = words[1] & six;
-  words[1] = (words[2] & nibble4) | (((words[0] >> 6) & two) << 4);
-  words[2] = mins;
-  words[0] &= six;
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words));   // 8 scales, 8 minimums
-  const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(bytes));
-  r->scales = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(bytes, bytes));   // each minimum for its two 16s
+  const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(b)));   // d, dmin
+  r->d = _mm_cvtss_f32(both);
+  r->dmin = _mm_cvtss_f32(_mm_movehdup_ps(both));
+  const __m128i bytes = k4_scales_in_register(b + 4);   // 8 scales, 8 minimums
+  const __m512i scales = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(bytes));
+  r->lows = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(bytes, bytes));   // each minimum for its two 16s
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i top = high ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)))
                            : _mm512_setzero_si512();
-  for (int half = 0; half < 2; ++half) {
-    // 64 bytes: values 128 half + (0..31 and 64..95) in their low nibbles, the next 32 of each
-    // 64 in their high ones; regrouped into the 64 values of c = 2 half and 2 half + 1.
-    const __m512i packed = _mm512_loadu_si512(qs + 64 * half);
-    const __m512i low = _mm512_and_si512(packed, nibble);
-    const __m512i upper = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-    r->q[2 * half] = _mm512_shuffle_i64x2(low, upper, 0x44);
-    r->q[2 * half + 1] = _mm512_shuffle_i64x2(low, upper, 0xEE);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i packed = _mm512_loadu_si512(qs + 64 * h);
+    r->q[2 * h] = _mm512_and_si512(packed, nibble);
+    r->q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
   }
-  for (int c = 0; c < 4; ++c) {
+  for (int v = 0; v < 4; ++v) {
     if (high) {
-      const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << (2 * c))),
-                                              _mm256_set1_epi8(char(1 << (2 * c + 1))), 1);
-      r->q[c] = _mm512_mask_add_epi8(r->q[c], _mm512_test_epi8_mask(top, bits), r->q[c], _mm512_set1_epi8(16));
+      // Q5_K's fifth bit: bit j of high[l] for value 32 j + l, sub-block j.
+      const int j = 4 * (v / 2) + v % 2;
+      const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << j)), _mm256_set1_epi8(char(1 << (j + 2))), 1);
+      r->q[v] = _mm512_mask_add_epi8(r->q[v], _mm512_test_epi8_mask(top, bits), r->q[v], _mm512_set1_epi8(16));
     }
-    r->pair_scale[c] = _mm512_permutexvar_epi16(index[c], scales);
+    r->pair_scale[v] = _mm512_shuffle_epi8(scales, shuffle[v]);
   }
 }
 
 // Q6_K: layout as unpack_q6_k's.
-inline void load_q6_k(const uint8_t* b, const __m512i* index, RegisterBlock* r) {
+inline void load_q6_k(const uint8_t* b, const __m512i* shuffle, RegisterBlock* r) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   r->d = f16_at(b + 208);
-  r->dlow = -32 * r->d;
-  r->scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-  const __m512i scales = _mm512_castsi256_si512(r->scales);
+  r->lows = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  const __m512i scales[2] = {_mm512_broadcast_i32x4(_mm256_castsi256_si128(r->lows)),
+                             _mm512_broadcast_i32x4(_mm256_extracti128_si256(r->lows, 1))};
   const __m512i nibble = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
   const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   for (int h = 0; h < 2; ++h) {
@@ -513,7 +540,7 @@ inline void load_q6_k(const uint8_t* b, const __m512i* index, RegisterBlock* r) 
     r->q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
                                       _mm512_and_si512(_mm512_sllv_epi16(_mm512_srli_epi16(top, 4), up), pair));
   }
-  for (int c = 0; c < 4; ++c) r->pair_scale[c] = _mm512_permutexvar_epi16(index[c], scales);
+  for (int v = 0; v < 4; ++v) r->pair_scale[v] = _mm512_shuffle_epi8(scales[v / 2], shuffle[v]);
 }
 
 // sum += products * scales in 32-bit lanes (VNNI's vpdpwssd where the CPU has it).
@@ -533,38 +560,41 @@ template <KQuant F, int G>
 void dot_q8_k_row(const uint8_t* w, int64_t blocks, const Q8KRows& x, float* out) {
   constexpr bool q6 = F == KQuant::kQ6_K;
   constexpr int64_t bytes = F == KQuant::kQ4_K ? 144 : F == KQuant::kQ5_K ? 176 : 210;
-  __m512i index[4];
-  for (int c = 0; c < 4; ++c) index[c] = pair_index(c, q6);
+  const int8_t* xq = q6 ? x.q : x.q_nibbles;
+  __m512i shuffle[4];
+  for (int v = 0; v < 4; ++v) shuffle[v] = pair_shuffle(v, q6);
   __m512 acc[G];
-  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  __m256 acc_low[G];   // Q4_K, Q5_K: the minimums' terms
+  for (int g = 0; g < G; ++g) {
+    acc[g] = _mm512_setzero_ps();
+    acc_low[g] = _mm256_setzero_ps();
+  }
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = w + b * bytes;
     for (int64_t line = 0; line < bytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(block) + kKQuantPrefetchAhead + line, _MM_HINT_T0);
     RegisterBlock r;
-    if constexpr (F == KQuant::kQ4_K) load_q45_k(block, nullptr, block + 16, index, &r);
-    if constexpr (F == KQuant::kQ5_K) load_q45_k(block, block + 16, block + 48, index, &r);
-    if constexpr (q6) load_q6_k(block, index, &r);
+    if constexpr (F == KQuant::kQ4_K) load_q45_k(block, nullptr, block + 16, shuffle, &r);
+    if constexpr (F == KQuant::kQ5_K) load_q45_k(block, block + 16, block + 48, shuffle, &r);
+    if constexpr (q6) load_q6_k(block, shuffle, &r);
     for (int g = 0; g < G; ++g) {
-      const int8_t* xq = x.q + g * x.k + b * kSuperValues;
+      const int8_t* xg = xq + g * x.k + b * kSuperValues;
       __m512i sum = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c)
-        sum = add_scaled(sum, _mm512_maddubs_epi16(r.q[c], _mm512_loadu_si512(xq + 64 * c)), r.pair_scale[c]);
+      for (int v = 0; v < 4; ++v)
+        sum = add_scaled(sum, _mm512_maddubs_epi16(r.q[v], _mm512_loadu_si512(xg + 64 * v)), r.pair_scale[v]);
       const __m256i lows = _mm256_madd_epi16(
-          r.scales, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum + g * (x.k / 16) + 16 * b)));
+          r.lows, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum + g * (x.k / 16) + 16 * b)));
       const float xd = x.d[g * (x.k / kSuperValues) + b];
       if constexpr (q6) {
-        // dlow = -32 d: the centre's sums join the integer sum (at most 2^28 apart, no overflow).
+        // The centre's sums (32 * scale * sum of 16) join the integer sum: within 2^29, no overflow.
         sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(_mm256_slli_epi32(lows, 5)));
-        acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xd * r.d), acc[g]);
       } else {
-        acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xd * r.d), acc[g]);
-        acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(lows)), _mm512_set1_ps(xd * r.dlow),
-                                 acc[g]);
+        acc_low[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lows), _mm256_set1_ps(xd * r.dmin), acc_low[g]);
       }
+      acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xd * r.d), acc[g]);
     }
   }
-  for (int g = 0; g < G; ++g) out[g] += _mm512_reduce_add_ps(acc[g]);
+  for (int g = 0; g < G; ++g) out[g] += _mm512_reduce_add_ps(acc[g]) - sum8(acc_low[g]);
 }
 
 template <KQuant F>
@@ -573,6 +603,7 @@ void dot_q8_k_rows_of(const uint8_t* w, int64_t blocks, Q8KRows x, int64_t rows,
   for (; rows >= kMost; rows -= kMost, out += kMost) {
     dot_q8_k_row<F, kMost>(w, blocks, x, out);
     x.q += kMost * x.k;
+    if (x.q_nibbles) x.q_nibbles += kMost * x.k;
     x.d += kMost * (x.k / kSuperValues);
     x.bsum += kMost * (x.k / 16);
   }
@@ -601,7 +632,8 @@ inline bool has_row_kernel(KQuant form) {
 }
 
 // out[m] += the product of the weight row w (`blocks` super-blocks of `form`, the file's bytes)
-// with activation row m of x, for every m < rows; only for a form has_row_kernel() names.
+// with activation row m of x, for every m < rows; only for a form has_row_kernel() names (Q4_K
+// and Q5_K read x.q_nibbles, Q6_K x.q).
 inline void dot_q8_k_rows(KQuant form, const uint8_t* w, int64_t blocks, const Q8KRows& x, int64_t rows,
                           float* out) {
 #ifdef PYHLO_KQ_AVX512
@@ -614,6 +646,5 @@ inline void dot_q8_k_rows(KQuant form, const uint8_t* w, int64_t blocks, const Q
 #endif
   (void)form, (void)w, (void)blocks, (void)x, (void)rows, (void)out;
 }
-
 
 }  // namespace pyhlo_kernels

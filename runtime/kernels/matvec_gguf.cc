@@ -282,6 +282,7 @@ struct Problem {
   const float* x_sums = nullptr;        // exact K-quant products: the sums of each 16 of x [m, K / 16]
   // The _x8 targets: x rounded as llama.cpp's Q8_K (pyhlo_kernels::quantize_q8_k), per row:
   const int8_t* x_q8 = nullptr;         // [m, K]
+  const int8_t* x_q8_nibbles = nullptr; // [m, K]: x_q8 in a Q4_K / Q5_K super-block's nibble order
   const float* x_q8_scale = nullptr;    // [m, K / 256]
   const int16_t* x_q8_sums = nullptr;   // [m, K / 16]
   const float* x_q8_d32 = nullptr;      // [m, K / 32]: x_q8_scale for each 32 (IQ4_XS's sub-blocks)
@@ -349,7 +350,7 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
     if (integer && is_k_quant(form) && pyhlo_kernels::has_row_kernel(k_quant(form))) {
       // Unpacked in registers, the whole row at once: nothing stored between unpacking and
       // multiplying, and each super-block read once for every activation row.
-      const pyhlo_kernels::Q8KRows x{p.x_q8, p.x_q8_scale, p.x_q8_sums, p.k};
+      const pyhlo_kernels::Q8KRows x{p.x_q8, p.x_q8_nibbles, p.x_q8_scale, p.x_q8_sums, p.k};
       pyhlo_kernels::dot_q8_k_rows(k_quant(form), row, p.k / pyhlo_kernels::kSuperValues, x, p.m, sums.data());
       for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
       continue;
@@ -461,7 +462,7 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
     }
   }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  std::vector<int8_t> x_q8, x_q32;
+  std::vector<int8_t> x_q8, x_q8_nibbles, x_q32;
   std::vector<float> x_q8_scale, x_q8_d32, x_sums, x_q32_d, x_q32_s;
   std::vector<int16_t> x_q8_sums;
   if (!int8_x && (form == kForms || is_k_quant(form))) {
@@ -482,7 +483,10 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
       pyhlo_kernels::quantize_q8_k(p.x + m * p.k, p.k, x_q8.data() + m * p.k, x_q8_scale.data() + m * blocks,
                                    x_q8_sums.data() + m * (p.k / 16));
     for (size_t i = 0; i < x_q8_d32.size(); ++i) x_q8_d32[i] = x_q8_scale[i / 8];
+    x_q8_nibbles.resize(p.m * p.k);
+    pyhlo_kernels::nibble_order_q8_k(x_q8.data(), p.m * p.k, x_q8_nibbles.data());
     p.x_q8 = x_q8.data();
+    p.x_q8_nibbles = x_q8_nibbles.data();
     p.x_q8_scale = x_q8_scale.data();
     p.x_q8_sums = x_q8_sums.data();
     p.x_q8_d32 = x_q8_d32.data();
