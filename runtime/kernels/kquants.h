@@ -448,6 +448,23 @@ inline void nibble_order_q8_k(const int8_t* q, int64_t k, int8_t* out) {
   }
 }
 
+#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
+// k4_scales' rearrangement in a register: the 8 scales in bytes 0-7, the 8 minimums in bytes
+// 8-15, from the 12 bytes at `packed` (16 read: the 4 after them belong to the same block).
+// Kept out of memory: stored and read back as a vector, the bytes waited on a failed store
+// forwarding in every super-block.
+inline __m128i k4_scales_in_register(const uint8_t* packed) {
+  const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));   // w0 w1 w2 (w3)
+  // Lanes 0 and 2 (scales and minimums 0-3): w0, w1 & 0x3f...; lanes 1 and 3 (4-7): the
+  // nibbles of w2 (low, then high) and bits 6-7 of w0, w1 as bits 4-5.
+  const __m128i nibbles = _mm_srlv_epi32(_mm_shuffle_epi32(words, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i low = _mm_and_si128(nibbles, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(words, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(low, top);
+}
+#endif
+
 #ifdef PYHLO_KQ_AVX512
 // The int8-activation product of a weight row kept as the file's bytes, each super-block
 // unpacked in registers and multiplied at once, as llama.cpp's ggml_vec_dot_q4_K_q8_K (q5_K,
@@ -478,21 +495,6 @@ inline __m512i pair_shuffle(int v, bool q6) {
     control[2 * p + 1] = int8_t(2 * scale + 1);
   }
   return _mm512_load_si512(control);
-}
-
-// k4_scales' rearrangement in a register: the 8 scales in bytes 0-7, the 8 minimums in bytes
-// 8-15, from the 12 bytes at `packed` (16 read: the 4 after them belong to the same block).
-// Kept out of memory: stored and read back as a vector, the bytes waited on a failed store
-// forwarding in every super-block.
-inline __m128i k4_scales_in_register(const uint8_t* packed) {
-  const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));   // w0 w1 w2 (w3)
-  // Lanes 0 and 2 (scales and minimums 0-3): w0, w1 & 0x3f...; lanes 1 and 3 (4-7): the
-  // nibbles of w2 (low, then high) and bits 6-7 of w0, w1 as bits 4-5.
-  const __m128i nibbles = _mm_srlv_epi32(_mm_shuffle_epi32(words, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
-  const __m128i low = _mm_and_si128(nibbles, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(words, _MM_SHUFFLE(1, 1, 0, 0)), 2),
-                                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-  return _mm_or_si128(low, top);
 }
 
 // Q4_K (high = nullptr) and Q5_K: layouts as unpack_q45_k's.
@@ -596,10 +598,113 @@ void dot_q8_k_row(const uint8_t* w, int64_t blocks, const Q8KRows& x, float* out
   }
   for (int g = 0; g < G; ++g) out[g] += _mm512_reduce_add_ps(acc[g]) - sum8(acc_low[g]);
 }
+#elif defined(PYHLO_KQ_AVX2)
+// The same in 256-bit vectors: a super-block is 8 vectors of 32 values in their order (a Q4_K /
+// Q5_K nibble run of 32 bytes is one sub-block of 32), taken one at a time against every
+// activation row so that the sums of G rows and the vector in hand fit in the 16 registers.
+
+// Vector i (values 32 i .. 32 i + 31) of the super-block of F at b, as unsigned bytes.
+template <KQuant F>
+inline __m256i weights_avx2(const uint8_t* b, int i) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  if constexpr (F == KQuant::kQ6_K) {
+    // ql byte 64 h + 32 (part % 2) + l, its low nibble for part < 2; qh byte 32 h + l, bits 2 part.
+    const int h = i / 4, part = i % 4;
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (part % 2)));
+    const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i nibbles = part < 2 ? _mm256_and_si256(low, nibble)
+                                     : _mm256_and_si256(_mm256_srli_epi16(low, 4), nibble);
+    const __m256i shifted = part == 0 ? _mm256_slli_epi16(top, 4) : part == 1 ? _mm256_slli_epi16(top, 2)
+                            : part == 2 ? top : _mm256_srli_epi16(top, 2);
+    return _mm256_or_si256(nibbles, _mm256_and_si256(shifted, _mm256_set1_epi8(0x30)));
+  } else {
+    const uint8_t* qs = b + (F == KQuant::kQ5_K ? 48 : 16);
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (i / 2)));
+    __m256i q = i % 2 ? _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble) : _mm256_and_si256(packed, nibble);
+    if constexpr (F == KQuant::kQ5_K) {
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const __m256i bit = _mm256_set1_epi8(char(1 << i));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
+      q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    return q;
+  }
+}
+
+// Byte shuffles giving the 16 pair products of vector i their 16-bit scale from a 128-bit lane
+// of 8 scales. Q4_K / Q5_K: scale i (one a sub-block of 32); Q6_K: scales 2 i (first 8 pairs)
+// and 2 i + 1, taken from the lane of scales 0-7 (i < 4) or 8-15.
+inline void pair_shuffles_avx2(bool q6, __m256i* shuffles) {
+  for (int i = 0; i < 8; ++i) {
+    alignas(32) int8_t control[32];
+    for (int p = 0; p < 16; ++p) {
+      const int scale = q6 ? (2 * i + p / 8) % 8 : i;
+      control[2 * p] = int8_t(2 * scale);
+      control[2 * p + 1] = int8_t(2 * scale + 1);
+    }
+    shuffles[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(control));
+  }
+}
+
+template <KQuant F, int G>
+void dot_q8_k_row(const uint8_t* w, int64_t blocks, const Q8KRows& x, float* out) {
+  constexpr bool q6 = F == KQuant::kQ6_K;
+  constexpr int64_t bytes = F == KQuant::kQ4_K ? 144 : F == KQuant::kQ5_K ? 176 : 210;
+  __m256i shuffles[8];
+  pair_shuffles_avx2(q6, shuffles);
+  __m256 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * bytes;
+    float d, dmin = 0;
+    __m256i lows, scales[2];   // scales: lanes of 8 16-bit scales (Q6_K: 0-7, 8-15)
+    if constexpr (q6) {
+      d = f16_at(block + 208);
+      lows = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
+      scales[0] = _mm256_permute2x128_si256(lows, lows, 0x00);
+      scales[1] = _mm256_permute2x128_si256(lows, lows, 0x11);
+    } else {
+      d = f16_at(block);
+      dmin = f16_at(block + 2);
+      const __m128i packed = k4_scales_in_register(block + 4);   // 8 scales, 8 minimums
+      scales[0] = scales[1] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(packed));
+      lows = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(packed, packed));
+    }
+    __m256i sum[G];
+    for (int g = 0; g < G; ++g) sum[g] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      const __m256i q = weights_avx2<F>(block, i);
+      const __m256i scale = _mm256_shuffle_epi8(scales[i / 4], shuffles[i]);
+      for (int g = 0; g < G; ++g) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + g * x.k + b * kSuperValues + 32 * i));
+        sum[g] = _mm256_add_epi32(sum[g], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256i low_sums = _mm256_madd_epi16(
+          lows, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum + g * (x.k / 16) + 16 * b)));
+      const float xd = x.d[g * (x.k / kSuperValues) + b];
+      if constexpr (q6) {
+        sum[g] = _mm256_sub_epi32(sum[g], _mm256_slli_epi32(low_sums, 5));
+      } else {
+        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low_sums), _mm256_set1_ps(-xd * dmin), acc[g]);
+      }
+      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[g]), _mm256_set1_ps(xd * d), acc[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g] += sum8(acc[g]);
+}
+#endif
+
+#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
 
 template <KQuant F>
 void dot_q8_k_rows_of(const uint8_t* w, int64_t blocks, Q8KRows x, int64_t rows, float* out) {
+#ifdef PYHLO_KQ_AVX512
   constexpr int kMost = 8;   // activation rows a pass: their sums stay in registers
+#else
+  constexpr int kMost = 4;
+#endif
   for (; rows >= kMost; rows -= kMost, out += kMost) {
     dot_q8_k_row<F, kMost>(w, blocks, x, out);
     x.q += kMost * x.k;
@@ -608,10 +713,10 @@ void dot_q8_k_rows_of(const uint8_t* w, int64_t blocks, Q8KRows x, int64_t rows,
     x.bsum += kMost * (x.k / 16);
   }
   switch (rows) {
-    case 7: dot_q8_k_row<F, 7>(w, blocks, x, out); break;
-    case 6: dot_q8_k_row<F, 6>(w, blocks, x, out); break;
-    case 5: dot_q8_k_row<F, 5>(w, blocks, x, out); break;
-    case 4: dot_q8_k_row<F, 4>(w, blocks, x, out); break;
+    case 7: dot_q8_k_row<F, kMost == 8 ? 7 : 1>(w, blocks, x, out); break;
+    case 6: dot_q8_k_row<F, kMost == 8 ? 6 : 1>(w, blocks, x, out); break;
+    case 5: dot_q8_k_row<F, kMost == 8 ? 5 : 1>(w, blocks, x, out); break;
+    case 4: dot_q8_k_row<F, kMost == 8 ? 4 : 1>(w, blocks, x, out); break;
     case 3: dot_q8_k_row<F, 3>(w, blocks, x, out); break;
     case 2: dot_q8_k_row<F, 2>(w, blocks, x, out); break;
     case 1: dot_q8_k_row<F, 1>(w, blocks, x, out); break;
@@ -623,7 +728,7 @@ void dot_q8_k_rows_of(const uint8_t* w, int64_t blocks, Q8KRows x, int64_t rows,
 // The forms dot_q8_k_rows multiplies in registers on this build (the others: unpack(), then
 // dot_q8_k()).
 inline bool has_row_kernel(KQuant form) {
-#ifdef PYHLO_KQ_AVX512
+#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
   return form == KQuant::kQ4_K || form == KQuant::kQ5_K || form == KQuant::kQ6_K;
 #else
   (void)form;
@@ -632,11 +737,11 @@ inline bool has_row_kernel(KQuant form) {
 }
 
 // out[m] += the product of the weight row w (`blocks` super-blocks of `form`, the file's bytes)
-// with activation row m of x, for every m < rows; only for a form has_row_kernel() names (Q4_K
-// and Q5_K read x.q_nibbles, Q6_K x.q).
+// with activation row m of x, for every m < rows; only for a form has_row_kernel() names (with
+// AVX-512, Q4_K and Q5_K read x.q_nibbles; otherwise x.q).
 inline void dot_q8_k_rows(KQuant form, const uint8_t* w, int64_t blocks, const Q8KRows& x, int64_t rows,
                           float* out) {
-#ifdef PYHLO_KQ_AVX512
+#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
   switch (form) {
     case KQuant::kQ4_K: return dot_q8_k_rows_of<KQuant::kQ4_K>(w, blocks, x, rows, out);
     case KQuant::kQ5_K: return dot_q8_k_rows_of<KQuant::kQ5_K>(w, blocks, x, rows, out);
