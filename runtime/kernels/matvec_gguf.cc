@@ -387,20 +387,36 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
-// Chunks of weight rows handed out by an atomic counter: whoever is free takes the next one.
+// Weight rows handed out in chunks by an atomic counter: whoever is free takes the next one. A
+// chunk is a share of the rows left (1 / `parts`), down to kMinChunkBytes of weights, so that
+// the threads finish together (as matvec.cc's): with a fixed eighth of the rows a chunk, a
+// thread that started late left the other one idle for up to a chunk at the end.
+constexpr int64_t kMinChunkBytes = 64 << 10;
+
 struct SharedWork {
   Problem problem;
-  int64_t chunk_rows = 0;
-  int64_t n_chunks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t parts = 1;
+  int64_t min_rows = kChunkAlign;
+  std::atomic<int64_t> next{0};   // the first row not yet handed out
+  std::atomic<int64_t> done{0};   // rows finished
+
+  bool claim(int64_t* begin, int64_t* end) {
+    int64_t start = next.load(std::memory_order_relaxed), size;
+    do {
+      const int64_t left = problem.n - start;
+      if (left <= 0) return false;
+      size = std::min(left, std::max(min_rows, (left / parts + kChunkAlign - 1) / kChunkAlign * kChunkAlign));
+    } while (!next.compare_exchange_weak(start, start + size, std::memory_order_relaxed));
+    *begin = start;
+    *end = start + size;
+    return true;
+  }
 
   void drain() {
-    for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
-      const int64_t begin = c * chunk_rows;
-      const int64_t end = begin + chunk_rows < problem.n ? begin + chunk_rows : problem.n;
+    int64_t begin, end;
+    while (claim(&begin, &end)) {
       weight_rows(problem, begin, end);
-      done.fetch_add(1, std::memory_order_release);
+      done.fetch_add(end - begin, std::memory_order_release);
     }
   }
 };
@@ -412,14 +428,15 @@ ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
   if (cap != 0) threads = cap > 0 ? cap : 1;
   auto work = std::make_shared<SharedWork>();
   work->problem = p;
-  int64_t chunk = (p.n + 4 * threads - 1) / (4 * threads);     // about four chunks per thread
-  chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-  work->chunk_rows = chunk;
-  work->n_chunks = (p.n + chunk - 1) / chunk;
-  const int64_t helpers = threads - 1 < work->n_chunks - 1 ? threads - 1 : work->n_chunks - 1;
+  work->parts = threads;
+  const Layout layout = kLayouts[p.form == kForms ? kQ8_0 : p.form];
+  const int64_t row_bytes = p.stride ? p.stride : p.k / layout.values * layout.bytes;
+  const int64_t min_rows = (kMinChunkBytes / std::max<int64_t>(1, row_bytes) + kChunkAlign - 1) / kChunkAlign;
+  work->min_rows = std::max<int64_t>(1, min_rows) * kChunkAlign;
+  const int64_t helpers = std::min(threads - 1, (p.n - 1) / work->min_rows);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->n_chunks) {
+  while (work->done.load(std::memory_order_acquire) < p.n) {
 #ifdef PYHLO_GGUF_AVX2
     _mm_pause();
 #endif
