@@ -8,6 +8,11 @@
 // exact kernel multiplies by q - centre as the gguf package does and the integer one takes the
 // centre through the sums of the rounded activations, as llama.cpp does.
 //
+// The integer form of Q4_K, Q5_K and Q6_K has a second way, with AVX-512 or AVX2: the row
+// kernels (dot_q8_k_rows) unpack each super-block of the file's bytes in registers and multiply
+// it at once, as llama.cpp's vec_dot kernels do, with the same integer sums; decode streams
+// its weights that way, nothing stored between unpacking and multiplying.
+//
 // Paths: AVX-512 (BW, VL; the integer dot on VNNI where the CPU has it), AVX2, portable, as
 // the compiler flags allow. Q4_K, Q5_K and Q6_K are unpacked with vector instructions, Q2_K
 // and Q3_K in plain C++.

@@ -18,7 +18,9 @@
 // pyhlo_matvec_gguf_rows_x8), as llama.cpp multiplies each form: x rounded per 256 values as its
 // Q8_K (kquants.h) for the K-quants and IQ4_XS, per 32 as its Q8_0 / Q8_1 (q8_blocks.h) for
 // Q5_0, Q5_1, IQ4_NL, Q8_0, Q4_0 and Q4_1; each block's product a sum of integer products scaled
-// once. Rows of mixed forms round x each way their forms need, once per call.
+// once. Rows of mixed forms round x each way their forms need, once per call. With AVX-512 or
+// AVX2, a Q4_K, Q5_K or Q6_K row is multiplied whole by kquants.h's row kernels, unpacked in
+// registers (up to 8 activation rows a pass); the other forms, a piece at a time as above.
 //
 // Paths: AVX-512 or AVX2 + FMA where the CPU has them, elsewhere portable forms that
 // compilers vectorize as they can. The K-quants are unpacked with AVX-512 or AVX2
