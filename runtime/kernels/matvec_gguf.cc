@@ -391,8 +391,8 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
 
 // Weight rows handed out in chunks by an atomic counter: whoever is free takes the next one. A
 // chunk is a share of the rows left (1 / `parts`), down to kMinChunkBytes of weights, so that
-// the threads finish together (as matvec.cc's): with a fixed eighth of the rows a chunk, a
-// thread that started late left the other one idle for up to a chunk at the end.
+// the threads finish together, as matvec.cc's do (fixed chunks of an eighth of the rows could
+// leave one thread idle for most of a chunk at the end, when the other started late).
 constexpr int64_t kMinChunkBytes = 64 << 10;
 
 struct SharedWork {
