@@ -7,8 +7,8 @@
 Each product runs as one XLA:CPU program on a weight of random blocks (valid f16 fields),
 placed on the device once; the figure is the median over --repeats runs of --calls calls
 each, as ns per weight row and GB/s of weight bytes. --copies: that many weights of random
-blocks, taken in turn, so that each call reads its weight from memory (a decode step's
-case) rather than from cache. A measurement, not a test: on a shared machine take the medians
+blocks, taken in turn and each call waited on, so that each call reads its weight from memory
+(a decode step's case) rather than from cache. A measurement, not a test: on a shared machine take the medians
 of several runs. PYHLO_MATVEC_THREADS=1 measures one thread.
 """
 from __future__ import annotations
@@ -67,6 +67,8 @@ def time_kernel(ggml_type: str, rows: int, n: int, k: int, x8: bool, repeats: in
         start = time.perf_counter()
         for i in range(calls):
             out = executable.run_buffers(buffers[i % copies])
+            if copies > 1:   # each product waited on, as a decode step's are: runs do not overlap
+                backend.to_host(out[0])
         backend.to_host(out[0])
         times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
