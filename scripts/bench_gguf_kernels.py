@@ -8,8 +8,8 @@ Each product runs as one XLA:CPU program on a weight of random blocks (valid f16
 placed on the device once; the figure is the median over --repeats runs of --calls calls
 each, as ns per weight row and GB/s of weight bytes. --copies: that many weights of random
 blocks, taken in turn and each call waited on, so that each call reads its weight from memory
-(a decode step's case) rather than from cache. A measurement, not a test: on a shared machine take the medians
-of several runs. PYHLO_MATVEC_THREADS=1 measures one thread.
+(a decode step's case) rather than from cache. A measurement, not a test: on a shared machine
+take the medians of several runs. PYHLO_MATVEC_THREADS=1 measures one thread.
 """
 from __future__ import annotations
 
