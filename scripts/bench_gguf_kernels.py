@@ -2,11 +2,14 @@
 
     python scripts/bench_gguf_kernels.py                        # Q4_K, Q5_K, Q6_K; 2048 x 8192; 1 row
     python scripts/bench_gguf_kernels.py --types Q6_K --rows 1,4 --x8 both
+    python scripts/bench_gguf_kernels.py --x8 on --copies 24    # read from memory, not cache
 
 Each product runs as one XLA:CPU program on a weight of random blocks (valid f16 fields),
 placed on the device once; the figure is the median over --repeats runs of --calls calls
-each, as ns per weight row and GB/s of weight bytes. A measurement, not a test: on a shared
-machine take the medians of several runs. PYHLO_MATVEC_THREADS=1 measures one thread.
+each, as ns per weight row and GB/s of weight bytes. --copies: that many weights of random
+blocks, taken in turn and each call waited on, so that each call reads its weight from memory
+(a decode step's case) rather than from cache. A measurement, not a test: on a shared machine
+take the medians of several runs. PYHLO_MATVEC_THREADS=1 measures one thread.
 """
 from __future__ import annotations
 
@@ -41,9 +44,11 @@ def random_blocks(ggml_type: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     return data.reshape(n, -1)
 
 
-def time_kernel(ggml_type: str, rows: int, n: int, k: int, x8: bool, repeats: int, calls: int) -> float:
+def time_kernel(ggml_type: str, rows: int, n: int, k: int, x8: bool, repeats: int, calls: int,
+                copies: int = 1) -> float:
     """Median seconds of one product."""
-    data = random_blocks(ggml_type, n, k)
+    weights = [random_blocks(ggml_type, n, k, seed) for seed in range(copies)]
+    data = weights[0]
     x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
 
     def program(scribe):
@@ -53,14 +58,17 @@ def time_kernel(ggml_type: str, rows: int, n: int, k: int, x8: bool, repeats: in
 
     backend = get_backend()
     executable = backend.compile(compile_py_func(program).SerializeToString())
-    buffers = [backend.to_device(x), backend.to_device(data)]
-    for _ in range(3):
-        backend.to_host(executable.run_buffers(buffers)[0])
+    x_buffer = backend.to_device(x)
+    buffers = [[x_buffer, backend.to_device(w)] for w in weights]
+    for i in range(3):
+        backend.to_host(executable.run_buffers(buffers[i % copies])[0])
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(calls):
-            out = executable.run_buffers(buffers)
+        for i in range(calls):
+            out = executable.run_buffers(buffers[i % copies])
+            if copies > 1:   # each product waited on, as a decode step's are: runs do not overlap
+                backend.to_host(out[0])
         backend.to_host(out[0])
         times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
@@ -76,6 +84,8 @@ def main() -> None:
                         help="the int8-activation kernels (Q8_K activations)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--copies", type=int, default=1,
+                        help="weights taken in turn (enough to pass the caches: read from memory)")
     args = parser.parse_args()
     assert cpu_kernels.register(), "the CPU kernels did not build"
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.x8]
@@ -84,7 +94,8 @@ def main() -> None:
         weight_bytes = args.n * args.k // LAYOUTS[ggml_type][0] * LAYOUTS[ggml_type][1]
         for rows in map(int, args.rows.split(",")):
             for x8 in modes:
-                seconds = time_kernel(ggml_type, rows, args.n, args.k, x8, args.repeats, args.calls)
+                seconds = time_kernel(ggml_type, rows, args.n, args.k, x8, args.repeats, args.calls,
+                                      args.copies)
                 print(f"{ggml_type:6} {rows:4} {'x8' if x8 else 'exact':5} {seconds * 1e3:8.3f} "
                       f"{seconds / args.n * 1e9:8.1f} {weight_bytes / seconds / 1e9:6.2f}", flush=True)
 

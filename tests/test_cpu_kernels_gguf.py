@@ -182,6 +182,38 @@ def test_each_int8_activation_gguf_kernel_matches_numpy(ggml_type, rows):
     check_int8_activation_product(out, x, [ggml_type] * len(data), data)
 
 
+# The K-quants' decode kernels unpack each super-block in registers for up to 8 activation rows
+# at a time: every count of rows in a pass, passes of 8 and the rest, at an odd number of
+# super-blocks and of weight rows.
+@pytest.mark.parametrize("ggml_type", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [2, 4, 6, 8, 9, 12, 17])
+def test_k_quant_int8_activation_kernels_at_every_count_of_rows_match_numpy(ggml_type, rows):
+    seed = 10 * rows + len(ggml_type)
+    data = random_gguf_blocks(ggml_type, 7, 5, seed)       # K = 5 * 256
+    x = np.random.default_rng(seed + 1).standard_normal((rows, 5 * 256)).astype(np.float32)
+    x[-1, 512:768] = 0
+    out = run_kernel(x, data, ggml_type, int8_activations=True)
+    assert out.shape == (rows, 7)
+    check_int8_activation_product(out, x, [ggml_type] * len(data), data)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 11])
+def test_k_quant_rows_of_mixed_forms_past_eight_activation_rows_match_numpy(rows):
+    """Rows of the K-quants among others (a Q4_K_M file's fused q|k|v), 1 to 11 activation rows."""
+    types = ["Q4_K", "Q6_K", "Q8_0", "Q5_K", "Q4_K", "Q6_K", "Q5_0"]
+    forms = tuple(sorted(set(types)))
+    data, _ = mixed_rows(types, forms, 768, rows)
+    x = np.random.default_rng(rows).standard_normal((rows, 768)).astype(np.float32)
+
+    def program(scribe):
+        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                              scribe.u8[data.shape].Parameter(parameter_number=1), forms,
+                                              int8_activations=True)
+
+    (out,) = run_fn(program, x, data)
+    check_int8_activation_product(out, x, types, data)
+
+
 @settings(max_examples=10, deadline=None)
 @given(ggml_type=st.sampled_from(linalg.GGUF_X8_KERNEL_TYPES),
        lead=st.sampled_from([(1,), (4,), (7,), (2, 3)]), n=st.integers(1, 40), blocks=st.integers(1, 10),

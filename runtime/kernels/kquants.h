@@ -8,6 +8,11 @@
 // exact kernel multiplies by q - centre as the gguf package does and the integer one takes the
 // centre through the sums of the rounded activations, as llama.cpp does.
 //
+// The integer form of Q4_K, Q5_K and Q6_K has a second way, with AVX-512 or AVX2: the row
+// kernels (dot_q8_k_rows) unpack each super-block of the file's bytes in registers and multiply
+// it at once, as llama.cpp's vec_dot kernels do, with the same integer sums; decode streams
+// its weights that way, nothing stored between unpacking and multiplying.
+//
 // Paths: AVX-512 (BW, VL; the integer dot on VNNI where the CPU has it), AVX2, portable, as
 // the compiler flags allow. Q4_K, Q5_K and Q6_K are unpacked with vector instructions, Q2_K
 // and Q3_K in plain C++.
@@ -421,6 +426,345 @@ inline float dot_q8_k(const SuperBlock* w, const int8_t* xq, const float* xd, co
   }
   return total;
 #endif
+}
+
+// Rows of activations rounded as Q8_K (quantize_q8_k), for the row kernels below: row g's
+// values at q + g * k, its scales at d + g * (k / 256), its sums of 16 at bsum + g * (k / 16);
+// q_nibbles: the same values with each 128 in the order a Q4_K or Q5_K super-block keeps its
+// nibbles in (nibble_order_q8_k); the pointers may start inside the rows (at a super-block).
+struct Q8KRows {
+  const int8_t* q;
+  const int8_t* q_nibbles;
+  const float* d;
+  const int16_t* bsum;
+  int64_t k;   // values in a whole row: the rows' stride
+};
+
+// Rounded activations q (k values, a multiple of 256) in the order of a Q4_K or Q5_K
+// super-block's nibbles: 64 bytes of qs hold values 0-31 and 64-95 in their low nibbles, 32-63
+// and 96-127 in their high ones, so each 128 values go as 0-31, 64-95, 32-63, 96-127, and the
+// kernels multiply the nibbles where they lie.
+inline void nibble_order_q8_k(const int8_t* q, int64_t k, int8_t* out) {
+  for (int64_t i = 0; i < k; i += 128) {
+    std::memcpy(out + i, q + i, 32);
+    std::memcpy(out + i + 32, q + i + 64, 32);
+    std::memcpy(out + i + 64, q + i + 32, 32);
+    std::memcpy(out + i + 96, q + i + 96, 32);
+  }
+}
+
+#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
+// k4_scales' rearrangement done in a register, with no round trip through memory: the 8
+// scales in bytes 0-7, the 8 minimums in bytes 8-15, from the 12 bytes at `packed` (16 read:
+// the 4 after them belong to the same super-block).
+inline __m128i k4_scales_in_register(const uint8_t* packed) {
+  const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));   // w0 w1 w2 (w3)
+  // Lanes 0 and 2 (scales and minimums 0-3): w0, w1 & 0x3f...; lanes 1 and 3 (4-7): the
+  // nibbles of w2 (low, then high) and bits 6-7 of w0, w1 as bits 4-5.
+  const __m128i nibbles = _mm_srlv_epi32(_mm_shuffle_epi32(words, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i low = _mm_and_si128(nibbles, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(words, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(low, top);
+}
+
+// Bytes of the weight stream asked for ahead of the super-block in hand: a thread's rows lie
+// one after another, so this runs into the next rows. A page ahead measured faster than 1 KB
+// (about 17 against 13 GB/s from memory on one core of the EPYC host, weights on 4 KB pages).
+constexpr int64_t kKQuantPrefetchAhead = 4096;
+
+// Asks for the weight bytes kKQuantPrefetchAhead past the super-block of `bytes` at `block`.
+inline void prefetch_ahead(const uint8_t* block, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block) + kKQuantPrefetchAhead + line, _MM_HINT_T0);
+}
+#endif
+
+#ifdef PYHLO_KQ_AVX512
+// The int8-activation product of a weight row kept as the file's bytes, each super-block
+// unpacked in registers and multiplied at once, as llama.cpp's ggml_vec_dot_q4_K_q8_K (q5_K,
+// q6_K) do: no SuperBlock is stored, and each super-block's weights, unpacked once, serve G
+// activation rows. The integer sums are dot_q8_k's; only the order of the f32 sums differs.
+//
+// A super-block in registers: 4 vectors of 64 unsigned weights (Q6_K: values 64 v .. 64 v + 63;
+// Q4_K and Q5_K: in nibble order, see nibble_order_q8_k) and for each the 16-bit scale of every
+// pair of values (the 32 products vpmaddubsw gives); `lows` the 16-bit factor of each 16's
+// activation sum (Q4_K, Q5_K: its minimum; Q6_K: its scale, the centre 32 taken off through
+// those sums).
+struct RegisterBlock {
+  __m512i q[4];
+  __m512i pair_scale[4];
+  __m256i lows;
+  float d, dmin;   // Q4_K, Q5_K: value = d * scale * q - dmin * minimum
+};
+
+// Byte shuffles (vpshufb, within 128-bit lanes) that give each pair p of values in vector v its
+// 16-bit scale from a lane of 8 scales.
+// Q4_K / Q5_K, scales per 32: vector 2 h + u holds sub-blocks 4 h + u (p < 16) and 4 h + u + 2;
+// Q6_K, scales per 16: 4 v + p / 8, taken from a lane of scales 0-7 (v < 2) or 8-15.
+inline __m512i pair_shuffle(int v, bool q6) {
+  alignas(64) int8_t control[64];
+  for (int p = 0; p < 32; ++p) {
+    const int scale = q6 ? (4 * v + p / 8) % 8 : 4 * (v / 2) + v % 2 + (p < 16 ? 0 : 2);
+    control[2 * p] = int8_t(2 * scale);
+    control[2 * p + 1] = int8_t(2 * scale + 1);
+  }
+  return _mm512_load_si512(control);
+}
+
+// Q4_K (high = nullptr) and Q5_K: layouts as unpack_q45_k's.
+inline void load_q45_k(const uint8_t* b, const uint8_t* high, const uint8_t* qs, const __m512i* shuffle,
+                       RegisterBlock* r) {
+  int32_t halves;
+  std::memcpy(&halves, b, sizeof(halves));
+  const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));   // d, dmin
+  r->d = _mm_cvtss_f32(both);
+  r->dmin = _mm_cvtss_f32(_mm_movehdup_ps(both));
+  const __m128i bytes = k4_scales_in_register(b + 4);   // 8 scales, 8 minimums
+  const __m512i scales = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(bytes));
+  r->lows = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(bytes, bytes));   // each minimum for its two 16s
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i top = high ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)))
+                           : _mm512_setzero_si512();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i packed = _mm512_loadu_si512(qs + 64 * h);
+    r->q[2 * h] = _mm512_and_si512(packed, nibble);
+    r->q[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+  }
+  for (int v = 0; v < 4; ++v) {
+    if (high) {
+      // Q5_K's fifth bit: bit j of high[l] for value 32 j + l, sub-block j.
+      const int j = 4 * (v / 2) + v % 2;
+      const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << j)), _mm256_set1_epi8(char(1 << (j + 2))), 1);
+      r->q[v] = _mm512_mask_add_epi8(r->q[v], _mm512_test_epi8_mask(top, bits), r->q[v], _mm512_set1_epi8(16));
+    }
+    r->pair_scale[v] = _mm512_shuffle_epi8(scales, shuffle[v]);
+  }
+}
+
+// Q6_K: layout as unpack_q6_k's.
+inline void load_q6_k(const uint8_t* b, const __m512i* shuffle, RegisterBlock* r) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  r->d = f16_at(b + 208);
+  r->lows = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  const __m512i scales[2] = {_mm512_broadcast_i32x4(_mm256_castsi256_si128(r->lows)),
+                             _mm512_broadcast_i32x4(_mm256_extracti128_si256(r->lows, 1))};
+  const __m512i nibble = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
+  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i low = _mm512_loadu_si512(ql + 64 * h);
+    const __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+    r->q[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble), _mm512_and_si512(_mm512_sllv_epi16(top, up), pair));
+    r->q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
+                                      _mm512_and_si512(_mm512_sllv_epi16(_mm512_srli_epi16(top, 4), up), pair));
+  }
+  for (int v = 0; v < 4; ++v) r->pair_scale[v] = _mm512_shuffle_epi8(scales[v / 2], shuffle[v]);
+}
+
+// sum += products * scales in 32-bit lanes (VNNI's vpdpwssd where the CPU has it).
+inline __m512i add_scaled(__m512i sum, __m512i products, __m512i scales) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(sum, products, scales);
+#else
+  return _mm512_add_epi32(sum, _mm512_madd_epi16(products, scales));
+#endif
+}
+
+// out[g] += the product of the weight row w (`blocks` super-blocks of F, the file's bytes)
+// with activation row g of x, for g < G.
+template <KQuant F, int G>
+void dot_q8_k_row(const uint8_t* w, int64_t blocks, const Q8KRows& x, float* out) {
+  constexpr bool q6 = F == KQuant::kQ6_K;
+  constexpr int64_t bytes = F == KQuant::kQ4_K ? 144 : F == KQuant::kQ5_K ? 176 : 210;
+  const int8_t* xq = q6 ? x.q : x.q_nibbles;
+  __m512i shuffle[4];
+  for (int v = 0; v < 4; ++v) shuffle[v] = pair_shuffle(v, q6);
+  __m512 acc[G];
+  __m256 acc_low[G];   // Q4_K, Q5_K: the minimums' terms
+  for (int g = 0; g < G; ++g) {
+    acc[g] = _mm512_setzero_ps();
+    acc_low[g] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * bytes;
+    prefetch_ahead(block, bytes);
+    RegisterBlock r;
+    if constexpr (F == KQuant::kQ4_K) load_q45_k(block, nullptr, block + 16, shuffle, &r);
+    if constexpr (F == KQuant::kQ5_K) load_q45_k(block, block + 16, block + 48, shuffle, &r);
+    if constexpr (q6) load_q6_k(block, shuffle, &r);
+    for (int g = 0; g < G; ++g) {
+      const int8_t* xg = xq + g * x.k + b * kSuperValues;
+      __m512i sum = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v)
+        sum = add_scaled(sum, _mm512_maddubs_epi16(r.q[v], _mm512_loadu_si512(xg + 64 * v)), r.pair_scale[v]);
+      const __m256i lows = _mm256_madd_epi16(
+          r.lows, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum + g * (x.k / 16) + 16 * b)));
+      const float xd = x.d[g * (x.k / kSuperValues) + b];
+      if constexpr (q6) {
+        // The centre's sums (32 * scale * sum of 16) join the integer sum: within 2^29, no overflow.
+        sum = _mm512_sub_epi32(sum, _mm512_zextsi256_si512(_mm256_slli_epi32(lows, 5)));
+      } else {
+        acc_low[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lows), _mm256_set1_ps(xd * r.dmin), acc_low[g]);
+      }
+      acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xd * r.d), acc[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g] += _mm512_reduce_add_ps(acc[g]) - sum8(acc_low[g]);
+}
+#elif defined(PYHLO_KQ_AVX2)
+// The same in 256-bit vectors: a super-block is 8 vectors of 32 values in their order (a Q4_K /
+// Q5_K nibble run of 32 bytes is one sub-block of 32), taken one at a time against every
+// activation row so that the sums of G rows and the vector in hand fit in the 16 registers.
+
+// Vector i (values 32 i .. 32 i + 31) of the super-block of F at b, as unsigned bytes.
+template <KQuant F>
+inline __m256i weights_avx2(const uint8_t* b, int i) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  if constexpr (F == KQuant::kQ6_K) {
+    // ql byte 64 h + 32 (part % 2) + l, its low nibble for part < 2; qh byte 32 h + l, bits 2 part.
+    const int h = i / 4, part = i % 4;
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (part % 2)));
+    const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i nibbles = part < 2 ? _mm256_and_si256(low, nibble)
+                                     : _mm256_and_si256(_mm256_srli_epi16(low, 4), nibble);
+    const __m256i shifted = part == 0 ? _mm256_slli_epi16(top, 4) : part == 1 ? _mm256_slli_epi16(top, 2)
+                            : part == 2 ? top : _mm256_srli_epi16(top, 2);
+    return _mm256_or_si256(nibbles, _mm256_and_si256(shifted, _mm256_set1_epi8(0x30)));
+  } else {
+    const uint8_t* qs = b + (F == KQuant::kQ5_K ? 48 : 16);
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (i / 2)));
+    __m256i q = i % 2 ? _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble) : _mm256_and_si256(packed, nibble);
+    if constexpr (F == KQuant::kQ5_K) {
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const __m256i bit = _mm256_set1_epi8(char(1 << i));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit);
+      q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    return q;
+  }
+}
+
+// Byte shuffles giving the 16 pair products of vector i their 16-bit scale from a 128-bit lane
+// of 8 scales. Q4_K / Q5_K: scale i (one a sub-block of 32); Q6_K: scales 2 i (first 8 pairs)
+// and 2 i + 1, taken from the lane of scales 0-7 (i < 4) or 8-15.
+inline void pair_shuffles_avx2(bool q6, __m256i* shuffles) {
+  for (int i = 0; i < 8; ++i) {
+    alignas(32) int8_t control[32];
+    for (int p = 0; p < 16; ++p) {
+      const int scale = q6 ? (2 * i + p / 8) % 8 : i;
+      control[2 * p] = int8_t(2 * scale);
+      control[2 * p + 1] = int8_t(2 * scale + 1);
+    }
+    shuffles[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(control));
+  }
+}
+
+template <KQuant F, int G>
+void dot_q8_k_row(const uint8_t* w, int64_t blocks, const Q8KRows& x, float* out) {
+  constexpr bool q6 = F == KQuant::kQ6_K;
+  constexpr int64_t bytes = F == KQuant::kQ4_K ? 144 : F == KQuant::kQ5_K ? 176 : 210;
+  __m256i shuffles[8];
+  pair_shuffles_avx2(q6, shuffles);
+  __m256 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * bytes;
+    prefetch_ahead(block, bytes);
+    float d, dmin = 0;
+    __m256i lows, scales[2];   // scales: lanes of 8 16-bit scales (Q6_K: 0-7, 8-15)
+    if constexpr (q6) {
+      d = f16_at(block + 208);
+      lows = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
+      scales[0] = _mm256_permute2x128_si256(lows, lows, 0x00);
+      scales[1] = _mm256_permute2x128_si256(lows, lows, 0x11);
+    } else {
+      d = f16_at(block);
+      dmin = f16_at(block + 2);
+      const __m128i packed = k4_scales_in_register(block + 4);   // 8 scales, 8 minimums
+      scales[0] = scales[1] = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(packed));
+      lows = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(packed, packed));
+    }
+    __m256i sum[G];
+    for (int g = 0; g < G; ++g) sum[g] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      const __m256i q = weights_avx2<F>(block, i);
+      const __m256i scale = _mm256_shuffle_epi8(scales[i / 4], shuffles[i]);
+      for (int g = 0; g < G; ++g) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + g * x.k + b * kSuperValues + 32 * i));
+        sum[g] = _mm256_add_epi32(sum[g], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale));
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256i low_sums = _mm256_madd_epi16(
+          lows, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum + g * (x.k / 16) + 16 * b)));
+      const float xd = x.d[g * (x.k / kSuperValues) + b];
+      if constexpr (q6) {
+        sum[g] = _mm256_sub_epi32(sum[g], _mm256_slli_epi32(low_sums, 5));
+      } else {
+        acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low_sums), _mm256_set1_ps(-xd * dmin), acc[g]);
+      }
+      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[g]), _mm256_set1_ps(xd * d), acc[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g] += sum8(acc[g]);
+}
+#endif
+
+#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
+
+template <KQuant F>
+void dot_q8_k_rows_of(const uint8_t* w, int64_t blocks, Q8KRows x, int64_t rows, float* out) {
+#ifdef PYHLO_KQ_AVX512
+  constexpr int kMost = 8;   // activation rows a pass: their sums stay in registers
+#else
+  constexpr int kMost = 4;
+#endif
+  for (; rows >= kMost; rows -= kMost, out += kMost) {
+    dot_q8_k_row<F, kMost>(w, blocks, x, out);
+    x.q += kMost * x.k;
+    if (x.q_nibbles) x.q_nibbles += kMost * x.k;
+    x.d += kMost * (x.k / kSuperValues);
+    x.bsum += kMost * (x.k / 16);
+  }
+  switch (rows) {
+    case 7: dot_q8_k_row<F, kMost == 8 ? 7 : 1>(w, blocks, x, out); break;
+    case 6: dot_q8_k_row<F, kMost == 8 ? 6 : 1>(w, blocks, x, out); break;
+    case 5: dot_q8_k_row<F, kMost == 8 ? 5 : 1>(w, blocks, x, out); break;
+    case 4: dot_q8_k_row<F, kMost == 8 ? 4 : 1>(w, blocks, x, out); break;
+    case 3: dot_q8_k_row<F, 3>(w, blocks, x, out); break;
+    case 2: dot_q8_k_row<F, 2>(w, blocks, x, out); break;
+    case 1: dot_q8_k_row<F, 1>(w, blocks, x, out); break;
+    default: break;
+  }
+}
+#endif
+
+// The forms dot_q8_k_rows multiplies in registers on this build (the others: unpack(), then
+// dot_q8_k()).
+inline bool has_row_kernel(KQuant form) {
+#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
+  return form == KQuant::kQ4_K || form == KQuant::kQ5_K || form == KQuant::kQ6_K;
+#else
+  (void)form;
+  return false;
+#endif
+}
+
+// out[m] += the product of the weight row w (`blocks` super-blocks of `form`, the file's bytes)
+// with activation row m of x, for every m < rows; only for a form has_row_kernel() names (with
+// AVX-512, Q4_K and Q5_K read x.q_nibbles; otherwise x.q).
+inline void dot_q8_k_rows(KQuant form, const uint8_t* w, int64_t blocks, const Q8KRows& x, int64_t rows,
+                          float* out) {
+#if defined(PYHLO_KQ_AVX512) || defined(PYHLO_KQ_AVX2)
+  switch (form) {
+    case KQuant::kQ4_K: return dot_q8_k_rows_of<KQuant::kQ4_K>(w, blocks, x, rows, out);
+    case KQuant::kQ5_K: return dot_q8_k_rows_of<KQuant::kQ5_K>(w, blocks, x, rows, out);
+    case KQuant::kQ6_K: return dot_q8_k_rows_of<KQuant::kQ6_K>(w, blocks, x, rows, out);
+    default: break;
+  }
+#endif
+  (void)form, (void)w, (void)blocks, (void)x, (void)rows, (void)out;
 }
 
 }  // namespace pyhlo_kernels

@@ -18,7 +18,9 @@
 // pyhlo_matvec_gguf_rows_x8), as llama.cpp multiplies each form: x rounded per 256 values as its
 // Q8_K (kquants.h) for the K-quants and IQ4_XS, per 32 as its Q8_0 / Q8_1 (q8_blocks.h) for
 // Q5_0, Q5_1, IQ4_NL, Q8_0, Q4_0 and Q4_1; each block's product a sum of integer products scaled
-// once. Rows of mixed forms round x each way their forms need, once per call.
+// once. Rows of mixed forms round x each way their forms need, once per call. With AVX-512 or
+// AVX2, a Q4_K, Q5_K or Q6_K row is multiplied whole by kquants.h's row kernels, unpacked in
+// registers (up to 8 activation rows a pass); the other forms, a piece at a time as above.
 //
 // Paths: AVX-512 or AVX2 + FMA where the CPU has them, elsewhere portable forms that
 // compilers vectorize as they can. The K-quants are unpacked with AVX-512 or AVX2
@@ -282,6 +284,7 @@ struct Problem {
   const float* x_sums = nullptr;        // exact K-quant products: the sums of each 16 of x [m, K / 16]
   // The _x8 targets: x rounded as llama.cpp's Q8_K (pyhlo_kernels::quantize_q8_k), per row:
   const int8_t* x_q8 = nullptr;         // [m, K]
+  const int8_t* x_q8_nibbles = nullptr; // [m, K]: x_q8 in a Q4_K / Q5_K super-block's nibble order
   const float* x_q8_scale = nullptr;    // [m, K / 256]
   const int16_t* x_q8_sums = nullptr;   // [m, K / 16]
   const float* x_q8_d32 = nullptr;      // [m, K / 32]: x_q8_scale for each 32 (IQ4_XS's sub-blocks)
@@ -346,6 +349,14 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
     const Layout layout = kLayouts[form];
     const uint8_t* row = p.w + n * (p.stride ? p.stride : p.k / layout.values * layout.bytes);
     std::fill(sums.begin(), sums.end(), 0.0f);
+    if (integer && is_k_quant(form) && pyhlo_kernels::has_row_kernel(k_quant(form))) {
+      // Unpacked in registers, the whole row at once: nothing stored between unpacking and
+      // multiplying, and each super-block read once for every activation row.
+      const pyhlo_kernels::Q8KRows x{p.x_q8, p.x_q8_nibbles, p.x_q8_scale, p.x_q8_sums, p.k};
+      pyhlo_kernels::dot_q8_k_rows(k_quant(form), row, p.k / pyhlo_kernels::kSuperValues, x, p.m, sums.data());
+      for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
+      continue;
+    }
     for (int64_t start = 0; start < p.k; start += kPieceValues) {
       const int64_t length = std::min(kPieceValues, p.k - start), first = start / layout.values;
       const int64_t blocks = length / layout.values;
@@ -378,20 +389,36 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
-// Chunks of weight rows handed out by an atomic counter: whoever is free takes the next one.
+// Weight rows handed out in chunks by an atomic counter: whoever is free takes the next one. A
+// chunk is a share of the rows left (1 / `parts`), down to kMinChunkBytes of weights, so that
+// the threads finish together, as matvec.cc's do (fixed chunks of an eighth of the rows could
+// leave one thread idle for most of a chunk at the end, when the other started late).
+constexpr int64_t kMinChunkBytes = 64 << 10;
+
 struct SharedWork {
   Problem problem;
-  int64_t chunk_rows = 0;
-  int64_t n_chunks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t parts = 1;
+  int64_t min_rows = kChunkAlign;
+  std::atomic<int64_t> next{0};   // the first row not yet handed out
+  std::atomic<int64_t> done{0};   // rows finished
+
+  bool claim(int64_t* begin, int64_t* end) {
+    int64_t start = next.load(std::memory_order_relaxed), size;
+    do {
+      const int64_t left = problem.n - start;
+      if (left <= 0) return false;
+      size = std::min(left, std::max(min_rows, (left / parts + kChunkAlign - 1) / kChunkAlign * kChunkAlign));
+    } while (!next.compare_exchange_weak(start, start + size, std::memory_order_relaxed));
+    *begin = start;
+    *end = start + size;
+    return true;
+  }
 
   void drain() {
-    for (int64_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1)) {
-      const int64_t begin = c * chunk_rows;
-      const int64_t end = begin + chunk_rows < problem.n ? begin + chunk_rows : problem.n;
+    int64_t begin, end;
+    while (claim(&begin, &end)) {
       weight_rows(problem, begin, end);
-      done.fetch_add(1, std::memory_order_release);
+      done.fetch_add(end - begin, std::memory_order_release);
     }
   }
 };
@@ -403,14 +430,15 @@ ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
   if (cap != 0) threads = cap > 0 ? cap : 1;
   auto work = std::make_shared<SharedWork>();
   work->problem = p;
-  int64_t chunk = (p.n + 4 * threads - 1) / (4 * threads);     // about four chunks per thread
-  chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-  work->chunk_rows = chunk;
-  work->n_chunks = (p.n + chunk - 1) / chunk;
-  const int64_t helpers = threads - 1 < work->n_chunks - 1 ? threads - 1 : work->n_chunks - 1;
+  work->parts = threads;
+  const Layout layout = kLayouts[p.form == kForms ? kQ8_0 : p.form];
+  const int64_t row_bytes = p.stride ? p.stride : p.k / layout.values * layout.bytes;
+  const int64_t min_rows = (kMinChunkBytes / std::max<int64_t>(1, row_bytes) + kChunkAlign - 1) / kChunkAlign;
+  work->min_rows = std::max<int64_t>(1, min_rows) * kChunkAlign;
+  const int64_t helpers = std::min(threads - 1, (p.n - 1) / work->min_rows);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
   work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->n_chunks) {
+  while (work->done.load(std::memory_order_acquire) < p.n) {
 #ifdef PYHLO_GGUF_AVX2
     _mm_pause();
 #endif
@@ -453,7 +481,7 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
     }
   }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  std::vector<int8_t> x_q8, x_q32;
+  std::vector<int8_t> x_q8, x_q8_nibbles, x_q32;
   std::vector<float> x_q8_scale, x_q8_d32, x_sums, x_q32_d, x_q32_s;
   std::vector<int16_t> x_q8_sums;
   if (!int8_x && (form == kForms || is_k_quant(form))) {
@@ -474,7 +502,10 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
       pyhlo_kernels::quantize_q8_k(p.x + m * p.k, p.k, x_q8.data() + m * p.k, x_q8_scale.data() + m * blocks,
                                    x_q8_sums.data() + m * (p.k / 16));
     for (size_t i = 0; i < x_q8_d32.size(); ++i) x_q8_d32[i] = x_q8_scale[i / 8];
+    x_q8_nibbles.resize(p.m * p.k);
+    pyhlo_kernels::nibble_order_q8_k(x_q8.data(), p.m * p.k, x_q8_nibbles.data());
     p.x_q8 = x_q8.data();
+    p.x_q8_nibbles = x_q8_nibbles.data();
     p.x_q8_scale = x_q8_scale.data();
     p.x_q8_sums = x_q8_sums.data();
     p.x_q8_d32 = x_q8_d32.data();
