@@ -11,12 +11,10 @@ Weights read straight from a file's mapping (runtime/host_memory.py) lie in the 
 on 4 KB pages that MADV_COLLAPSE cannot move (an ext4 file on Linux 6.18: EINVAL). Measured
 on the same host, SmolLM2-1.7B's shape in bf16, two threads: a decode step 0.25-0.30 s from
 the mapping, 0.13-0.15 s from copies on 2 MB pages (prefill 1.7x faster too); Q4_0 blocks
-with int8 activations, whose kernel does more work a byte, showed no gain (35 ms a step
-either way, and 1.4 s more to load). So `off_the_mapping(array)` copies a float weight that
-lies in a mapping into anonymous memory at a 2 MB boundary, where huge pages can be had;
-block weights stay in the mapping (no copy, less load time). (Asking for huge pages before
-the copy touches the memory, MADV_HUGEPAGE, made the 1.7 B bf16 load 3.4 -> 12.8 s: each
-fault waited for a compacted 2 MB page; collapse() after the copy does not.)
+with int8 activations, whose kernel does more work a byte, showed no gain. So
+`off_the_mapping(array)` copies a float weight that lies in a mapping into anonymous memory
+at a 2 MB boundary, where huge pages can be had; block weights stay in the mapping (no copy,
+less load time).
 
 `collapse(buffer)` asks Linux (madvise MADV_COLLAPSE, Linux 6.1 and later) to move the whole
 2 MB ranges of a placed buffer onto huge pages, now, whatever the system's setting. Elsewhere,
