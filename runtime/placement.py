@@ -77,9 +77,8 @@ class Placement:
         programs read whole at every step (a weight), kept on 2 MB pages on CPUs
         (runtime/huge_pages.py)."""
         if self.replicas == 1:
-            return self._placed(self.backend.to_device(self._streamable(part(0), streamed)), streamed)
-        return Replicas(self._placed(self.backend.to_device(self._streamable(part(r), streamed), replica=r),
-                                     streamed) if mine else None
+            return self._placed(self.backend.to_device(part(0)), streamed)
+        return Replicas(self._placed(self.backend.to_device(part(r), replica=r), streamed) if mine else None
                         for r, mine in enumerate(self._is_local))
 
     def host_addresses(self, value: Any) -> set[int]:
@@ -90,11 +89,6 @@ class Placement:
             return set()
         buffers = [b for b in value if b is not None] if isinstance(value, Replicas) else [value]
         return {address(b) for b in buffers} - {None}
-
-    def _streamable(self, array: Any, streamed: bool) -> Any:
-        if streamed and getattr(self.backend, "platform", None) == "cpu":
-            return huge_pages.off_the_mapping(array)
-        return array
 
     def _placed(self, buffer: Any, streamed: bool) -> Any:
         if streamed and getattr(self.backend, "platform", None) == "cpu":
