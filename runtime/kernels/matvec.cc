@@ -39,6 +39,7 @@
 
 #include "block_operands.h"
 #include "half.h"
+#include "row_chunks.h"
 #include "vector_sum.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -56,7 +57,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kChunkAlign = 16;  // rows per chunk are a multiple of this: a cache line of y
-constexpr int64_t kMinChunkBytes = 64 << 10;  // the smallest chunk of weights a thread takes
 constexpr int kMaxGroup = 4;      // activation rows handled together
 
 struct Problem {
@@ -617,39 +617,6 @@ int64_t row_bytes(const Problem& p) {
   return p.k * (p.w_is_s8 ? 1 : p.w_is_bf16 ? 2 : 4);
 }
 
-// Weight rows handed out in chunks by an atomic counter: whoever is free takes the next
-// one, so the result never waits on a helper that has not started. A chunk is a share of
-// the rows left (1 / `parts`), down to kMinChunkBytes of weights, so the threads finish
-// together: chunks of a fixed quarter of each thread's rows left one core idle at the end
-// of every product while the other finished its chunk.
-struct SharedWork {
-  Problem problem;
-  int64_t parts = 1;
-  int64_t min_rows = kChunkAlign;
-  std::atomic<int64_t> next{0};   // the first row not yet handed out
-  std::atomic<int64_t> done{0};   // rows finished
-
-  bool claim(int64_t* begin, int64_t* end) {
-    int64_t start = next.load(std::memory_order_relaxed), size;
-    do {
-      const int64_t left = problem.n - start;
-      if (left <= 0) return false;
-      size = std::min(left, std::max(min_rows, (left / parts + kChunkAlign - 1) / kChunkAlign * kChunkAlign));
-    } while (!next.compare_exchange_weak(start, start + size, std::memory_order_relaxed));
-    *begin = start;
-    *end = start + size;
-    return true;
-  }
-
-  void drain() {
-    int64_t begin, end;
-    while (claim(&begin, &end)) {
-      weight_rows(problem, begin, end);
-      done.fetch_add(end - begin, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p);
 
 ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, const float* scale,
@@ -733,24 +700,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, cons
 
 // Splits the weight rows of `p` between the caller and the pool's threads.
 ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
-  // PYHLO_MATVEC_THREADS (read once) caps the threads per product, for measurements.
-  static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
-  int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
-  if (cap != 0) threads = cap > 0 ? cap : 1;
-  auto work = std::make_shared<SharedWork>();
-  work->problem = p;
-  work->parts = threads;
-  const int64_t min_rows = (kMinChunkBytes / std::max<int64_t>(1, row_bytes(p)) + kChunkAlign - 1) / kChunkAlign;
-  work->min_rows = std::max<int64_t>(1, min_rows) * kChunkAlign;
-  const int64_t helpers = std::min(threads - 1, (p.n - 1) / work->min_rows);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < p.n) {
-#if defined(PYHLO_AVX512) || defined(PYHLO_AVX2)
-    _mm_pause();
-#endif
-  }
-  return ffi::Error::Success();
+  return pyhlo_kernels::run_row_chunks(pool, p.n, row_bytes(p), kChunkAlign,
+                                       [p](int64_t begin, int64_t end) { weight_rows(p, begin, end); });
 }
 
 ffi::Error Matvec(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {

@@ -37,6 +37,7 @@
 #include "half.h"
 #include "kquants.h"
 #include "q8_blocks.h"
+#include "row_chunks.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -389,61 +390,11 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
-// Weight rows handed out in chunks by an atomic counter: whoever is free takes the next one. A
-// chunk is a share of the rows left (1 / `parts`), down to kMinChunkBytes of weights, so that
-// the threads finish together, as matvec.cc's do (fixed chunks of an eighth of the rows could
-// leave one thread idle for most of a chunk at the end, when the other started late).
-constexpr int64_t kMinChunkBytes = 64 << 10;
-
-struct SharedWork {
-  Problem problem;
-  int64_t parts = 1;
-  int64_t min_rows = kChunkAlign;
-  std::atomic<int64_t> next{0};   // the first row not yet handed out
-  std::atomic<int64_t> done{0};   // rows finished
-
-  bool claim(int64_t* begin, int64_t* end) {
-    int64_t start = next.load(std::memory_order_relaxed), size;
-    do {
-      const int64_t left = problem.n - start;
-      if (left <= 0) return false;
-      size = std::min(left, std::max(min_rows, (left / parts + kChunkAlign - 1) / kChunkAlign * kChunkAlign));
-    } while (!next.compare_exchange_weak(start, start + size, std::memory_order_relaxed));
-    *begin = start;
-    *end = start + size;
-    return true;
-  }
-
-  void drain() {
-    int64_t begin, end;
-    while (claim(&begin, &end)) {
-      weight_rows(problem, begin, end);
-      done.fetch_add(end - begin, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
-  // PYHLO_MATVEC_THREADS (read once) caps the threads per product, for measurements.
-  static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
-  int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
-  if (cap != 0) threads = cap > 0 ? cap : 1;
-  auto work = std::make_shared<SharedWork>();
-  work->problem = p;
-  work->parts = threads;
   const Layout layout = kLayouts[p.form == kForms ? kQ8_0 : p.form];
   const int64_t row_bytes = p.stride ? p.stride : p.k / layout.values * layout.bytes;
-  const int64_t min_rows = (kMinChunkBytes / std::max<int64_t>(1, row_bytes) + kChunkAlign - 1) / kChunkAlign;
-  work->min_rows = std::max<int64_t>(1, min_rows) * kChunkAlign;
-  const int64_t helpers = std::min(threads - 1, (p.n - 1) / work->min_rows);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < p.n) {
-#ifdef PYHLO_GGUF_AVX2
-    _mm_pause();
-#endif
-  }
-  return ffi::Error::Success();
+  return pyhlo_kernels::run_row_chunks(pool, p.n, row_bytes, kChunkAlign,
+                                       [p](int64_t begin, int64_t end) { weight_rows(p, begin, end); });
 }
 
 // x, w and y checked and described; `form` kForms: rows of mixed forms. int8_x: the _x8
