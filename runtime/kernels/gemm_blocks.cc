@@ -198,13 +198,7 @@ void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
       }
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t first = n0 + h * kLanes;
-    const int64_t real = std::clamp<int64_t>(p.n - first, 0, kLanes);
-    if (real == 0) continue;
-    const __mmask16 mask = real >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << real) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (m0 + r) * p.n + first, mask, acc[h][r]);
-  }
+  pyhlo_kernels::store_tile<R>(p.y, p.n, n0, m0, acc);
 }
 #else
 template <int R>

@@ -81,6 +81,19 @@ inline void transpose_16x4(const char* const rows[16], int64_t at, __m512i out[4
   out[2] = _mm512_unpacklo_epi64(t1, t3);
   out[3] = _mm512_unpackhi_epi64(t1, t3);
 }
+
+// A tile's sums for weight rows n0 .. n0 + 31 (acc[h][r]: rows n0 + 16 h .. of activation row
+// m0 + r) stored into y [M, n], the rows past n left out.
+template <int R>
+inline void store_tile(float* y, int64_t n, int64_t n0, int64_t m0, const __m512 acc[2][R]) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t first = n0 + h * 16;
+    const int64_t real = std::clamp<int64_t>(n - first, 0, 16);
+    if (real == 0) continue;
+    const __mmask16 mask = real >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << real) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * n + first, mask, acc[h][r]);
+  }
+}
 #endif
 
 }  // namespace pyhlo_kernels
