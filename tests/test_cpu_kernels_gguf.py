@@ -142,6 +142,17 @@ def check_int8_activation_product(out: np.ndarray, x: np.ndarray, types: list[st
     assert (np.abs(out - x.astype(np.float64) @ w.T) <= 0.01 * exact_bound + 1e-30).all()
 
 
+def run_rows_kernel_x8(x: np.ndarray, data: np.ndarray, forms: tuple[str, ...]) -> np.ndarray:
+    """The int8-activation kernel over rows of mixed forms (each row's form in its last byte)."""
+    def program(scribe):
+        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                              scribe.u8[data.shape].Parameter(parameter_number=1), forms,
+                                              int8_activations=True)
+
+    (out,) = run_fn(program, x, data)
+    return out
+
+
 def test_q8_1_rounding_is_llama_cpps():
     """The per-32 reference rounding against numbers worked by hand: the scale from the largest
     magnitude, ties to even, d and s kept as f16, a block of zeros zero."""
@@ -205,13 +216,7 @@ def test_k_quant_rows_of_mixed_forms_past_eight_activation_rows_match_numpy(rows
     data, _ = mixed_rows(types, forms, 768, rows)
     x = np.random.default_rng(rows).standard_normal((rows, 768)).astype(np.float32)
 
-    def program(scribe):
-        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
-                                              scribe.u8[data.shape].Parameter(parameter_number=1), forms,
-                                              int8_activations=True)
-
-    (out,) = run_fn(program, x, data)
-    check_int8_activation_product(out, x, types, data)
+    check_int8_activation_product(run_rows_kernel_x8(x, data, forms), x, types, data)
 
 
 @settings(max_examples=10, deadline=None)
@@ -263,12 +268,7 @@ def test_minimums_meet_the_kept_f16_sums_of_the_rounded_activations_matches_nump
     if len(forms) == 1:
         out = run_kernel(x, np.ascontiguousarray(data[:, :-1]), forms[0], int8_activations=True)
     else:
-        def program(scribe):
-            return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
-                                                  scribe.u8[data.shape].Parameter(parameter_number=1), forms,
-                                                  int8_activations=True)
-
-        (out,) = run_fn(program, x, data)
+        out = run_rows_kernel_x8(x, data, forms)
     check_int8_activation_product(out, x, types, data)
 
 

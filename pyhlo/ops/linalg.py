@@ -147,16 +147,24 @@ def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str,
     with the backend (runtime.cpu_kernels.register()) before a program using it is compiled."""
     from pyhlo.ops.gguf_blocks import LAYOUTS
 
-    values, size = LAYOUTS.get(ggml_type, (0, 0)) if ggml_type in GGUF_KERNEL_TYPES else (0, 0)
-    k = x.dims[-1] if x.dims else -1
-    if (not size or x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2
-            or data.dims[1] % size or data.dims[1] // size * values != k):
+    if not _gguf_operands_fit(x, data, ggml_type, GGUF_KERNEL_TYPES):
+        values, size = LAYOUTS.get(ggml_type, (0, 0))
         raise HloShapeError(f"matvec_gguf_kernel: {ggml_type} needs f32 x[..., k] and u8 "
                             f"w[n, k / {values} * {size}]; got {x.dtype}{list(x.dims)} and "
                             f"{data.dtype}{list(data.dims)}")
     suffix = _gguf_target("matvec_gguf_kernel", int8_activations, (ggml_type,))
     shape = x.scribe.f32[(*x.dims[:-1], data.dims[0])]
     return ffi_call(shape, [x, data], f"pyhlo_matvec_{ggml_type.lower()}{suffix}")
+
+
+def _gguf_operands_fit(x: HloValue, data: HloValue, ggml_type: str, types: tuple[str, ...]) -> bool:
+    """f32 x[..., k] and u8 data[n, k / values * bytes] of a GGUF type among `types`."""
+    from pyhlo.ops.gguf_blocks import LAYOUTS
+
+    values, size = LAYOUTS.get(ggml_type, (0, 0)) if ggml_type in types else (0, 0)
+    k = x.dims[-1] if x.dims else -1
+    return bool(size) and x.dtype == "f32" and data.dtype == "u8" and len(data.dims) == 2 \
+        and data.dims[1] % size == 0 and data.dims[1] // size * values == k
 
 
 # K-quants with an int8 GEMM for products of many activation rows (gemm_gguf_x8_kernel).
@@ -170,12 +178,7 @@ def gemm_gguf_x8_kernel(x: HloValue, data: HloValue, ggml_type: str) -> HloValue
     GEMM (runtime/kernels/gemm_kquants.cc); only the order of the f32 sums differs. The kernel
     must be registered with the backend (runtime.cpu_kernels.register()) before a program
     using it is compiled."""
-    from pyhlo.ops.gguf_blocks import LAYOUTS
-
-    values, size = LAYOUTS.get(ggml_type, (0, 0)) if ggml_type in GGUF_GEMM_X8_KERNEL_TYPES else (0, 0)
-    k = x.dims[-1] if x.dims else -1
-    if (not size or x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2
-            or data.dims[1] % size or data.dims[1] // size * values != k):
+    if not _gguf_operands_fit(x, data, ggml_type, GGUF_GEMM_X8_KERNEL_TYPES):
         raise HloShapeError(f"gemm_gguf_x8_kernel: needs f32 x[..., k] and u8 w[n, k / 256 * bytes] of "
                             f"one of {', '.join(GGUF_GEMM_X8_KERNEL_TYPES)}; got {ggml_type} with "
                             f"{x.dtype}{list(x.dims)} and {data.dtype}{list(data.dims)}")
