@@ -528,14 +528,10 @@ class Session:
         fitting = [r for r in self.decode_rows() if r >= k]
         if fitting:
             rows = fitting[0]
-            given = set(lines.tolist())
-            others = np.asarray([line for line in range(b) if line not in given][:rows - k], np.int32)
-            padding = rows - k
-            logits = self._run(np.concatenate([token_ids, np.zeros((padding, n), np.int32)]), n, n_attend,
-                               np.concatenate([slots, np.full(padding, self.n_positions, np.int32)]),
-                               np.zeros(rows, np.int32),
-                               np.concatenate([last_index, np.zeros(padding, np.int32)]),
-                               lines=np.concatenate([lines, others]), every_position=every_position)
+            token_ids, lines, slots, last_index = self._padding_rows(rows, token_ids, lines, slots,
+                                                                     last_index)
+            logits = self._run(token_ids, n, n_attend, slots, np.zeros(rows, np.int32), last_index,
+                               lines=lines, every_position=every_position)
             return self.host_logits(logits)[:k]
         # Every line's row: each line given at its own; the others have no part (as in
         # step_every_line(): at slot n_positions, attending to their scratch slot only).
@@ -585,14 +581,24 @@ class Session:
             raise ValueError(f"decode_lines: distinct lines in 0..{self.batch_size - 1} and slots in "
                              f"0..{self.n_positions}; got {lines.tolist()}, {slots.tolist()}")
         rows = fitting[0]
-        others = [line for line in range(self.batch_size) if line not in set(lines.tolist())]
-        lines = np.concatenate([lines, np.asarray(others[:rows - k], np.int32)])
-        token_ids = np.concatenate([token_ids, np.zeros(rows - k, np.int32)]).reshape(rows, 1)
-        slots = np.concatenate([slots, np.full(rows - k, self.n_positions, np.int32)])
+        token_ids, lines, slots, last_index = self._padding_rows(rows, token_ids.reshape(k, 1), lines, slots,
+                                                                 np.zeros(k, np.int32))
         live = slots < self.n_positions
         n_attend = bucketing.pick(self.token_buckets, int(slots[live].max()) + 1 if live.any() else 1)
-        return self._run(token_ids, 1, n_attend, slots, np.zeros(rows, np.int32), np.zeros(rows, np.int32),
-                         lines=lines)
+        return self._run(token_ids, 1, n_attend, slots, np.zeros(rows, np.int32), last_index, lines=lines)
+
+    def _padding_rows(self, rows: int, token_ids: np.ndarray, lines: np.ndarray, slots: np.ndarray,
+                      last_index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The k given rows made `rows`: the rows added name lines not given, at slot n_positions
+        (their scratch slot: no part in the step), with zero tokens."""
+        k, n = token_ids.shape
+        given = set(lines.tolist())
+        others = np.asarray([line for line in range(self.batch_size) if line not in given][:rows - k],
+                            np.int32)
+        return (np.concatenate([token_ids, np.zeros((rows - k, n), np.int32)]),
+                np.concatenate([lines, others]),
+                np.concatenate([slots, np.full(rows - k, self.n_positions, np.int32)]),
+                np.concatenate([last_index, np.zeros(rows - k, np.int32)]))
 
     def check_drafts(self, token_ids: np.ndarray, slot: int, pads: np.ndarray) -> Any:
         """Speculative decoding's check of draft tokens in one program: the logits (on the
