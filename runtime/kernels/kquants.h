@@ -184,6 +184,24 @@ inline void unpack_q45_k(const uint8_t* b, const uint8_t* high, const uint8_t* q
 #endif
 }
 
+#ifdef PYHLO_KQ_AVX512
+// A Q6_K super-block's 256 values (0..63, layout as unpack_q6_k's) in 4 vectors of 64, from its
+// ql and qh. Within a 16-bit lane both bytes shift alike, and the bits taken (4 and 5 of each
+// byte) come from the same byte: the first 32 values take bits 0-1 (shifted up 4), the next 32
+// bits 2-3 (up 2); after a shift down by 4, bits 4-5 and 6-7.
+inline void q6_k_vectors(const uint8_t* ql, const uint8_t* qh, __m512i q[4]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
+  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i low = _mm512_loadu_si512(ql + 64 * h);
+    const __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+    q[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble), _mm512_and_si512(_mm512_sllv_epi16(top, up), pair));
+    q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
+                                   _mm512_and_si512(_mm512_sllv_epi16(_mm512_srli_epi16(top, 4), up), pair));
+  }
+}
+#endif
+
 // Q6_K: each half h of 128 values: value 32 s + i takes a nibble of byte 64 h + 32 (s % 2) + i
 // of ql (low for s < 2) and, as 16 and 32, bits 2 s of byte 32 h + i of qh.
 inline void unpack_q6_k(const uint8_t* b, SuperBlock* s) {
@@ -192,21 +210,9 @@ inline void unpack_q6_k(const uint8_t* b, SuperBlock* s) {
   s->d = f16_at(b + 208);
   for (int j = 0; j < 16; ++j) s->scale[j] = int16_t(int8_t(b[192 + j]));
 #ifdef PYHLO_KQ_AVX512
-  const __m512i nibble = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
-  // Within a 16-bit lane both bytes shift alike, and the bits taken (4 and 5 of each byte)
-  // come from the same byte: the first 32 values take bits 0-1 (shifted up 4), the next
-  // 32 bits 2-3 (up 2); after a shift down by 4, bits 4-5 and 6-7.
-  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-  for (int h = 0; h < 2; ++h) {
-    const __m512i low = _mm512_loadu_si512(ql + 64 * h);
-    const __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
-    const __m512i first = _mm512_or_si512(_mm512_and_si512(low, nibble),
-                                          _mm512_and_si512(_mm512_sllv_epi16(top, up), pair));
-    const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
-                                           _mm512_and_si512(_mm512_sllv_epi16(_mm512_srli_epi16(top, 4), up), pair));
-    _mm512_store_si512(s->q + 128 * h, first);
-    _mm512_store_si512(s->q + 128 * h + 64, second);
-  }
+  __m512i q[4];
+  q6_k_vectors(ql, qh, q);
+  for (int v = 0; v < 4; ++v) _mm512_store_si512(s->q + 64 * v, q[v]);
 #elif defined(PYHLO_KQ_AVX2)
   const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h) {
@@ -550,15 +556,7 @@ inline void load_q6_k(const uint8_t* b, const __m512i* shuffle, RegisterBlock* r
   r->lows = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
   const __m512i scales[2] = {_mm512_broadcast_i32x4(_mm256_castsi256_si128(r->lows)),
                              _mm512_broadcast_i32x4(_mm256_extracti128_si256(r->lows, 1))};
-  const __m512i nibble = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
-  const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-  for (int h = 0; h < 2; ++h) {
-    const __m512i low = _mm512_loadu_si512(ql + 64 * h);
-    const __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
-    r->q[2 * h] = _mm512_or_si512(_mm512_and_si512(low, nibble), _mm512_and_si512(_mm512_sllv_epi16(top, up), pair));
-    r->q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
-                                      _mm512_and_si512(_mm512_sllv_epi16(_mm512_srli_epi16(top, 4), up), pair));
-  }
+  q6_k_vectors(ql, qh, r->q);
   for (int v = 0; v < 4; ++v) r->pair_scale[v] = _mm512_shuffle_epi8(scales[v / 2], shuffle[v]);
 }
 
