@@ -171,9 +171,9 @@ def hf_directory(model: pathlib.Path) -> pathlib.Path:
             del config.quantization_config
         config.architectures = [type(hf_model).__name__]     # vLLM picks its model class by it
         config.save_pretrained(str(staging))
-        weights = {name: tensor.contiguous().clone() for name, tensor in hf_model.state_dict().items()}
+        weights = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
         if getattr(config, "tie_word_embeddings", False):
-            weights.pop("lm_head.weight", None)              # the token table is the head
+            weights.pop("lm_head.weight", None)   # the token table is the head: stored once
         safetensors.torch.save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
         checkpoint = open_checkpoint(model)
         try:
@@ -183,12 +183,13 @@ def hf_directory(model: pathlib.Path) -> pathlib.Path:
                 (staging / "chat_template.jinja").write_text(template)
         finally:
             checkpoint.close()
-        staging.replace(target)
-    except OSError:                         # another process made it first
-        shutil.rmtree(staging, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    try:
+        staging.replace(target)
+    except OSError:                         # another process made it first
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
