@@ -77,7 +77,10 @@ struct Problem {
   const float* x_block_sum = nullptr;      // [m, K/32]: sum of x over each block (Q4 forms)
   // The _x8 targets: x rounded per 32 values to int8 (x ~ x_q8_scale[b] * x_q8), as
   // llama.cpp rounds activations; x_block_sum then holds the sums of the rounded values.
-  const int8_t* x_q8 = nullptr;            // [m, K]
+  const int8_t* x_q8 = nullptr;            // [m, x_stride]
+  int64_t x_stride = 0;                    // K, or K rounded up to 128 in the nibbles' order
+  bool x_nibble_order = false;             // Q4 forms on the VNNI path: see x8_position
+  const float* x_q8_lane_scale = nullptr;  // nibbles' order: x_q8_scale per lane, 4 per block
   const float* x_q8_scale = nullptr;       // [m, K/32]
 };
 
@@ -87,6 +90,10 @@ constexpr int64_t kBlock = 32;
 // another, and the hardware prefetchers restart at every 4 KB page (measured on an Intel Xeon
 // VM: SmolLM2 Q4_1 decode with int8 activations 11.0 -> 8.5 ms a step).
 constexpr int64_t kPrefetchAhead = 1024;
+// The Q4 forms with int8 activations, into the second-level cache 16 KB ahead: 1.7 B Q4_0
+// decode 41.0-41.4 -> 38.1-40.1 ms a step on the EPYC host, the kernel alone from memory (2 MB
+// pages) 19-29 -> 33-38 GB/s; the same for Q8_0 measured no better.
+constexpr int64_t kNibblesPrefetchAhead = 16384;
 
 using pyhlo_kernels::half_to_f32;
 #ifdef PYHLO_AVX2
@@ -127,6 +134,16 @@ inline float block_offset(const Problem& p, int64_t n, int64_t m) {
   return p.form == kQ4_0 ? -8.0f * sum : sum;
 }
 
+// Where value j of block b lies in a row of rounded activations. The Q4 forms' kernel on the
+// VNNI path reads x in the nibbles' order: per 4 blocks (128 values), each block's values 0-15
+// (its low nibbles) then each block's 16-31 (its high nibbles), so the bytes of one 64-byte
+// weight load, split into low and high nibbles, meet x with no shuffle and each block's sum
+// lands in 4 lanes of its own. A last group of fewer than 4 blocks is padded with zeros.
+inline int64_t x8_position(bool nibble_order, int64_t b, int64_t j) {
+  if (!nibble_order) return b * kBlock + j;
+  return b / 4 * 128 + (j < 16 ? 0 : 64) + b % 4 * 16 + j % 16;
+}
+
 // The _x8 targets: a block's product is an integer sum, sum_j q_w[j] * q_x[j], scaled by
 // d_w * d_x; Q4's -8 or minimum comes through the sums of the rounded x (block_offset).
 inline int32_t block_weight(const Problem& p, int64_t n, int64_t b, int j) {
@@ -139,9 +156,9 @@ inline int32_t block_weight(const Problem& p, int64_t n, int64_t b, int j) {
 // One block's product, weight row n by activation row m: d_w * d_x * sum_j q_w[j] * q_x[j].
 inline float block_product_x8(const Problem& p, int64_t n, int64_t m, int64_t b) {
   const int64_t nb = p.k / kBlock;
-  const int8_t* xq = p.x_q8 + m * p.k + b * kBlock;
   int32_t dot = 0;
-  for (int j = 0; j < kBlock; ++j) dot += block_weight(p, n, b, j) * xq[j];
+  const int8_t* xq = p.x_q8 + m * p.x_stride;
+  for (int j = 0; j < kBlock; ++j) dot += block_weight(p, n, b, j) * xq[x8_position(p.x_nibble_order, b, j)];
   return half_to_f32(p.block_scale[n * nb + b]) * p.x_q8_scale[m * nb + b] * float(dot);
 }
 
@@ -157,56 +174,35 @@ void row_blocks_x8_portable(const Problem& p, int64_t n, int64_t m0) {
 }
 
 #if defined(PYHLO_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-// Four blocks a step: 128 weights against 128 int8 activations, vpdpbusd summing four
-// unsigned-by-signed byte products into each int32 lane, 8 lanes per block. The form is a
-// template argument, so the loop has no branch on it (a profile of a Q4_0 decode step at 1.7 B
-// put about a third of this kernel's samples on those branches and the scalar scale
-// products). Q4: one 64-byte load holds the four blocks' nibbles, spread to two vectors of two
-// blocks each, every block's low nibbles (values 0-15) then its high ones (16-31), in x's
-// order. Q8_0's signed weights go in as |w| with x's sign flipped where w < 0.
+// Q8_0: four blocks a step, 128 weights against 128 int8 activations, vpdpbusd summing four
+// unsigned-by-signed byte products into each int32 lane, 8 lanes per block; the signed weights
+// go in as |w| with x's sign flipped where w < 0. The Q4 forms: row_blocks_x8_nibbles below.
 
 // The first `count` bytes (none where count <= 0, all 64 past 64).
 inline __mmask64 bytes_mask(int64_t count) {
   return count <= 0 ? __mmask64(0) : count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1;
 }
 
-// The weights of `count` (1-4) blocks from block b of row n as two vectors of two blocks;
+// The weights of `count` (1-4) Q8_0 blocks from block b of row n as two vectors of two blocks;
 // bytes past them read as zero.
-template <int F>
-inline void weight_bytes(const Problem& p, int64_t n, int64_t b, int64_t count, __m512i* w01, __m512i* w23) {
-  if constexpr (F == kQ8_0) {
-    const int8_t* row = static_cast<const int8_t*>(p.w) + n * p.k + b * kBlock;
-    *w01 = _mm512_maskz_loadu_epi8(bytes_mask(count * kBlock), row);
-    *w23 = _mm512_maskz_loadu_epi8(bytes_mask(count * kBlock - 2 * kBlock), row + 2 * kBlock);
-  } else {
-    const __m512i bytes = _mm512_maskz_loadu_epi8(
-        bytes_mask(count * (kBlock / 2)), static_cast<const uint8_t*>(p.w) + n * (p.k / 2) + b * (kBlock / 2));
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i low = _mm512_and_si512(bytes, nibble);
-    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-    *w01 = _mm512_permutex2var_epi64(low, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), high);
-    *w23 = _mm512_permutex2var_epi64(low, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), high);
-  }
+inline void q8_0_bytes(const Problem& p, int64_t n, int64_t b, int64_t count, __m512i* w01, __m512i* w23) {
+  const int8_t* row = static_cast<const int8_t*>(p.w) + n * p.k + b * kBlock;
+  *w01 = _mm512_maskz_loadu_epi8(bytes_mask(count * kBlock), row);
+  *w23 = _mm512_maskz_loadu_epi8(bytes_mask(count * kBlock - 2 * kBlock), row + 2 * kBlock);
 }
 
 // Two blocks' integer sums, 8 lanes each.
-template <int F>
-inline __m512i dot_2(__m512i w, __m512i x) {
+inline __m512i signed_dot_2(__m512i w, __m512i x) {
   const __m512i zero = _mm512_setzero_si512();
-  if constexpr (F != kQ8_0) {
-    return _mm512_dpbusd_epi32(zero, w, x);
-  } else {
-    const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), zero, x);
-    return _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), signed_x);
-  }
+  const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), zero, x);
+  return _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), signed_x);
 }
 
-template <int G, int F>
-void row_blocks_x8_form(const Problem& p, int64_t n, int64_t m0) {
+template <int G>
+void row_blocks_x8_q8_0(const Problem& p, int64_t n, int64_t m0) {
   const int64_t k = p.k, nb = k / kBlock;
   const uint16_t* scales = p.block_scale + n * nb;
-  const char* stream = static_cast<const char*>(p.w) + n * (F == kQ8_0 ? k : k / 2);
-  constexpr int64_t per_block = F == kQ8_0 ? kBlock : kBlock / 2;
+  const char* stream = static_cast<const char*>(p.w) + n * k;
   // Lane i of a two-block product belongs to block i / 8: the scales of blocks (0, 1) and (2, 3).
   const __m512i first_pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i second_pair = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
@@ -217,17 +213,17 @@ void row_blocks_x8_form(const Problem& p, int64_t n, int64_t m0) {
   for (; b + 4 <= nb; b += 4) {
     // The integer products keep up with memory: ask for the bytes ahead (the rows a thread
     // reads lie one after another).
-    _mm_prefetch(stream + b * per_block + kPrefetchAhead, _MM_HINT_T0);
-    if constexpr (F == kQ8_0) _mm_prefetch(stream + b * per_block + 64 + kPrefetchAhead, _MM_HINT_T0);
+    _mm_prefetch(stream + b * kBlock + kPrefetchAhead, _MM_HINT_T0);
+    _mm_prefetch(stream + b * kBlock + 64 + kPrefetchAhead, _MM_HINT_T0);
     __m512i w01, w23;
-    weight_bytes<F>(p, n, b, 4, &w01, &w23);
+    q8_0_bytes(p, n, b, 4, &w01, &w23);
     const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + b)));
     for (int g = 0; g < G; ++g) {
-      const int8_t* x = p.x_q8 + (m0 + g) * k + b * kBlock;
+      const int8_t* x = p.x_q8 + (m0 + g) * p.x_stride + b * kBlock;
       const __m512 both = _mm512_castps128_ps512(_mm_mul_ps(d, _mm_loadu_ps(p.x_q8_scale + (m0 + g) * nb + b)));
-      acc[g][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_2<F>(w01, _mm512_loadu_si512(x))),
+      acc[g][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(signed_dot_2(w01, _mm512_loadu_si512(x))),
                                   _mm512_permutexvar_ps(first_pair, both), acc[g][0]);
-      acc[g][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_2<F>(w23, _mm512_loadu_si512(x + 2 * kBlock))),
+      acc[g][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(signed_dot_2(w23, _mm512_loadu_si512(x + 2 * kBlock))),
                                   _mm512_permutexvar_ps(second_pair, both), acc[g][1]);
     }
   }
@@ -237,24 +233,73 @@ void row_blocks_x8_form(const Problem& p, int64_t n, int64_t m0) {
     // half the kernel's time on a 576-wide row (18 blocks).
     const int64_t left = nb - b;
     __m512i w01, w23;
-    weight_bytes<F>(p, n, b, left, &w01, &w23);
+    q8_0_bytes(p, n, b, left, &w01, &w23);
     const __mmask8 blocks = __mmask8((1u << left) - 1);
     const __m128 d = _mm_cvtph_ps(_mm_maskz_loadu_epi16(blocks, scales + b));
     const __mmask64 x01 = bytes_mask(left * kBlock), x23 = bytes_mask(left * kBlock - 2 * kBlock);
     for (int g = 0; g < G; ++g) {
-      const int8_t* x = p.x_q8 + (m0 + g) * k + b * kBlock;
+      const int8_t* x = p.x_q8 + (m0 + g) * p.x_stride + b * kBlock;
       const __m512 both = _mm512_castps128_ps512(
           _mm_mul_ps(d, _mm_maskz_loadu_ps(blocks, p.x_q8_scale + (m0 + g) * nb + b)));
-      acc[g][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_2<F>(w01, _mm512_maskz_loadu_epi8(x01, x))),
+      acc[g][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(signed_dot_2(w01, _mm512_maskz_loadu_epi8(x01, x))),
                                   _mm512_permutexvar_ps(first_pair, both), acc[g][0]);
       acc[g][1] = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(dot_2<F>(w23, _mm512_maskz_loadu_epi8(x23, x + 2 * kBlock))),
+          _mm512_cvtepi32_ps(signed_dot_2(w23, _mm512_maskz_loadu_epi8(x23, x + 2 * kBlock))),
           _mm512_permutexvar_ps(second_pair, both), acc[g][1]);
     }
   }
   for (int g = 0; g < G; ++g) {
+    p.y[(m0 + g) * p.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
+  }
+}
+
+// The Q4 forms with x in the nibbles' order (x8_position): one 64-byte load holds 4 blocks'
+// nibbles; its low nibbles times x's first 64 bytes plus its high nibbles times the next 64
+// are the 4 blocks' integer sums, 4 lanes each, scaled by one multiply-add. Against moving
+// the nibbles into x's natural order this takes about half the vector instructions a block.
+template <int G, int F>
+void row_blocks_x8_nibbles(const Problem& p, int64_t n, int64_t m0) {
+  const int64_t k = p.k, nb = k / kBlock;
+  const uint16_t* scales = p.block_scale + n * nb;
+  const uint8_t* row = static_cast<const uint8_t*>(p.w) + n * (k / 2);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[G][2];
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+  // Each block's weight scale in its 4 lanes, once for all activation rows; each row's x scales
+  // come laid out the same way (x_q8_lane_scale), so a row's step is two integer sums, one
+  // conversion, one multiply and one multiply-add.
+  auto step = [&](int64_t b, const __m512i bytes, const __m128 d, int half) {
+    const __m512i low = _mm512_and_si512(bytes, nibble);
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    const __m512 d_lanes = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(d));
+    for (int g = 0; g < G; ++g) {
+      const int8_t* x = p.x_q8 + (m0 + g) * p.x_stride + b * kBlock;
+      const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(x)),
+                                               high, _mm512_loadu_si512(x + 64));
+      const __m512 x_lanes = _mm512_loadu_ps(p.x_q8_lane_scale + (m0 + g) * (p.x_stride / 8) + b * 4);
+      acc[g][half] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d_lanes, x_lanes), acc[g][half]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * (kBlock / 2)) + kNibblesPrefetchAhead, _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * (kBlock / 2)) + 64 + kNibblesPrefetchAhead, _MM_HINT_T1);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b)));
+    step(b, _mm512_loadu_si512(row + b * (kBlock / 2)), _mm256_castps256_ps128(d), 0);
+    step(b + 4, _mm512_loadu_si512(row + (b + 4) * (kBlock / 2)), _mm256_extractf128_ps(d, 1), 1);
+  }
+  for (; b < nb; b += 4) {
+    // The last 1-7 blocks, 4 at a time on loads masked to them (zero bytes and zero scales
+    // past the row add nothing; x is padded with zeros to its group of 4).
+    const int64_t left = std::min<int64_t>(nb - b, 4);
+    const __mmask8 blocks = __mmask8((1u << left) - 1);
+    const __m128 d = _mm_cvtph_ps(_mm_maskz_loadu_epi16(blocks, scales + b));
+    step(b, _mm512_maskz_loadu_epi8(bytes_mask(left * (kBlock / 2)), row + b * (kBlock / 2)), d, 0);
+  }
+  for (int g = 0; g < G; ++g) {
     float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
-    if constexpr (F != kQ8_0) sum += block_offset(p, n, m0 + g);
+    sum += block_offset(p, n, m0 + g);
     p.y[(m0 + g) * p.n + n] = sum;
   }
 }
@@ -262,9 +307,9 @@ void row_blocks_x8_form(const Problem& p, int64_t n, int64_t m0) {
 template <int G>
 void row_blocks_x8(const Problem& p, int64_t n, int64_t m0) {
   switch (p.form) {
-    case kQ8_0: return row_blocks_x8_form<G, kQ8_0>(p, n, m0);
-    case kQ4_0: return row_blocks_x8_form<G, kQ4_0>(p, n, m0);
-    default: return row_blocks_x8_form<G, kQ4_1>(p, n, m0);
+    case kQ8_0: return row_blocks_x8_q8_0<G>(p, n, m0);
+    case kQ4_0: return row_blocks_x8_nibbles<G, kQ4_0>(p, n, m0);
+    default: return row_blocks_x8_nibbles<G, kQ4_1>(p, n, m0);
   }
 }
 #else
@@ -739,11 +784,15 @@ ffi::Error RunBlocks(ffi::ThreadPool& pool, BlockForm form, ffi::AnyBuffer& x, f
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   std::vector<float> block_sums;
   std::vector<int8_t> x_q8;
-  std::vector<float> x_q8_scale;
+  std::vector<float> x_q8_scale, x_q8_lane_scale;
   if (int8_x) {
     // x rounded per 32 values: d = max |x| / 127, q = round(x / d) (half to even).
     const int64_t nb = p.k / kBlock;
-    x_q8.resize(p.m * p.k);
+#if defined(PYHLO_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+    p.x_nibble_order = form != kQ8_0;
+#endif
+    p.x_stride = p.x_nibble_order ? (p.k + 127) / 128 * 128 : p.k;
+    x_q8.assign(p.m * p.x_stride, 0);
     x_q8_scale.resize(p.m * nb);
     block_sums.resize(p.m * nb);
     for (int64_t m = 0; m < p.m; ++m)
@@ -755,12 +804,21 @@ ffi::Error RunBlocks(ffi::ThreadPool& pool, BlockForm form, ffi::AnyBuffer& x, f
         int32_t total = 0;
         for (int64_t j = 0; j < kBlock; ++j) {
           const int32_t q = int32_t(std::nearbyint(xb[j] * inverse));
-          x_q8[m * p.k + b * kBlock + j] = int8_t(std::max(-127, std::min(127, q)));
-          total += x_q8[m * p.k + b * kBlock + j];
+          const int8_t rounded = int8_t(std::max(-127, std::min(127, q)));
+          x_q8[m * p.x_stride + x8_position(p.x_nibble_order, b, j)] = rounded;
+          total += rounded;
         }
         x_q8_scale[m * nb + b] = d;
         block_sums[m * nb + b] = d * float(total);
       }
+    if (p.x_nibble_order) {
+      // 4 lanes per block, groups of 4 blocks padded with zeros like x.
+      x_q8_lane_scale.assign(p.m * p.x_stride / 8, 0.0f);
+      for (int64_t m = 0; m < p.m; ++m)
+        for (int64_t b = 0; b < nb; ++b)
+          for (int lane = 0; lane < 4; ++lane) x_q8_lane_scale[m * p.x_stride / 8 + b * 4 + lane] = x_q8_scale[m * nb + b];
+      p.x_q8_lane_scale = x_q8_lane_scale.data();
+    }
     p.x_q8 = x_q8.data();
     p.x_q8_scale = x_q8_scale.data();
     p.x_block_sum = block_sums.data();
