@@ -80,7 +80,10 @@ struct Problem {
   const int8_t* x_q8 = nullptr;            // [m, x_stride]
   int64_t x_stride = 0;                    // K, or K rounded up to 128 in the nibbles' order
   bool x_nibble_order = false;             // Q4 forms on the VNNI path: see x8_position
-  const float* x_q8_lane_scale = nullptr;  // nibbles' order: x_q8_scale per lane, 4 per block
+  const float* x_q8_lane_scale = nullptr;  // the VNNI path: x_q8_scale per lane, 4 a block (Q4
+                                           // forms) or 8 (Q8_0), x_lane_stride a row
+  int64_t x_lane_stride = 0;
+  const uint8_t* x_q8_biased = nullptr;    // Q8_0 on the VNNI path: x_q8 + 128, as unsigned bytes
   const float* x_q8_scale = nullptr;       // [m, K/32]
 };
 
@@ -175,78 +178,60 @@ void row_blocks_x8_portable(const Problem& p, int64_t n, int64_t m0) {
 
 #if defined(PYHLO_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 // Q8_0: four blocks a step, 128 weights against 128 int8 activations, vpdpbusd summing four
-// unsigned-by-signed byte products into each int32 lane, 8 lanes per block; the signed weights
-// go in as |w| with x's sign flipped where w < 0. The Q4 forms: row_blocks_x8_nibbles below.
+// unsigned-by-signed byte products into each int32 lane, 8 lanes per block, the activations
+// the unsigned side (x + 128). The Q4 forms: row_blocks_x8_nibbles below.
 
 // The first `count` bytes (none where count <= 0, all 64 past 64).
 inline __mmask64 bytes_mask(int64_t count) {
   return count <= 0 ? __mmask64(0) : count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1;
 }
 
-// The weights of `count` (1-4) Q8_0 blocks from block b of row n as two vectors of two blocks;
-// bytes past them read as zero.
-inline void q8_0_bytes(const Problem& p, int64_t n, int64_t b, int64_t count, __m512i* w01, __m512i* w23) {
-  const int8_t* row = static_cast<const int8_t*>(p.w) + n * p.k + b * kBlock;
-  *w01 = _mm512_maskz_loadu_epi8(bytes_mask(count * kBlock), row);
-  *w23 = _mm512_maskz_loadu_epi8(bytes_mask(count * kBlock - 2 * kBlock), row + 2 * kBlock);
-}
-
-// Two blocks' integer sums, 8 lanes each.
-inline __m512i signed_dot_2(__m512i w, __m512i x) {
-  const __m512i zero = _mm512_setzero_si512();
-  const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), zero, x);
-  return _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), signed_x);
-}
-
 template <int G>
 void row_blocks_x8_q8_0(const Problem& p, int64_t n, int64_t m0) {
   const int64_t k = p.k, nb = k / kBlock;
   const uint16_t* scales = p.block_scale + n * nb;
-  const char* stream = static_cast<const char*>(p.w) + n * k;
-  // Lane i of a two-block product belongs to block i / 8: the scales of blocks (0, 1) and (2, 3).
-  const __m512i first_pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i second_pair = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const int8_t* row = static_cast<const int8_t*>(p.w) + n * k;
+  // Lane i of a two-block product belongs to block i / 8.
+  const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i bias = _mm512_set1_epi8(char(0x80));
+  const __m512i zero = _mm512_setzero_si512();
   // Two sums per activation row keep the multiply-adds of consecutive steps independent.
   __m512 acc[G][2];
   for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+  // Two blocks: x comes as x + 128 (unsigned), so sum (x + 128) w, less 128 sum w (one
+  // product, shared by the activation rows), is sum x w; each block's weight scale in its 8
+  // lanes once, each row's x scales laid out the same way (x_q8_lane_scale). A row's step is
+  // one integer product, a conversion, a multiply and a multiply-add.
+  auto step = [&](int64_t b, const __m512i w, const __m128 d, int half) {
+    const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, w));
+    const __m512 d_lanes = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(d));
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* x = p.x_q8_biased + (m0 + g) * p.x_stride + b * kBlock;
+      const __m512i sums = _mm512_dpbusd_epi32(start, _mm512_loadu_si512(x), w);
+      const __m512 x_lanes = _mm512_loadu_ps(p.x_q8_lane_scale + (m0 + g) * p.x_lane_stride + b * 8);
+      acc[g][half] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d_lanes, x_lanes), acc[g][half]);
+    }
+  };
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) {
     // The integer products keep up with memory: ask for the bytes ahead (the rows a thread
     // reads lie one after another).
-    _mm_prefetch(stream + b * kBlock + kPrefetchAhead, _MM_HINT_T0);
-    _mm_prefetch(stream + b * kBlock + 64 + kPrefetchAhead, _MM_HINT_T0);
-    __m512i w01, w23;
-    q8_0_bytes(p, n, b, 4, &w01, &w23);
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * kBlock) + kPrefetchAhead, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * kBlock) + 64 + kPrefetchAhead, _MM_HINT_T0);
     const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + b)));
-    for (int g = 0; g < G; ++g) {
-      const int8_t* x = p.x_q8 + (m0 + g) * p.x_stride + b * kBlock;
-      const __m512 both = _mm512_castps128_ps512(_mm_mul_ps(d, _mm_loadu_ps(p.x_q8_scale + (m0 + g) * nb + b)));
-      acc[g][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(signed_dot_2(w01, _mm512_loadu_si512(x))),
-                                  _mm512_permutexvar_ps(first_pair, both), acc[g][0]);
-      acc[g][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(signed_dot_2(w23, _mm512_loadu_si512(x + 2 * kBlock))),
-                                  _mm512_permutexvar_ps(second_pair, both), acc[g][1]);
-    }
+    step(b, _mm512_loadu_si512(row + b * kBlock), d, 0);
+    step(b + 2, _mm512_loadu_si512(row + (b + 2) * kBlock), _mm_movehl_ps(d, d), 1);
   }
   if (b < nb) {
-    // The last 1-3 blocks, the same step on loads masked to them (zero bytes, zero scales
-    // past the row: their products add nothing). One at a time in scalar code, they took
-    // half the kernel's time on a 576-wide row (18 blocks).
+    // The last 1-3 blocks, the same steps on loads masked to them (zero weights and scales
+    // past the row add nothing; x and its lane scales are padded). One at a time in scalar
+    // code, they took half the kernel's time on a 576-wide row (18 blocks).
     const int64_t left = nb - b;
-    __m512i w01, w23;
-    q8_0_bytes(p, n, b, left, &w01, &w23);
-    const __mmask8 blocks = __mmask8((1u << left) - 1);
-    const __m128 d = _mm_cvtph_ps(_mm_maskz_loadu_epi16(blocks, scales + b));
-    const __mmask64 x01 = bytes_mask(left * kBlock), x23 = bytes_mask(left * kBlock - 2 * kBlock);
-    for (int g = 0; g < G; ++g) {
-      const int8_t* x = p.x_q8 + (m0 + g) * p.x_stride + b * kBlock;
-      const __m512 both = _mm512_castps128_ps512(
-          _mm_mul_ps(d, _mm_maskz_loadu_ps(blocks, p.x_q8_scale + (m0 + g) * nb + b)));
-      acc[g][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(signed_dot_2(w01, _mm512_maskz_loadu_epi8(x01, x))),
-                                  _mm512_permutexvar_ps(first_pair, both), acc[g][0]);
-      acc[g][1] = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(signed_dot_2(w23, _mm512_maskz_loadu_epi8(x23, x + 2 * kBlock))),
-          _mm512_permutexvar_ps(second_pair, both), acc[g][1]);
-    }
+    const __m128 d = _mm_cvtph_ps(_mm_maskz_loadu_epi16(__mmask8((1u << left) - 1), scales + b));
+    step(b, _mm512_maskz_loadu_epi8(bytes_mask(left * kBlock), row + b * kBlock), d, 0);
+    if (left > 2)
+      step(b + 2, _mm512_maskz_loadu_epi8(bytes_mask(left * kBlock - 2 * kBlock), row + (b + 2) * kBlock),
+           _mm_movehl_ps(d, d), 1);
   }
   for (int g = 0; g < G; ++g) {
     p.y[(m0 + g) * p.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
@@ -277,7 +262,7 @@ void row_blocks_x8_nibbles(const Problem& p, int64_t n, int64_t m0) {
       const int8_t* x = p.x_q8 + (m0 + g) * p.x_stride + b * kBlock;
       const __m512i sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(x)),
                                                high, _mm512_loadu_si512(x + 64));
-      const __m512 x_lanes = _mm512_loadu_ps(p.x_q8_lane_scale + (m0 + g) * (p.x_stride / 8) + b * 4);
+      const __m512 x_lanes = _mm512_loadu_ps(p.x_q8_lane_scale + (m0 + g) * p.x_lane_stride + b * 4);
       acc[g][half] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d_lanes, x_lanes), acc[g][half]);
     }
   };
@@ -785,13 +770,17 @@ ffi::Error RunBlocks(ffi::ThreadPool& pool, BlockForm form, ffi::AnyBuffer& x, f
   std::vector<float> block_sums;
   std::vector<int8_t> x_q8;
   std::vector<float> x_q8_scale, x_q8_lane_scale;
+  std::vector<uint8_t> x_q8_biased;
   if (int8_x) {
     // x rounded per 32 values: d = max |x| / 127, q = round(x / d) (half to even).
     const int64_t nb = p.k / kBlock;
+    // The VNNI path reads x and its lane scales 4 blocks at a time: rows padded to that.
+    bool vnni = false;
 #if defined(PYHLO_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+    vnni = true;
     p.x_nibble_order = form != kQ8_0;
 #endif
-    p.x_stride = p.x_nibble_order ? (p.k + 127) / 128 * 128 : p.k;
+    p.x_stride = vnni ? (p.k + 127) / 128 * 128 : p.k;
     x_q8.assign(p.m * p.x_stride, 0);
     x_q8_scale.resize(p.m * nb);
     block_sums.resize(p.m * nb);
@@ -811,13 +800,22 @@ ffi::Error RunBlocks(ffi::ThreadPool& pool, BlockForm form, ffi::AnyBuffer& x, f
         x_q8_scale[m * nb + b] = d;
         block_sums[m * nb + b] = d * float(total);
       }
-    if (p.x_nibble_order) {
-      // 4 lanes per block, groups of 4 blocks padded with zeros like x.
-      x_q8_lane_scale.assign(p.m * p.x_stride / 8, 0.0f);
+    if (vnni) {
+      // Each block's scale in each of its lanes (4 a block in the nibbles' order, Q8_0 8),
+      // rows padded with zeros like x.
+      const int lanes = form == kQ8_0 ? 8 : 4;
+      p.x_lane_stride = p.x_stride / kBlock * lanes;
+      x_q8_lane_scale.assign(p.m * p.x_lane_stride, 0.0f);
       for (int64_t m = 0; m < p.m; ++m)
         for (int64_t b = 0; b < nb; ++b)
-          for (int lane = 0; lane < 4; ++lane) x_q8_lane_scale[m * p.x_stride / 8 + b * 4 + lane] = x_q8_scale[m * nb + b];
+          for (int lane = 0; lane < lanes; ++lane)
+            x_q8_lane_scale[m * p.x_lane_stride + b * lanes + lane] = x_q8_scale[m * nb + b];
       p.x_q8_lane_scale = x_q8_lane_scale.data();
+      if (form == kQ8_0) {
+        x_q8_biased.resize(x_q8.size());
+        for (size_t i = 0; i < x_q8.size(); ++i) x_q8_biased[i] = uint8_t(x_q8[i]) ^ 0x80u;   // x + 128
+        p.x_q8_biased = x_q8_biased.data();
+      }
     }
     p.x_q8 = x_q8.data();
     p.x_q8_scale = x_q8_scale.data();
