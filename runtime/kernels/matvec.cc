@@ -78,7 +78,7 @@ struct Problem {
   // The _x8 targets: x rounded per 32 values to int8 (x ~ x_q8_scale[b] * x_q8), as
   // llama.cpp rounds activations; x_block_sum then holds the sums of the rounded values.
   const int8_t* x_q8 = nullptr;            // [m, x_stride]
-  int64_t x_stride = 0;                    // K, or K rounded up to 128 in the nibbles' order
+  int64_t x_stride = 0;                    // K; on the VNNI path K rounded up to 128 (4 blocks)
   bool x_nibble_order = false;             // Q4 forms on the VNNI path: see x8_position
   const float* x_q8_lane_scale = nullptr;  // the VNNI path: x_q8_scale per lane, 4 a block (Q4
                                            // forms) or 8 (Q8_0), x_lane_stride a row
