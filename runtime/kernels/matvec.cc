@@ -242,7 +242,7 @@ void row_blocks_x8_q8_0(const Problem& p, int64_t n, int64_t m0) {
 // nibbles; its low nibbles times x's first 64 bytes plus its high nibbles times the next 64
 // are the 4 blocks' integer sums, 4 lanes each, scaled by one multiply-add. Against moving
 // the nibbles into x's natural order this takes about half the vector instructions a block.
-template <int G, int F>
+template <int G>
 void row_blocks_x8_nibbles(const Problem& p, int64_t n, int64_t m0) {
   const int64_t k = p.k, nb = k / kBlock;
   const uint16_t* scales = p.block_scale + n * nb;
@@ -293,8 +293,7 @@ template <int G>
 void row_blocks_x8(const Problem& p, int64_t n, int64_t m0) {
   switch (p.form) {
     case kQ8_0: return row_blocks_x8_q8_0<G>(p, n, m0);
-    case kQ4_0: return row_blocks_x8_nibbles<G, kQ4_0>(p, n, m0);
-    default: return row_blocks_x8_nibbles<G, kQ4_1>(p, n, m0);
+    default: return row_blocks_x8_nibbles<G>(p, n, m0);   // Q4_0, Q4_1
   }
 }
 #else
