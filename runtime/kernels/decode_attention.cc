@@ -56,6 +56,15 @@ inline float row_scale(const int8_t* row, int64_t d) {
   return out;
 }
 
+// The cache slots line i attends to: first..last (none where first > last).
+struct Slots {
+  int64_t first, last;
+};
+
+inline Slots attended_slots(const int32_t* slot, const int32_t* pad, int64_t i, int64_t s) {
+  return {pad[i] < 0 ? 0 : pad[i], slot[i] < s - 1 ? slot[i] : s - 1};
+}
+
 // Line i's kv head c and the query heads that share it. Each cache row (`stride` elements
 // apart) is read once for all of them. `scores` holds group * s floats, `top` and `total` group.
 template <typename T>
@@ -63,8 +72,7 @@ void attend_head(const float* q, const T* k, const T* v, float* out, int64_t i, 
                  int64_t kvh, int64_t s, int64_t d, int64_t stride, const int32_t* slot, const int32_t* pad,
                  float scale, float* scores, float* top, float* total) {
   const int64_t group = h / kvh;
-  const int64_t first = pad[i] < 0 ? 0 : pad[i];
-  const int64_t last = slot[i] < s - 1 ? slot[i] : s - 1;
+  const auto [first, last] = attended_slots(slot, pad, i, s);
   const float* qc = q + (i * h + c * group) * d;     // the group's query heads, one after another
   float* oc = out + (i * h + c * group) * d;
   const T* kc = k + (i * kvh + c) * s * stride;
@@ -106,8 +114,10 @@ ffi::Error attend(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
                   int64_t kvh, int64_t s, int64_t d, int64_t stride, const int32_t* slot, const int32_t* pad,
                   float scale) {
   int64_t longest = 0;
-  for (int64_t i = 0; i < b; ++i)
-    longest = std::max<int64_t>(longest, std::min<int64_t>(slot[i], s - 1) - std::max<int32_t>(pad[i], 0) + 1);
+  for (int64_t i = 0; i < b; ++i) {
+    const Slots line = attended_slots(slot, pad, i, s);
+    longest = std::max<int64_t>(longest, line.last - line.first + 1);
+  }
   const int64_t pair_bytes = 2 * std::max<int64_t>(longest, 1) * stride * int64_t(sizeof(T));
   const int64_t group = h / kvh;
   return pyhlo_kernels::run_row_chunks(pool, b * kvh, pair_bytes, 1, [=](int64_t begin, int64_t end) {
@@ -142,11 +152,12 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   const int32_t* at = slot.typed_data();
   const float sc = scale.typed_data()[0];
   if (type == ffi::DataType::F32)
-    return attend(pool, qp, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()), op,
-                  b, h, kvh, s, d, stride, at, pad.typed_data(), sc);
-  if (type == ffi::DataType::BF16)
-    return attend(pool, qp, static_cast<const uint16_t*>(k.untyped_data()), static_cast<const uint16_t*>(v.untyped_data()),
+    return attend(pool, qp, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()),
                   op, b, h, kvh, s, d, stride, at, pad.typed_data(), sc);
+  if (type == ffi::DataType::BF16)
+    return attend(pool, qp, static_cast<const uint16_t*>(k.untyped_data()),
+                  static_cast<const uint16_t*>(v.untyped_data()), op, b, h, kvh, s, d, stride, at,
+                  pad.typed_data(), sc);
   return attend(pool, qp, static_cast<const int8_t*>(k.untyped_data()), static_cast<const int8_t*>(v.untyped_data()),
                 op, b, h, kvh, s, d, stride, at, pad.typed_data(), sc);
 }
