@@ -36,6 +36,7 @@ from decoders.weights.stored import (
     QuantizedWeight,
     block_form,
     forms_of,
+    ggml_types,
     is_block_form,
     stored_dims,
     stored_dtype,
@@ -320,11 +321,6 @@ def k_quant_gemm(x: HloValue, weight: HloValue, form: str) -> HloValue:
     if form.startswith(ROWS):
         return gemm_gguf_rows_x8_kernel(x, weight, ggml_types(form))
     return gemm_gguf_x8_kernel(x, weight, BLOCK_FORMS[form].ggml_type)
-
-
-def ggml_types(form: str) -> tuple[str, ...]:
-    """The GGML types of a rows form's rows."""
-    return tuple(BLOCK_FORMS[f].ggml_type for f in forms_of(form))
 
 
 def _scaled(product: HloValue, scale: HloValue) -> HloValue:

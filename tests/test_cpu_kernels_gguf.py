@@ -12,10 +12,10 @@ from child_env import python_path
 from hlo_run import run_fn
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_gguf_kquant_blocks import gguf_dequantized, mixed_rows, random_gguf_blocks
+from test_gguf_kquant_blocks import gguf_dequantized, mixed_rows, random_gguf_blocks, random_rows
 
 from pyhlo.ops import linalg
-from pyhlo.ops.gguf_blocks import LAYOUTS, ROW_CODES, row_bytes
+from pyhlo.ops.gguf_blocks import LAYOUTS, ROW_CODES, ROW_TAIL, pack_mixed_rows, row_bytes, unpack_mixed_rows
 from pyhlo.shape_inference import HloShapeError
 from runtime import cpu_kernels
 
@@ -125,16 +125,19 @@ def int8_activation_product(x: np.ndarray, ggml_type: str, data: np.ndarray) -> 
     return product, bound
 
 
-def check_int8_activation_product(out: np.ndarray, x: np.ndarray, types: list[str], data: np.ndarray) -> None:
+def check_int8_activation_product(out: np.ndarray, x: np.ndarray, types: list[str], data: np.ndarray,
+                                  mixed: bool = False) -> None:
     """Each weight row's product as llama.cpp computes it for the row's form (types[i] for row
-    i of data; rows of mixed forms padded, code last), to f32 rounding; and within the
-    rounding's reach of the exact product."""
+    i of data; `mixed`: data is rows of mixed forms, pack_mixed_rows), to f32 rounding; and
+    within the rounding's reach of the exact product."""
     k = x.shape[-1]
     expected, bound = np.zeros(out.shape), np.zeros(out.shape)
     w = np.zeros((len(types), k))
+    each = unpack_mixed_rows(data, k) if mixed else None
     for ggml_type in set(types):
         rows = np.array([t == ggml_type for t in types])
-        part = np.ascontiguousarray(data[rows, :row_bytes(ggml_type, k)])
+        part = (np.stack([r for (t, r) in each if t == ggml_type]) if each is not None
+                else np.ascontiguousarray(data[rows, :row_bytes(ggml_type, k)]))
         expected[..., rows], bound[..., rows] = int8_activation_product(x, ggml_type, part)
         w[rows] = gguf_dequantized(ggml_type, part)
     assert (np.abs(out - expected) <= 1e-5 * bound + 1e-30).all()
@@ -216,7 +219,7 @@ def test_k_quant_rows_of_mixed_forms_past_eight_activation_rows_match_numpy(rows
     data, _ = mixed_rows(types, forms, 768, rows)
     x = np.random.default_rng(rows).standard_normal((rows, 768)).astype(np.float32)
 
-    check_int8_activation_product(run_rows_kernel_x8(x, data, forms), x, types, data)
+    check_int8_activation_product(run_rows_kernel_x8(x, data, forms), x, types, data, mixed=True)
 
 
 @settings(max_examples=10, deadline=None)
@@ -250,7 +253,7 @@ def test_the_int8_activation_kernel_of_rows_of_mixed_forms_matches_numpy(types, 
 
     (out,) = run_fn(program, x, data)
     assert out.shape == (*lead, len(types))
-    check_int8_activation_product(out, x, types, data)
+    check_int8_activation_product(out, x, types, data, mixed=True)
 
 
 @pytest.mark.parametrize("types", [["Q5_1"] * 3, ["Q4_1", "Q5_1", "Q4_K", "Q4_1"]])
@@ -258,18 +261,18 @@ def test_minimums_meet_the_kept_f16_sums_of_the_rounded_activations_matches_nump
     """Q5_1 and Q4_1 blocks with d = 0 are their minimums alone: the product is then sum_b m * s,
     which tells llama.cpp's kept f16 s from the d * sum q it stands for (about 1e-4 apart)."""
     forms = tuple(sorted(set(types)))
-    data, _ = mixed_rows(types, forms, 512, 7)
-    for i, ggml_type in enumerate(types):
+    rows = random_rows(types, 512, 7)
+    for ggml_type, row in rows:
         if ggml_type in WITH_MINIMUMS:
-            blocks = data[i, :row_bytes(ggml_type, 512)].reshape(16, LAYOUTS[ggml_type][1])
-            blocks[:, :2] = 0
-            data[i, :blocks.size] = blocks.reshape(-1)
+            row.reshape(16, LAYOUTS[ggml_type][1])[:, :2] = 0
     x = np.random.default_rng(8).standard_normal((2, 512)).astype(np.float32)
     if len(forms) == 1:
-        out = run_kernel(x, np.ascontiguousarray(data[:, :-1]), forms[0], int8_activations=True)
+        data = np.concatenate([row for _, row in rows])
+        out = run_kernel(x, data, forms[0], int8_activations=True)
     else:
+        data = pack_mixed_rows(rows, 512, forms)
         out = run_rows_kernel_x8(x, data, forms)
-    check_int8_activation_product(out, x, types, data)
+    check_int8_activation_product(out, x, types, data, mixed=len(forms) > 1)
 
 
 def test_every_form_kept_as_stored_has_an_int8_activation_kernel():
@@ -282,14 +285,24 @@ def test_every_form_kept_as_stored_has_an_int8_activation_kernel():
         linalg._gguf_target("matvec_gguf_rows_kernel", True, ("Q4_K", "BF16"))
 
 
-def test_a_row_naming_no_form_is_a_clear_error():
-    data, _ = mixed_rows(["Q4_K"], ("Q4_K",), 256, 0)
-    data[0, -1] = 200
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("spoil", ["code", "offset"])
+def test_a_row_naming_no_form_or_lying_past_the_rows_is_a_clear_error(spoil, int8_activations):
+    """A code outside ROW_CODES, or an offset whose row would run past the rows' bytes (into
+    the offsets, or out of the array), is refused when the kernel runs, never read."""
+    data, _ = mixed_rows(["Q4_K", "Q6_K"], ("Q4_K", "Q6_K"), 256, 0)
+    flat = data.reshape(-1)
+    if spoil == "code":
+        flat[-1] = 200
+    else:
+        body = data.shape[0] * (data.shape[1] - ROW_TAIL)
+        flat[body + 4:body + 8] = np.array([body - 100], "<u4").view(np.uint8)   # row 1: Q6_K, 210 bytes
     x = np.ones((1, 256), np.float32)
 
     def program(scribe):
         return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
-                                              scribe.u8[data.shape].Parameter(parameter_number=1), ("Q4_K",))
+                                              scribe.u8[data.shape].Parameter(parameter_number=1),
+                                              ("Q4_K", "Q6_K"), int8_activations=int8_activations)
 
     with pytest.raises(Exception, match="names no GGUF form"):
         run_fn(program, x, data)

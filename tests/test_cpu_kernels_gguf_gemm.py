@@ -14,7 +14,7 @@ from test_gguf_kquant_blocks import gguf_dequantized, mixed_rows, random_gguf_bl
 
 from pyhlo import compile_py_func
 from pyhlo.ops import linalg
-from pyhlo.ops.gguf_blocks import LAYOUTS
+from pyhlo.ops.gguf_blocks import LAYOUTS, ROW_TAIL, unpack_mixed_rows
 from pyhlo.shape_inference import HloShapeError
 from runtime import cpu_kernels
 
@@ -83,15 +83,14 @@ def run_rows_gemm(x: np.ndarray, data: np.ndarray, forms: tuple[str, ...], gemm:
 @pytest.mark.parametrize("types", [["Q4_K", "Q6_K"] * 20 + ["Q6_K"], ["Q6_K"] + ["Q4_K"] * 40,
                                    list(linalg.GGUF_GEMM_X8_KERNEL_TYPES) * 7, ["Q4_K"] * 33])
 def test_the_gemm_of_rows_of_mixed_k_quants_matches_numpy_and_the_matvec_kernel(types):
-    forms = tuple(sorted(set(types) | {"Q6_K"}))      # padded to the widest form
+    forms = tuple(sorted(set(types) | {"Q6_K"}))      # room for the widest form
     data, _ = mixed_rows(types, forms, 512, seed=len(types))
     x = np.random.default_rng(len(types)).standard_normal((13, 512)).astype(np.float32)
     out = run_rows_gemm(x, data, forms)
     assert out.shape == (13, len(types))
-    check_int8_activation_product(out, x, types, data)
+    check_int8_activation_product(out, x, types, data, mixed=True)
     matvec = run_rows_gemm(x, data, forms, gemm=False)
-    w = np.concatenate([gguf_dequantized(t, np.ascontiguousarray(data[i:i + 1, :LAYOUTS[t][1] * 2]))
-                        for i, t in enumerate(types)])
+    w = np.concatenate([gguf_dequantized(t, row[None]) for t, row in unpack_mixed_rows(data, 512)])
     bound = np.abs(q8_k_rounded(x)) @ np.abs(w.astype(np.float64)).T
     assert (np.abs(out - matvec) <= 1e-5 * bound + 1e-30).all()
 
@@ -100,6 +99,15 @@ def test_a_row_naming_no_k_quant_is_a_clear_error():
     """A Q5_0 row (per 32 values: the matrix-vector kernel's) among Q6_K ones, at the width rows
     of Q4_K and Q6_K have: the kernel names the problem when it runs."""
     data, _ = mixed_rows(["Q6_K", "Q5_0"], ("Q6_K", "Q5_0"), 256, 0)
+    with pytest.raises(Exception, match="names no K-quant"):
+        run_rows_gemm(np.ones((5, 256), np.float32), data, ("Q4_K", "Q6_K"))
+
+
+def test_a_row_lying_past_the_rows_is_a_clear_error():
+    """A K-quant row whose offset would run it into the offsets is refused, never read."""
+    data, _ = mixed_rows(["Q6_K", "Q4_K"], ("Q4_K", "Q6_K"), 256, 0)
+    body = data.shape[0] * (data.shape[1] - ROW_TAIL)
+    data.reshape(-1)[body + 4:body + 8] = np.array([body - 100], "<u4").view(np.uint8)
     with pytest.raises(Exception, match="names no K-quant"):
         run_rows_gemm(np.ones((5, 256), np.float32), data, ("Q4_K", "Q6_K"))
 

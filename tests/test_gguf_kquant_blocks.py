@@ -9,7 +9,15 @@ from hlo_run import run_fn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyhlo.ops.gguf_blocks import LAYOUTS, ROW_CODES, dequantize_gguf, dequantize_gguf_rows, row_bytes
+from pyhlo.ops.gguf_blocks import (
+    LAYOUTS,
+    ROW_CODES,
+    ROW_TAIL,
+    dequantize_gguf,
+    dequantize_gguf_rows,
+    pack_mixed_rows,
+    unpack_mixed_rows,
+)
 from pyhlo.shape_inference import HloShapeError
 
 # Byte offsets of each form's f16 fields (scale, minimum): random bytes elsewhere are valid.
@@ -59,17 +67,33 @@ def test_a_row_of_partial_blocks_is_a_shape_error():
 
 
 def mixed_rows(types: list[str], forms: tuple[str, ...], k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows each in its own form (types[i] for row i), padded to the widest of `forms`, code
-    last; and the gguf package's reading of them."""
-    width = max(row_bytes(t, k) for t in forms)
-    data = np.zeros((len(types), width + 1), np.uint8)
-    expected = []
-    for i, ggml_type in enumerate(types):
-        row = random_gguf_blocks(ggml_type, 1, k // LAYOUTS[ggml_type][0], seed + i)
-        data[i, :row.shape[1]] = row[0]
-        data[i, width] = ROW_CODES.index(ggml_type)
-        expected.append(gguf_dequantized(ggml_type, row))
-    return data, np.concatenate(expected)
+    """Rows each in its own form (types[i] for row i) as pack_mixed_rows lays out rows of
+    `forms`; and the gguf package's reading of them."""
+    rows = random_rows(types, k, seed)
+    expected = [gguf_dequantized(t, row) for t, row in rows]
+    return pack_mixed_rows(rows, k, forms), np.concatenate(expected)
+
+
+def random_rows(types: list[str], k: int, seed: int) -> list[tuple[str, np.ndarray]]:
+    """A random row of k values in each of `types`: (type, u8 [1, row bytes])."""
+    return [(t, random_gguf_blocks(t, 1, k // LAYOUTS[t][0], seed + i)) for i, t in enumerate(types)]
+
+
+def test_mixed_rows_lie_back_to_back_with_their_offsets_and_codes_after():
+    """The layout itself, by hand: a Q4_0 row (18 bytes a block) then a Q8_0 row (34) of 64
+    values, room for two Q8_0 rows."""
+    q4, q8 = np.full((1, 36), 1, np.uint8), np.full((1, 68), 2, np.uint8)
+    data = pack_mixed_rows([("Q4_0", q4), ("Q8_0", q8)], 64, ("Q4_0", "Q8_0"))
+    assert data.shape == (2, 68 + ROW_TAIL)
+    flat = data.reshape(-1)
+    assert (flat[:36] == 1).all() and (flat[36:104] == 2).all() and (flat[104:136] == 0).all()
+    assert list(flat[136:144].view("<u4")) == [0, 36]
+    assert list(flat[144:]) == [ROW_CODES.index("Q4_0"), ROW_CODES.index("Q8_0")]
+    back = unpack_mixed_rows(data, 64)
+    assert [t for t, _ in back] == ["Q4_0", "Q8_0"]
+    assert (back[0][1] == q4[0]).all() and (back[1][1] == q8[0]).all()
+    with pytest.raises(ValueError, match="a Q6_K row among rows of Q4_0/Q8_0"):
+        pack_mixed_rows([("Q6_K", np.zeros(210, np.uint8))], 256, ("Q4_0", "Q8_0"))
 
 
 @settings(max_examples=10, deadline=None)

@@ -107,11 +107,11 @@ def test_a_q4_k_m_mix_keeps_every_weight_as_stored(kquant_file, kernels, caplog)
     forms = dict(kept.lowering.gguf_blocks)
     assert forms == {"attn.out.weight": "q5_0", "lm_head.weight": "q6_k", "mlp.gate_up.weight": "q4_k",
                      "attn.qkv.weight": "rows:q5_0+q8_0", "mlp.down.weight": "rows:q4_k+q6_k"}
-    # One line, each type once, and the padding the rows of mixed forms cost.
+    # One line, each type once, and the room the rows of mixed forms leave unused.
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF linear weights")]
     for kind in ("Q4_K", "Q5_0", "Q6_K", "Q8_0"):
         assert line.count(kind) == 1, (kind, line)
-    assert "widened" not in line and "MB of padding" in line
+    assert "widened" not in line and "MB unused" in line
     if kernels:                  # a decode step's products run on the kernel of mixed rows
         from decoders.programs.keys import Block
 

@@ -11,7 +11,7 @@ import numpy as np
 from decoders.blocks.params import Kind, Param
 from decoders.weights.stored import BLOCK_FORMS, rows_form
 from pyhlo.dtypes import byte_size
-from pyhlo.ops.gguf_blocks import row_bytes
+from pyhlo.ops.gguf_blocks import mixed_rows_width, row_bytes
 
 log = logging.getLogger("pyhlo")
 progress = logging.getLogger("pyhlo.progress")
@@ -27,7 +27,7 @@ def gguf_block_forms(checkpoint, layer_params: list[Param], head_params: list[Pa
     forms = {}
     kept, widened, why = Counter(), Counter(), {}     # tensors by GGML type; why widened
     extra_bytes = 0                                   # widened in `dtype` less their blocks
-    padding = 0                                       # rows of mixed forms padded to the widest
+    padding = 0                                       # rows of mixed forms: room left unused
     for param, layers in [(p, range(n_layers)) for p in layer_params] + [(p, [None]) for p in head_params]:
         if param.kind is not Kind.LINEAR:
             continue
@@ -38,7 +38,7 @@ def gguf_block_forms(checkpoint, layer_params: list[Param], head_params: list[Pa
             param.shape[1] % BLOCK_FORMS[form].block_values == 0 for form in found if form is not None)
         if found and None not in found and whole_blocks:
             # One form; or several (types that differ between layers, a fused q|k|v of
-            # different types): each row kept in its own, padded to the widest.
+            # different types): each row kept in its own (pack_mixed_rows).
             forms[param.name] = found.pop() if len(found) == 1 else rows_form(found)
             kept.update(types.values())
             if len(found) > 1:
@@ -57,10 +57,10 @@ def gguf_block_forms(checkpoint, layer_params: list[Param], head_params: list[Pa
 
 
 def _padding(checkpoint, types: dict[str, str], k: int) -> int:
-    """Bytes added by padding each row of these tensors to the widest row among them."""
-    widths = {name: row_bytes(kind, k) for name, kind in types.items()}
-    widest = max(widths.values()) + 1
-    return sum((widest - width) * checkpoint.shape(name)[0] for name, width in widths.items())
+    """Bytes a rows form of these tensors holds beyond their blocks (each layer's array has
+    room for rows all of the widest form, and each row's offset and code)."""
+    width = mixed_rows_width(tuple(types.values()), k)
+    return sum((width - row_bytes(kind, k)) * checkpoint.shape(name)[0] for name, kind in types.items())
 
 
 def _stored_bytes(kind: str, values: int) -> int:
@@ -87,7 +87,7 @@ def _report(kept: Counter, widened: Counter, why: dict, dtype: str, extra_bytes:
     line = "GGUF linear weights: " + ", ".join(parts)
     if padding:
         line += (f"; weights whose types differ between layers keep each row in its own form, "
-                 f"padded to the widest: {padding / 1e6:.1f} MB of padding")
+                 f"with room for the widest: {padding / 1e6:.1f} MB unused")
     if widened:
         log.warning("%s; the widening costs %.1f MB more than the file's blocks", line, extra_bytes / 1e6)
     else:

@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from pyhlo.ops import quantized
-from pyhlo.ops.gguf_blocks import ROW_CODES, row_bytes
+from pyhlo.ops.gguf_blocks import mixed_rows_width, pack_mixed_rows
 
 # Values per block of the block forms below (each block has its own scale): the block the
 # programs dequantize.
@@ -66,8 +66,8 @@ BLOCK_FORMS = {
 
 # A weight whose rows come in several of the forms above (llama.cpp's Q4_K_M gives the layers
 # of one weight different types, and a fused q|k|v may join them): "rows:q4_k+q6_k", one u8
-# array [out, widest row + 1], each row in its own form as the file's bytes, zero padding,
-# and its form's code last (pyhlo/ops/gguf_blocks.py: ROW_CODES, dequantize_gguf_rows).
+# array [out, widest row + 5], each row in its own form as the file's bytes, the rows back to
+# back, then their offsets and forms' codes (pyhlo/ops/gguf_blocks.py: pack_mixed_rows).
 ROWS = "rows:"
 ROWS_FORM = BlockForm("u8", 0, "", 0, False, BLOCK, True)
 
@@ -140,9 +140,14 @@ def stored_dtype(param: Stored) -> str | None:
     return "f16" if param.part_of else block_form(param.quant).values_dtype
 
 
+def ggml_types(quant: str) -> tuple[str, ...]:
+    """The GGML types of a weight's rows."""
+    return tuple(BLOCK_FORMS[form].ggml_type for form in forms_of(quant))
+
+
 def rows_width(quant: str, k: int) -> int:
-    """Bytes of a row of k values in a rows form: the widest of its forms', and the code."""
-    return max(row_bytes(BLOCK_FORMS[form].ggml_type, k) for form in forms_of(quant)) + 1
+    """The second dimension of a rows form's array of rows of k values."""
+    return mixed_rows_width(ggml_types(quant), k)
 
 
 def file_bytes(weight: BlockWeight) -> np.ndarray:
@@ -158,12 +163,5 @@ def file_bytes(weight: BlockWeight) -> np.ndarray:
 
 def in_rows_form(weights: list[BlockWeight], quant: str, k: int) -> BlockWeight:
     """Block weights of any forms of `quant` joined by rows into that rows form."""
-    width = rows_width(quant, k)
-    out = np.zeros((sum(w.values.shape[0] for w in weights), width), np.uint8)
-    at = 0
-    for weight in weights:
-        data = file_bytes(weight)
-        out[at:at + len(data), :data.shape[1]] = data
-        out[at:at + len(data), width - 1] = ROW_CODES.index(BLOCK_FORMS[weight.form].ggml_type)
-        at += len(data)
-    return BlockWeight(quant, out)
+    rows = [(BLOCK_FORMS[weight.form].ggml_type, file_bytes(weight)) for weight in weights]
+    return BlockWeight(quant, pack_mixed_rows(rows, k, ggml_types(quant)))

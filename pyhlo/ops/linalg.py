@@ -191,14 +191,14 @@ def gemm_gguf_rows_x8_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str,
     weight whose rows come in several K-quant forms (`ggml_types`, of GGUF_GEMM_X8_KERNEL_TYPES;
     llama.cpp's Q4_K_M mixes Q4_K and Q6_K so): the same operands and rounding of x, each row
     multiplied as its form is, as the tiled integer GEMM of gemm_gguf_x8_kernel. The kernel
-    checks each row's code when it runs."""
-    from pyhlo.ops.gguf_blocks import row_bytes
+    checks each row's code and offset when it runs."""
+    from pyhlo.ops.gguf_blocks import mixed_rows_width
 
     k = x.dims[-1] if x.dims else -1
     if not ggml_types or not set(ggml_types) <= set(GGUF_GEMM_X8_KERNEL_TYPES):
         raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)}: the GEMM takes only "
                             f"{', '.join(GGUF_GEMM_X8_KERNEL_TYPES)} (others: matvec_gguf_rows_kernel)")
-    width = max(row_bytes(t, k) for t in ggml_types) + 1
+    width = mixed_rows_width(ggml_types, k)
     if x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2 or data.dims[1] != width or k % 256:
         raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)} need f32 x[..., k] "
                             f"(k a multiple of 256) and u8 w[n, {width}]; got {x.dtype}{list(x.dims)} and "
@@ -209,15 +209,15 @@ def gemm_gguf_rows_x8_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str,
 def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...],
                             int8_activations: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] in rows of mixed GGUF forms
-    (`ggml_types`): u8 [n, widest row + 1], each row its blocks, padding, its form's code last
-    (pyhlo.ops.gguf_blocks.dequantize_gguf_rows has the layout). The kernel checks each row's
-    code when it runs. int8_activations as matvec_gguf_kernel's, for rows of
+    (`ggml_types`), laid out by pyhlo.ops.gguf_blocks.pack_mixed_rows: u8 [n, widest row + 5],
+    the rows back to back, then their offsets and forms' codes. The kernel checks each row's code
+    and offset when it runs. int8_activations as matvec_gguf_kernel's, for rows of
     GGUF_ROWS_X8_KERNEL_TYPES: x is rounded once each way the rows' forms take it (per 256 values,
     per 32) and each row multiplied as its form is."""
-    from pyhlo.ops.gguf_blocks import row_bytes
+    from pyhlo.ops.gguf_blocks import mixed_rows_width
 
     k = x.dims[-1] if x.dims else -1
-    width = max(row_bytes(t, k) for t in ggml_types) + 1
+    width = mixed_rows_width(ggml_types, k)
     if x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2 or data.dims[1] != width:
         raise HloShapeError(f"matvec_gguf_rows_kernel: rows of {'/'.join(ggml_types)} need f32 x[..., k] "
                             f"and u8 w[n, {width}]; got {x.dtype}{list(x.dims)} and "

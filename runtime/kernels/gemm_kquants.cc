@@ -16,8 +16,8 @@
 //
 // pyhlo_gemm_gguf_rows_x8: the same for a weight whose rows come in several K-quant forms
 // (llama.cpp's Q4_K_M gives ffn_down Q6_K in some layers, Q4_K in others), laid out as
-// matvec_gguf.cc's pyhlo_matvec_gguf_rows_x8 takes it: u8 [N, widest row + 1], each row its
-// blocks, padding, and its form's code last (pyhlo/ops/gguf_blocks.py's ROW_CODES). Rows of
+// matvec_gguf.cc's pyhlo_matvec_gguf_rows_x8 takes it: u8 [N, widest row + 5], the rows back
+// to back, then each one's offset and form's code (mixed_rows.h). Rows of
 // forms rounding x per 32 values (Q8_0, Q5_0 ...) stay on that matrix-vector kernel.
 //
 // Paths: AVX-512 VNNI where the CPU has it; elsewhere a portable form on the same panels,
@@ -29,6 +29,7 @@
 
 #include "gemm_panels.h"
 #include "kquants.h"
+#include "mixed_rows.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -60,8 +61,9 @@ constexpr int kRowCodes = 5;
 struct Problem {
   KQuant form;
   int64_t m, n, k, nb;           // nb: super-blocks of a row
-  const uint8_t* w;              // [N, nb * kSuperBytes[form]], or rows of mixed forms [N, stride]
-  int64_t stride = 0;            // rows of mixed forms: bytes a row, its form's code last; 0: one form
+  const uint8_t* w;              // [N, nb * kSuperBytes[form]], or rows of mixed forms
+  bool mixed = false;            // rows of mixed forms (`rows`); else every row `form`
+  pyhlo_kernels::MixedRows rows;
   bool per_32 = false;           // every row Q4_K or Q5_K: a scale per 32 values
   const int8_t* xq;              // [M, K]: x rounded as Q8_K
   const float* xd;               // [M, nb]: the rounding's scales
@@ -93,12 +95,12 @@ void pack_scales(const SuperBlock& s, int64_t b, int r, Panel& panel) {
 
 // Weight row n's super-block b and its form.
 inline const uint8_t* super_block(const Problem& p, int64_t n, int64_t b, KQuant* form) {
-  if (p.stride == 0) {
+  if (!p.mixed) {
     *form = p.form;
     return p.w + (n * p.nb + b) * kSuperBytes[int(p.form)];
   }
-  *form = KQuant(p.w[n * p.stride + p.stride - 1] - kRowCodeQ2_K);
-  return p.w + n * p.stride + b * kSuperBytes[int(*form)];
+  *form = KQuant(p.rows.code(n) - kRowCodeQ2_K);
+  return p.rows.row(n) + b * kSuperBytes[int(*form)];
 }
 
 void pack(const Problem& p, int64_t n0, Panel& panel) {
@@ -274,21 +276,24 @@ ffi::Error Run(ffi::ThreadPool& pool, KQuant form, bool rows, ffi::AnyBuffer& x,
       (!rows && w_dims[1] != k / kSuperValues * kSuperBytes[int(form)]))
     return ffi::Error::InvalidArgument(
         "pyhlo_gemm_<K-quant>_x8: need f32 x[..., K] (K a multiple of 256) and u8 w[N, K / 256 * bytes] of "
-        "whole super-blocks (rows of mixed forms: u8 w[N, widest row + 1])");
+        "whole super-blocks (rows of mixed forms: u8 w[N, widest row + 5])");
   Problem p;
   p.form = form;
   p.per_32 = form == KQuant::kQ4_K || form == KQuant::kQ5_K;
   if (rows) {
-    // Every row's code names a K-quant whose super-blocks fit the row.
-    p.stride = w_dims[1];
+    // Every row's code names a K-quant whose super-blocks lie within the rows' bytes (the
+    // codes and offsets are two short runs of bytes at the end: this pass is cheap).
+    if (w_dims[1] < pyhlo_kernels::kRowTail)
+      return ffi::Error::InvalidArgument("pyhlo_gemm_gguf_rows_x8: need u8 w[N, widest row + 5]");
+    p.mixed = true;
+    p.rows = pyhlo_kernels::MixedRows(static_cast<const uint8_t*>(w.untyped_data()), w_dims[0], w_dims[1]);
     p.per_32 = true;
-    const uint8_t* bytes = static_cast<const uint8_t*>(w.untyped_data());
     for (int64_t n = 0; n < w_dims[0]; ++n) {
-      const int code = bytes[n * p.stride + p.stride - 1] - kRowCodeQ2_K;
-      if (code < 0 || code >= kRowCodes || k / kSuperValues * kSuperBytes[code] > p.stride - 1)
+      const int code = p.rows.code(n) - kRowCodeQ2_K;
+      if (code < 0 || code >= kRowCodes || !p.rows.holds(n, k / kSuperValues * kSuperBytes[code]))
         return ffi::Error::InvalidArgument(
-            "pyhlo_gemm_gguf_rows_x8: a row's last byte names no K-quant (Q2_K ... Q6_K) whose super-blocks fit "
-            "the row; rows of other forms take pyhlo_matvec_gguf_rows_x8");
+            "pyhlo_gemm_gguf_rows_x8: a row's code names no K-quant (Q2_K ... Q6_K) whose super-blocks lie within "
+            "the rows' bytes at the row's offset; rows of other forms take pyhlo_matvec_gguf_rows_x8");
       p.per_32 = p.per_32 && (KQuant(code) == KQuant::kQ4_K || KQuant(code) == KQuant::kQ5_K);
     }
   }

@@ -4,9 +4,9 @@
 // layouts), u8 [N, K / values * bytes].
 //
 // pyhlo_matvec_gguf_rows: the same for a weight whose rows come in several forms (llama.cpp's
-// Q4_K_M gives the layers of one weight different types): u8 [N, widest row + 1], each row
-// its blocks, zero padding, and in its last byte the code of its form (the Form order below,
-// pyhlo/ops/gguf_blocks.py's ROW_CODES; Q8_0, Q4_0 and Q4_1 as their file bytes too).
+// Q4_K_M gives the layers of one weight different types): u8 [N, widest row + 5], the rows
+// back to back, then each row's offset and the code of its form (mixed_rows.h; the Form order
+// below, pyhlo/ops/gguf_blocks.py's ROW_CODES; Q8_0, Q4_0 and Q4_1 as their file bytes too).
 //
 // The exact form: each block is dequantized to f32 as the gguf package's numpy reading does
 // (the same products, each exact in f32), once for all activation rows, and multiplied by
@@ -37,6 +37,7 @@
 
 #include "half.h"
 #include "kquants.h"
+#include "mixed_rows.h"
 #include "q8_blocks.h"
 #include "row_chunks.h"
 
@@ -282,7 +283,8 @@ struct Problem {
   const uint8_t* w;
   float* y;
   int64_t m, n, k;
-  int64_t stride = 0;    // rows of mixed forms: bytes a row, its form's code last; 0: one form
+  bool mixed = false;    // rows of mixed forms (`rows`); else every row `form`
+  pyhlo_kernels::MixedRows rows;
   const float* x_sums = nullptr;        // exact K-quant products: the sums of each 16 of x [m, K / 16]
   // The _x8 targets: x rounded as llama.cpp's Q8_K (pyhlo_kernels::quantize_q8_k), per row:
   const int8_t* x_q8 = nullptr;         // [m, K]
@@ -340,10 +342,10 @@ void k_quant_piece(const Problem& p, const SuperBlock* unpacked, int64_t blocks,
   }
 }
 
-// A row of mixed forms names, in its last byte, a form whose blocks fit the row.
-bool row_code_fits(const Problem& p, Form code) {
+// A row of mixed forms names a form whose blocks of K values lie within the rows' bytes.
+bool row_fits(const Problem& p, int64_t n, Form code) {
   return code < kForms && p.k % kLayouts[code].values == 0 &&
-         p.k / kLayouts[code].values * kLayouts[code].bytes <= p.stride - 1;
+         p.rows.holds(n, p.k / kLayouts[code].values * kLayouts[code].bytes);
 }
 
 void weight_rows(const Problem& p, int64_t begin, int64_t end) {
@@ -354,16 +356,15 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
   std::unique_ptr<int8_t[]> q8(integer ? new int8_t[kPieceValues] : nullptr);
   std::unique_ptr<float[]> block_d(new float[kPieceValues / 32]), block_m(new float[kPieceValues / 32]);
   for (int64_t n = begin; n < end; ++n) {
-    const Form form = p.stride ? Form(p.w[n * p.stride + p.stride - 1]) : p.form;
-    if (p.stride && !row_code_fits(p, form)) {
-      // Checked here, as the row is read, not in a pass of its own before: that pass read a
-      // byte of every row on one thread, a cache miss each (5 % of a 1.7 B Q4_K_M decode step).
+    const Form form = p.mixed ? Form(p.rows.code(n)) : p.form;
+    if (p.mixed && !row_fits(p, n, form)) {
+      // Checked as each row is read, on the thread that reads it, not in a pass of its own.
       p.bad_row->store(true, std::memory_order_relaxed);
       for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = NAN;
       continue;
     }
     const Layout layout = kLayouts[form];
-    const uint8_t* row = p.w + n * (p.stride ? p.stride : p.k / layout.values * layout.bytes);
+    const uint8_t* row = p.mixed ? p.rows.row(n) : p.w + n * (p.k / layout.values * layout.bytes);
     std::fill(sums.begin(), sums.end(), 0.0f);
     if (integer && is_k_quant(form) && pyhlo_kernels::has_row_kernel(k_quant(form))) {
       // Unpacked in registers, the whole row at once: nothing stored between unpacking and
@@ -407,7 +408,7 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
 
 ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
   const Layout layout = kLayouts[p.form == kForms ? kQ8_0 : p.form];
-  const int64_t row_bytes = p.stride ? p.stride : p.k / layout.values * layout.bytes;
+  const int64_t row_bytes = p.mixed ? p.rows.body / std::max<int64_t>(1, p.n) : p.k / layout.values * layout.bytes;
   return pyhlo_kernels::run_row_chunks(pool, p.n, row_bytes, kChunkAlign,
                                        [p](int64_t begin, int64_t end) { weight_rows(p, begin, end); });
 }
@@ -434,9 +435,12 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
       return ffi::Error::InvalidArgument(
           "pyhlo_matvec (GGUF blocks as stored): need u8 w[N, K / values * bytes] of whole blocks");
   } else {
-    // Each row's code is checked as the row is read (weight_rows); x is rounded both ways the
-    // forms may take it.
-    p.stride = w_dims[1];
+    // Each row's code and offset are checked as the row is read (weight_rows); x is rounded
+    // both ways the forms may take it.
+    if (w_dims[1] < pyhlo_kernels::kRowTail)
+      return ffi::Error::InvalidArgument("pyhlo_matvec_gguf_rows: need u8 w[N, widest row + 5]");
+    p.mixed = true;
+    p.rows = pyhlo_kernels::MixedRows(p.w, w_dims[0], w_dims[1]);
     per_256 = p.k % pyhlo_kernels::kSuperValues == 0;
     per_32 = p.k % 32 == 0;
   }
@@ -486,7 +490,8 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
   const ffi::Error done = Dispatch(pool, p);
   if (bad_row.load())
     return ffi::Error::InvalidArgument(
-        "pyhlo_matvec_gguf_rows: a row's last byte names no GGUF form whose blocks fit the row");
+        "pyhlo_matvec_gguf_rows: a row's code names no GGUF form whose blocks fit the rows' bytes at the row's "
+        "offset (lay rows out with pyhlo.ops.gguf_blocks.pack_mixed_rows)");
   return done;
 }
 
