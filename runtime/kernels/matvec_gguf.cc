@@ -435,14 +435,16 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
       return ffi::Error::InvalidArgument(
           "pyhlo_matvec (GGUF blocks as stored): need u8 w[N, K / values * bytes] of whole blocks");
   } else {
-    // Each row's code and offset are checked as the row is read (weight_rows); x is rounded
-    // both ways the forms may take it.
+    // Each row's code and offset are checked as the row is read (weight_rows).
     if (w_dims[1] < pyhlo_kernels::kRowTail)
       return ffi::Error::InvalidArgument("pyhlo_matvec_gguf_rows: need u8 w[N, widest row + 5]");
     p.mixed = true;
     p.rows = pyhlo_kernels::MixedRows(p.w, w_dims[0], w_dims[1]);
-    per_256 = p.k % pyhlo_kernels::kSuperValues == 0;
-    per_32 = p.k % 32 == 0;
+    // The ways the rows' forms take x (their codes lie together: a short pass).
+    for (int64_t n = 0; n < p.n; ++n)
+      if (p.rows.code(n) < kForms) (takes_q8_k(Form(p.rows.code(n))) ? per_256 : per_32) = true;
+    per_256 = per_256 && p.k % pyhlo_kernels::kSuperValues == 0;
+    per_32 = per_32 && p.k % 32 == 0;
   }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   std::vector<int8_t> x_q8, x_q8_nibbles, x_q32;
