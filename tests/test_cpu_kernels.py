@@ -139,7 +139,7 @@ def reference_decode_attention(q, k, v, slot, pad, scale):
 
 @settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 3), kvh=st.integers(1, 3), group=st.integers(1, 4), s=st.integers(1, 40),
-       d=st.sampled_from([1, 7, 16, 64, 80]), dtype=st.sampled_from(["f32", "bf16"]), data=st.data())
+       d=st.sampled_from([1, 7, 16, 64, 80, 128]), dtype=st.sampled_from(["f32", "bf16"]), data=st.data())
 def test_decode_attention_kernel_matches_numpy(b, kvh, group, s, d, dtype, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     # Each line at its own length (continuous batching), its left padding below it.

@@ -11,14 +11,23 @@
 // s8[b, kvh, S, d + 4] (d values, then the 4 bytes of the row's f32 scale: the row is
 // scale * values); slot s32[b] (each line's newest slot: lines may be at different lengths
 // under continuous batching); pad s32[b]; scale f32[]. Result: f32[b, h, 1, d].
+//
+// f32 and bf16 rows of 64 or 128 values take an AVX-512 form where the CPU has it
+// (attend_head_16); others, loops that compilers vectorize as they can.
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "row_chunks.h"
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PYHLO_ATTENTION_AVX512 1
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -65,6 +74,65 @@ inline Slots attended_slots(const int32_t* slot, const int32_t* pad, int64_t i, 
   return {pad[i] < 0 ? 0 : pad[i], slot[i] < s - 1 ? slot[i] : s - 1};
 }
 
+#ifdef PYHLO_ATTENTION_AVX512
+// 16 cache values widened to f32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Asks for the cache row kAheadBytes past `row` (`bytes` long), one request a line.
+constexpr int64_t kAheadBytes = 2048;
+inline void ahead(const void* row, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(static_cast<const char*>(row) + kAheadBytes + line, _MM_HINT_T0);
+}
+
+// attend_head's work for f32 or bf16 rows of 16 * Vecs values: each query head's values and
+// its output held in registers across the slots, the cache rows asked for ahead (a head's
+// rows are one short stream the hardware prefetchers barely start on); a group's later
+// heads find the rows in the second-level cache. Against the generic loops, 24 layers' caches
+// of SmolLM2-1.7B's shape at 160 slots (the EPYC host, alternating runs): bf16 121-126 -> 87-105
+// us a layer, f32 160-174 -> 127-162.
+template <int Vecs, typename T>
+void attend_head_16(const float* qc, const T* kc, const T* vc, float* oc, int64_t group, int64_t s,
+                    int64_t stride, Slots slots, float scale, float* scores, float* total) {
+  const int64_t d = 16 * Vecs, row_bytes = d * int64_t(sizeof(T));
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 qv[Vecs];
+    for (int j = 0; j < Vecs; ++j) qv[j] = _mm512_loadu_ps(qc + g * d + 16 * j);
+    float* sg = scores + g * s;
+    float top = -INFINITY;
+    for (int64_t t = slots.first; t <= slots.last; ++t) {
+      const T* row = kc + t * stride;
+      ahead(row, row_bytes);
+      __m512 acc = _mm512_mul_ps(qv[0], load16(row));
+      for (int j = 1; j < Vecs; ++j) acc = _mm512_fmadd_ps(qv[j], load16(row + 16 * j), acc);
+      const float score = _mm512_reduce_add_ps(acc) * scale;
+      sg[t] = score;
+      top = score > top ? score : top;
+    }
+    float sum = 0.0f;
+    for (int64_t t = slots.first; t <= slots.last; ++t) {
+      sg[t] = std::exp(sg[t] - top);
+      sum += sg[t];
+    }
+    total[g] = sum;
+    const float inverse = 1.0f / sum;
+    __m512 ov[Vecs];
+    for (int j = 0; j < Vecs; ++j) ov[j] = _mm512_setzero_ps();
+    for (int64_t t = slots.first; t <= slots.last; ++t) {
+      const T* row = vc + t * stride;
+      ahead(row, row_bytes);
+      const __m512 weight = _mm512_set1_ps(sg[t] * inverse);
+      for (int j = 0; j < Vecs; ++j) ov[j] = _mm512_fmadd_ps(weight, load16(row + 16 * j), ov[j]);
+    }
+    for (int j = 0; j < Vecs; ++j) _mm512_storeu_ps(oc + g * d + 16 * j, ov[j]);
+  }
+}
+#endif
+
 // Line i's kv head c and the query heads that share it. Each cache row (`stride` elements
 // apart) is read once for all of them. `scores` holds group * s floats, `top` and `total` group.
 template <typename T>
@@ -79,6 +147,15 @@ void attend_head(const float* q, const T* k, const T* v, float* out, int64_t i, 
   const T* vc = v + (i * kvh + c) * s * stride;
   std::fill(oc, oc + group * d, 0.0f);
   if (first > last) return;
+#ifdef PYHLO_ATTENTION_AVX512
+  if constexpr (!std::is_same_v<T, int8_t>) {
+    if (d == 64 || d == 128) {
+      (d == 64 ? attend_head_16<4, T> : attend_head_16<8, T>)(qc, kc, vc, oc, group, s, stride, {first, last},
+                                                             scale, scores, total);
+      return;
+    }
+  }
+#endif
   std::fill(top, top + group, -INFINITY);
   for (int64_t t = first; t <= last; ++t) {
     const T* row = kc + t * stride;
