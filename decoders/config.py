@@ -23,6 +23,8 @@ class NotSupportedYet(ValueError):
 
 # NeuronConfig.f32_matmul_precision: XLA's dot precisions, and "tf32" (XLA's "default").
 F32_MATMUL_PRECISIONS = (*DOT_PRECISIONS, "tf32")
+# NeuronConfig.kv_cache_dtype: the amp type (None), or caches of f32 or bf16 whatever the amp.
+KV_CACHE_DTYPES = (None, "f32", "bf16")
 
 class GQA(enum.Enum):
     """How tensor parallelism shares out the KV heads of grouped-query attention
@@ -217,6 +219,10 @@ class NeuronConfig:
     # of each KV head stored as head_dim int8 values and an f32 scale (max |x| / 127), about
     # a quarter of f32 caches' bytes and half of bf16's. True is "s8"; False keeps the amp type.
     kv_cache_quant: bool | str = False
+    # The KV caches' element type when it differs from the amp type: "bf16" keeps an f32
+    # model's keys and values in half the bytes (llama.cpp's caches are f16 by default; vLLM's
+    # kv_cache_dtype). None: the amp type.
+    kv_cache_dtype: str | None = None
     # Products of GGUF block weights on pyhlo's CPU kernels (decode steps, the LM head) round
     # the activations to int8 as llama.cpp does and multiply integers: faster, within the
     # rounding of the exact product (off: activations stay f32). Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
@@ -315,6 +321,13 @@ class NeuronConfig:
         if self.kv_cache_quant not in (True, False):
             raise ValueError("NeuronConfig.kv_cache_quant must be False, True or 's8' (int8 caches with a "
                              f"scale per slot and head), got {self.kv_cache_quant!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            accepted = ", ".join(map(repr, KV_CACHE_DTYPES))
+            raise ValueError(f"NeuronConfig.kv_cache_dtype must be one of {accepted}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_quant:
+            raise ValueError("NeuronConfig.kv_cache_dtype and kv_cache_quant both set the caches' type; "
+                             "drop one of them")
         precision = self.f32_matmul_precision
         if not isinstance(precision, str) or precision.lower() not in F32_MATMUL_PRECISIONS:
             raise ValueError("NeuronConfig.f32_matmul_precision must be one of "

@@ -106,6 +106,8 @@ class XlaLowering:
     gguf_blocks: tuple[tuple[str, str], ...] = ()
     # KV caches of packed int8 rows, a scale per line, head and slot (NeuronConfig.kv_cache_quant).
     kv_cache_quant: bool = False
+    # The caches' element type when it differs from `dtype` (NeuronConfig.kv_cache_dtype).
+    kv_cache_dtype: str | None = None
     # Kernel products of GGUF block weights whose forms have integer kernels round the activations
     # to int8 (NeuronConfig.int8_activations; has_int8_activation_kernel).
     int8_activations: bool = False

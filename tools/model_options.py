@@ -91,12 +91,17 @@ def add_quant_argument(group) -> None:
     group.add_argument("--kv-cache-quant", action="store_true",
                        help="keep the KV caches as int8 with an f32 scale per slot and head (about a quarter "
                             "of f32 caches' bytes, half of bf16's)")
+    group.add_argument("--kv-cache-dtype", choices=("f32", "bf16"),
+                       help="the KV caches' element type (default: the --amp type); bf16 halves an f32 "
+                            "model's cache bytes, as llama.cpp's f16 caches")
 
 
 def weight_options(args: argparse.Namespace) -> dict:
-    """The NeuronConfig settings --quant, --widen-gguf, --int8-activations and --kv-cache-quant ask for."""
+    """The NeuronConfig settings --quant, --widen-gguf, --int8-activations, --kv-cache-quant and
+    --kv-cache-dtype ask for."""
     options = {"gguf_blocks": False if getattr(args, "widen_gguf", False) else None,
                "kv_cache_quant": bool(getattr(args, "kv_cache_quant", False)),
+               "kv_cache_dtype": getattr(args, "kv_cache_dtype", None),
                "int8_activations": bool(getattr(args, "int8_activations", False))}
     if getattr(args, "quant", None) is not None:
         from decoders import QuantizationConfig

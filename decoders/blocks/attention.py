@@ -122,6 +122,9 @@ class Attention:
     kv_sharding: KVSharding = KVSharding.HEADS
     # KV caches of packed int8 rows, one scale per line, head and slot (NeuronConfig.kv_cache_quant).
     kv_quant: bool = False
+    # The caches' element type when it differs from the amp type (NeuronConfig.kv_cache_dtype):
+    # keys and values are converted as they are written, and back as attention reads them.
+    cache_type: str | None = None
     # Scores q.k times this; None: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5).
     scores_scale: float | None = None
     # Scaled scores soft-capped, softcap * tanh(scores / softcap) (Gemma 2's attn_logit_softcapping).
@@ -184,16 +187,20 @@ class Attention:
         return lines, self.n_kv_heads, slots, self.head_dim + (SCALE_BYTES if self.kv_quant else 0)
 
     def cache_dtype(self, amp: str) -> str:
-        """The caches' element type: the amp type, or s8 for packed int8 rows."""
-        return "s8" if self.kv_quant else amp
+        """The caches' element type: the amp type, cache_type, or s8 for packed int8 rows."""
+        return "s8" if self.kv_quant else self.cache_type or amp
 
     def _to_cache(self, t: HloValue) -> HloValue:
         """Keys or values [b, heads, n, head_dim] as the cache stores them."""
-        return quantize_rows(t) if self.kv_quant else t
+        if self.kv_quant:
+            return quantize_rows(t)
+        return ew.convert(t, self.cache_type) if self.cache_type not in (None, t.dtype) else t
 
     def _from_cache(self, cache: HloValue, dtype: str) -> HloValue:
         """Cache rows as keys or values in `dtype`."""
-        return dequantize_rows(cache, dtype) if self.kv_quant else cache
+        if self.kv_quant:
+            return dequantize_rows(cache, dtype)
+        return ew.convert(cache, dtype) if cache.dtype != dtype else cache
 
     @property
     def scale(self) -> float:

@@ -151,5 +151,9 @@ class Decoder:
         """The same pieces over KV caches of packed int8 rows (Attention.kv_quant)."""
         return self._each_attention(lambda attention: replace(attention, kv_quant=True))
 
+    def with_cache_type(self, dtype: str) -> Decoder:
+        """The same pieces over KV caches of `dtype` (Attention.cache_type)."""
+        return self._each_attention(lambda attention: replace(attention, cache_type=dtype))
+
     def token_table(self, one_table: bool) -> str:
         return HEAD_WEIGHT if one_table else TOKENS

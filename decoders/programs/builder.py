@@ -107,7 +107,10 @@ class ProgramBuilder:
     def device_decoder(self) -> Decoder:
         """The pieces as one device runs them (its share of the heads under tensor parallelism)."""
         decoder = self.decoder.sharded(self.tp_degree, self.lowering.kv_sharding)
-        return decoder.with_kv_quant() if self.lowering.kv_cache_quant else decoder
+        if self.lowering.kv_cache_quant:
+            return decoder.with_kv_quant()
+        cache_type = self.lowering.kv_cache_dtype
+        return decoder.with_cache_type(cache_type) if cache_type not in (None, self.dtype) else decoder
 
     @property
     def one_table(self) -> bool:

@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile-times", action="store_true",
                         help="skip the cold compile into an empty cache; use the usual compile cache")
     parser.add_argument("--no-buckets", action="store_true", help="skip the per-bucket decode latency run")
+    parser.add_argument("--kv-cache-dtype", choices=("f32", "bf16"),
+                        help="pyhlo's KV caches in this type (default: the amp type); bf16 halves an f32 "
+                             "model's cache bytes, as llama.cpp's f16 caches (its default)")
     parser.add_argument("--serve", action="store_true",
                         help="instead: `pyhlo serve` against llama.cpp's server on the model's GGUF file, 1, "
                              "4 and 8 concurrent streaming clients (tools/bench/serve.py)")

@@ -8,16 +8,19 @@ from typing import Any
 from tools.bench import peers
 
 
-def pyhlo_options(amp: str) -> dict:
-    """from_pretrained() arguments of pyhlo's model at a bench precision."""
+def pyhlo_options(amp: str, kv_cache_dtype: str | None = None) -> dict:
+    """from_pretrained() arguments of pyhlo's model at a bench precision (and KV cache type:
+    None, the amp type)."""
     from decoders import NeuronConfig, QuantizationConfig
 
+    caches = {"kv_cache_dtype": kv_cache_dtype}
     if amp == "s8":
-        return {"amp": "f32", "neuron_config": NeuronConfig(quant=QuantizationConfig(quant_dtype="s8"))}
+        return {"amp": "f32",
+                "neuron_config": NeuronConfig(quant=QuantizationConfig(quant_dtype="s8"), **caches)}
     if amp in ("gguf", "gguf-x8"):
         return {"amp": "f32",
-                "neuron_config": NeuronConfig(gguf_blocks=True, int8_activations=amp == "gguf-x8")}
-    return {"amp": amp, "neuron_config": NeuronConfig(gguf_blocks=False)}
+                "neuron_config": NeuronConfig(gguf_blocks=True, int8_activations=amp == "gguf-x8", **caches)}
+    return {"amp": amp, "neuron_config": NeuronConfig(gguf_blocks=False, **caches)}
 
 
 class PyhloRunner:
@@ -25,10 +28,11 @@ class PyhloRunner:
 
     engine = "pyhlo"
 
-    def __init__(self, model_path: str, amp: str, batch: int, n_positions: int, **_: Any):
+    def __init__(self, model_path: str, amp: str, batch: int, n_positions: int,
+                 kv_cache_dtype: str | None = None, **_: Any):
         from decoders import NeuronAutoModelForCausalLM
 
-        options = pyhlo_options(amp)
+        options = pyhlo_options(amp, kv_cache_dtype)
         self.model = NeuronAutoModelForCausalLM.from_pretrained(model_path, batch_size=batch,
                                                                 n_positions=n_positions, **options)
         self.model.to_neuron()
@@ -41,6 +45,7 @@ class PyhloRunner:
             self.info["quant"] = lowering.quant.to_dict()
         if lowering.gguf_blocks:
             self.info["gguf_blocks"] = dict(lowering.gguf_blocks)
+        self.info["kv_cache"] = self.model.kv_cache.dtype
         if hasattr(lowering, "kernel_rows"):
             self.info["kernel_rows"] = dict(lowering.kernel_rows)
 

@@ -349,6 +349,10 @@ def report_markdown(report: dict) -> str:
                    f"products; the f32 GEMM rate measured here: {matmul['gflop_per_s']:.0f} GFLOP/s "
                    f"({matmul['method']}, {matmul['threads']} threads); \"prefill % of f32 GEMM\" is a "
                    "row's prefill FLOP rate over that")
+    caches = sorted({f"{r['engine']} {r['info']['kv_cache']}" for r in report["results"]
+                     if r.get("status") == "ok" and r.get("info", {}).get("kv_cache")})
+    if caches:
+        out.append(f"- KV caches: {', '.join(caches)}")
     paths = sorted({(r["amp"], r["batch"], json.dumps(r["info"]["kernel_rows"])) for r in report["results"]
                     if r.get("status") == "ok" and r.get("info", {}).get("kernel_rows")})
     if paths:

@@ -45,7 +45,8 @@ def measure_config(model_path: pathlib.Path, engines: list[str], amp: str, batch
     tag = f"{amp}-b{batch}"
     spec = {"amp": amp, "batch": batch, "n_positions": settings["n_positions"],
             "threads": settings["threads"],
-            "prompt_tokens": settings["prompt_tokens"], "device": settings.get("device", "cpu")}
+            "prompt_tokens": settings["prompt_tokens"], "device": settings.get("device", "cpu"),
+            "kv_cache_dtype": settings.get("kv_cache_dtype")}
     new_tokens = settings["new_tokens"]
     cache_env: dict[str, str] = dict(env or {})
     cache_dir = None

@@ -49,6 +49,7 @@ def resolve_settings(args: argparse.Namespace) -> dict:
     settings["compile_times"] = not args.no_compile_times
     settings["buckets"] = not args.no_buckets
     settings["quiet_wait"] = max(0.0, args.quiet_wait)
+    settings["kv_cache_dtype"] = getattr(args, "kv_cache_dtype", None)
     return settings
 
 
