@@ -269,6 +269,17 @@ def test_options_are_checked():
         bench_settings.resolve_settings(parser.parse_args(["--prompt-tokens", "200", "--n-positions", "256"]))
     quick = bench_settings.resolve_settings(parser.parse_args(["--quick", "--repeats", "2"]))
     assert quick["repeats"] == 2 and quick["new_tokens"] == bench_settings.QUICK["new_tokens"]
+    assert quick["kv_cache_dtype"] is None
+
+
+def test_pyhlo_takes_the_kv_cache_type_the_bench_is_given():
+    from tools.bench.pyhlo_runner import pyhlo_options
+
+    settings = bench_settings.resolve_settings(bench_parser().parse_args(["--kv-cache-dtype", "bf16"]))
+    assert settings["kv_cache_dtype"] == "bf16"
+    for amp in bench_settings.AMPS:
+        assert pyhlo_options(amp, settings["kv_cache_dtype"])["neuron_config"].kv_cache_dtype == "bf16"
+        assert pyhlo_options(amp)["neuron_config"].kv_cache_dtype is None
 
 
 def bench_parser():

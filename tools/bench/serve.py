@@ -71,7 +71,8 @@ def _wait_ready(base: str, process: subprocess.Popen, timeout: float) -> None:
 
 
 def start(engine: str, model: Path, lines: int, context: int, threads: int,
-          log: Path) -> tuple[subprocess.Popen, str]:
+          log: Path, kv_cache_dtype: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`engine`'s server on a free port, ready; kv_cache_dtype: pyhlo serve's caches' type."""
     port = _free_port()
     env = dict(os.environ)
     if engine in PYHLO_SERVERS:
@@ -79,6 +80,8 @@ def start(engine: str, model: Path, lines: int, context: int, threads: int,
                    "--batch-size", str(lines), "--n-positions", str(context)]
         if engine == "pyhlo-x8":
             command.append("--int8-activations")
+        if kv_cache_dtype:
+            command += ["--kv-cache-dtype", kv_cache_dtype]
     elif engine == "llama-server":
         command = llama_cpp_programs.server_command(model, port, lines, context, threads)
     elif engine == "vllm":
@@ -139,7 +142,8 @@ async def _clients(api, clients: int, requests: int, max_tokens: int) -> tuple[l
 
 
 def measure(model: Path, engines: list[str], concurrency: list[int], requests: int, max_tokens: int,
-            threads: int, out: Path, failed: dict[str, str] | None = None) -> list[dict]:
+            threads: int, out: Path, failed: dict[str, str] | None = None,
+            kv_cache_dtype: str | None = None) -> list[dict]:
     """One row per engine and concurrency. A server that fails (does not start, drops a
     connection, streams no text) is recorded in `failed` with the reason, and the others run."""
     from decoders.checkpoints import open_checkpoint
@@ -148,7 +152,8 @@ def measure(model: Path, engines: list[str], concurrency: list[int], requests: i
     rows = []
     for engine in engines:
         try:
-            rows += _measure_one(engine, model, concurrency, requests, max_tokens, threads, out, tokenizer)
+            rows += _measure_one(engine, model, concurrency, requests, max_tokens, threads, out, tokenizer,
+                                 kv_cache_dtype)
         except Exception as error:                   # one server's failure leaves the others' rows
             if failed is None:
                 raise
@@ -158,11 +163,12 @@ def measure(model: Path, engines: list[str], concurrency: list[int], requests: i
 
 
 def _measure_one(engine: str, model: Path, concurrency: list[int], requests: int, max_tokens: int,
-                 threads: int, out: Path, tokenizer: Any) -> list[dict]:
+                 threads: int, out: Path, tokenizer: Any, kv_cache_dtype: str | None = None) -> list[dict]:
     rows = []
     print(f"[serve] {engine}: starting", file=sys.stderr, flush=True)
     log = out / "logs" / f"serve-{engine}.log"
-    process, base = start(engine, model, max(concurrency), 1024, threads, log)
+    process, base = start(engine, model, max(concurrency), 1024, threads, log,
+                          kv_cache_dtype if engine in PYHLO_SERVERS else None)
     try:
         asyncio.run(_drive(base, 1, 1, 8))                     # warm-up
         for clients in concurrency:
@@ -239,15 +245,17 @@ def run(args: argparse.Namespace) -> int:
     engines, unavailable = resolve_servers(args.engines, model_path)
     out = Path(args.out)
     failed: dict[str, str] = {}
+    caches = getattr(args, "kv_cache_dtype", None)
     rows = measure(model_path, engines, [1, 4, SLOTS], args.serve_requests, args.new_tokens or 64,
-                   args.threads, out, failed)
+                   args.threads, out, failed, caches)
     for row in rows:
         row["weights"] = weights(row["engine"], model_path)
     info = machine_info()
     text = (f"Serving: {model_path.name}, {args.serve_requests} chat requests per level, "
             f"max_tokens {args.new_tokens or 64}, greedy, streamed; "
             + ", ".join(SETUPS[e] for e in engines if e in SETUPS) + "; "
-            f"CPU {info.get('cpu')}, {args.threads} threads\n\n" + table(rows))
+            + (f"pyhlo's KV caches {caches}; " if caches else "")
+            + f"CPU {info.get('cpu')}, {args.threads} threads\n\n" + table(rows))
     for engine, why in unavailable.items():
         text += f"\n\n{engine} left out: {why}"
     for engine, why in failed.items():
