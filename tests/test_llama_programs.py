@@ -92,3 +92,39 @@ def test_the_copy_check_catches_a_program_that_reads_the_cache_before_updating_i
 
     executable = model.programs.backend.compile(compile_py_func(trap).SerializeToString())
     assert cache_copies(executable.hlo_text(), 2 * 2 * 256 * 16) != []
+
+
+def cache_rewrites(hlo_text: str, cache_elements: int) -> list[str]:
+    """Lines of an optimized module that convert a whole KV cache's worth of values (XLA:CPU's
+    way of updating a bf16 cache in f32: the whole cache converted, updated and converted back)."""
+    rewrites = []
+    for line in hlo_text.splitlines():
+        found = re.search(r"= [a-z0-9]+\[([0-9,]*)\](\{[^}]*\})? convert\(", line)
+        if (found and found.group(1)
+                and math.prod(int(n) for n in found.group(1).split(",")) == cache_elements):
+            rewrites.append(line.strip())
+    return rewrites
+
+
+@pytest.mark.parametrize("amp, kv_cache_dtype", [("bf16", None), ("f32", "bf16")])
+def test_a_bf16_cache_is_updated_in_place(tiny_llama, amp, kv_cache_dtype):
+    """bf16 caches (a bf16 model's, or an f32 model's kv_cache_dtype="bf16"), lines at one slot
+    and at their own (continuous batching): no program copies or converts a whole cache."""
+    from decoders import NeuronConfig
+    from decoders.config import ContinuousBatchingConfig
+
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    for batching in (None, ContinuousBatchingConfig(batch_size_for_shared_caches=2)):
+        config = NeuronConfig(kv_cache_dtype=kv_cache_dtype, continuous_batching=batching)
+        model = LlamaForSampling.from_pretrained(path, amp=amp, batch_size=2, n_positions=128,
+                                                 context_length_estimate=[16], neuron_config=config)
+        model.to_neuron()
+        assert model.kv_cache.dtype == "bf16"
+        elements = math.prod(model.session.builder.cache_spec("k").dims)
+        steps = [(key, compiled) for key, compiled in model.programs.compiled.items()
+                 if isinstance(key, (Block, ModelStep))]
+        assert any(key.n_tokens == 1 for key, _ in steps)
+        for _, compiled in steps:
+            text = compiled.executable.hlo_text()
+            assert cache_copies(text, elements) == [], compiled.program.name
+            assert cache_rewrites(text, elements) == [], compiled.program.name

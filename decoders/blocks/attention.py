@@ -327,13 +327,20 @@ class Attention:
     @staticmethod
     def _write(cache: HloValue, new: HloValue, step: Step) -> HloValue:
         """The cache with new [b, heads, n, d] written at the step's slot: one in-place update
-        for the batch, or one per line at its own slot (continuous batching)."""
+        for the batch, or one per line at its own slot (continuous batching).
+
+        A 16-bit float cache is updated as the same bits in u16: XLA:CPU widens a bf16
+        dynamic-update-slice to f32 (converts the cache, updates it, converts it back), which
+        rewrites every layer's whole caches at every step instead of one slot."""
+        dtype = cache.dtype
+        cache, new = _as_bits(cache), _as_bits(new)
         if not step.per_line:
-            return dynamic_update_slice(cache, new, [0, 0, step.slot, 0])
-        for row in range(step.batch_size):
-            cache = dynamic_update_slice(cache, slice_along(new, 0, row, row + 1),
-                                         [step.cache_line(row), 0, step.line_slot(row), 0])
-        return cache
+            cache = dynamic_update_slice(cache, new, [0, 0, step.slot, 0])
+        else:
+            for row in range(step.batch_size):
+                cache = dynamic_update_slice(cache, slice_along(new, 0, row, row + 1),
+                                             [step.cache_line(row), 0, step.line_slot(row), 0])
+        return _from_bits(cache, dtype)
 
     def _attend_stretch(self, q: HloValue, k: HloValue, v: HloValue, step: Step, cache_k: HloValue,
                         cache_v: HloValue) -> tuple[HloValue, HloValue, HloValue]:
@@ -467,12 +474,17 @@ class Attention:
 
         def attend_prefix(q_, k_, v_, mask_, *rest):
             rest = list(rest)
+            # Slots of a 16-bit float cache are cut out as their bits (see _write: XLA:CPU
+            # would widen the whole cache to f32 before slicing it).
+            stored = k_.dtype
+            k_, v_ = _as_bits(k_), _as_bits(v_)
             if step.lines is not None:
                 # Rows of some lines: each row's own line of the caches, its first n_attend slots.
                 lines_ = rest.pop()
                 k_, v_ = (self._rows_of(c, lines_, n_attend) for c in (k_, v_))
             elif n_attend < cache_len:
                 k_, v_ = slice_along(k_, 2, 0, n_attend), slice_along(v_, 2, 0, n_attend)
+            k_, v_ = _from_bits(k_, stored), _from_bits(v_, stored)
             bias = rest
             k_, v_ = self._from_cache(k_, q_.dtype), self._from_cache(v_, q_.dtype)
             return attention(q_, k_, v_, mask_, self.scale, bias=bias[0] if bias else None,
@@ -487,3 +499,14 @@ class Attention:
 
         packed = make_tuple(*operands)
         return q.shape.Conditional(step.line_slot(0), packed, packed, branch_computations=[branch, branch])
+
+
+def _as_bits(t: HloValue) -> HloValue:
+    """A 16-bit float value as its bits (u16), for moving slots in and out of caches; others as
+    they are."""
+    return ew.bitcast_convert(t, "u16") if t.dtype in ("bf16", "f16") else t
+
+
+def _from_bits(t: HloValue, dtype: str) -> HloValue:
+    """_as_bits undone: `t` as `dtype` again."""
+    return ew.bitcast_convert(t, dtype) if t.dtype != dtype else t
