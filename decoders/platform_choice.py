@@ -106,7 +106,7 @@ def gpu_lowering(neuron_config: NeuronConfig, dtype: str, tp_degree: int = 1,
                        whole_model_decode=True if whole is None else whole, attention_in_conditional=False,
                        tp_degree=tp_degree, kv_sharding=kv_sharding, quant=neuron_config.quant,
                        gguf_blocks=gguf_blocks, kv_cache_quant=neuron_config.kv_cache_quant,
-                             kv_cache_dtype=neuron_config.kv_cache_dtype,
+                       kv_cache_dtype=neuron_config.kv_cache_dtype,
                        f32_dot_precision=neuron_config.f32_dot_precision)
 
 
@@ -121,5 +121,5 @@ def xla_lowering(neuron_config: NeuronConfig, dtype: str, batch_size: int, tp_de
     return XlaLowering(dtype, layout, head_dtype="f32", whole_model_decode=whole,
                        tp_degree=tp_degree, kv_sharding=kv_sharding, quant=neuron_config.quant,
                        gguf_blocks=gguf_blocks, kv_cache_quant=neuron_config.kv_cache_quant,
-                             kv_cache_dtype=neuron_config.kv_cache_dtype,
+                       kv_cache_dtype=neuron_config.kv_cache_dtype,
                        f32_dot_precision=neuron_config.f32_dot_precision)
