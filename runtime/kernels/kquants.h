@@ -262,9 +262,8 @@ inline void unpack(KQuant form, const uint8_t* b, SuperBlock* s, bool with_pairs
 // positive: the signs cancel); bsum: the sums of q over each 16. A block of zeros is d = 0.
 inline void quantize_q8_k(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsum) {
   for (int64_t b = 0; b < k / kSuperValues; ++b, x += kSuperValues, q += kSuperValues) {
+    // The largest magnitude and the first value that has it.
 #ifdef PYHLO_KQ_AVX512
-    // The same numbers 16 at a time: the largest magnitude, then the first value that has it;
-    // the products rounded to f32, then to the nearest integer, ties to even (as nearbyint).
     __m512 peak = _mm512_setzero_ps();
     for (int j = 0; j < kSuperValues; j += 16) peak = _mm512_max_ps(peak, _mm512_abs_ps(_mm512_loadu_ps(x + j)));
     const float amax = _mm512_reduce_max_ps(peak);
@@ -276,21 +275,6 @@ inline void quantize_q8_k(const float* x, int64_t k, int8_t* q, float* d, int16_
         break;
       }
     }
-    if (amax == 0) {
-      d[b] = 0;
-      std::memset(q, 0, kSuperValues);
-      std::memset(bsum + 16 * b, 0, 16 * sizeof(int16_t));
-      continue;
-    }
-    const float iscale = -127.f / max;
-    for (int j = 0; j < kSuperValues; j += 16) {
-      const __m512 product = _mm512_mul_ps(_mm512_set1_ps(iscale), _mm512_loadu_ps(x + j));
-      const __m512i v = _mm512_min_epi32(_mm512_cvt_roundps_epi32(product, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                         _mm512_set1_epi32(127));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtsepi32_epi8(v));
-      bsum[16 * b + j / 16] = int16_t(_mm512_reduce_add_epi32(v));
-    }
-    d[b] = 1 / iscale;
 #else
     float max = 0, amax = 0;
     for (int j = 0; j < kSuperValues; ++j) {
@@ -300,6 +284,7 @@ inline void quantize_q8_k(const float* x, int64_t k, int8_t* q, float* d, int16_
         max = x[j];
       }
     }
+#endif
     if (amax == 0) {
       d[b] = 0;
       std::memset(q, 0, kSuperValues);
@@ -307,10 +292,19 @@ inline void quantize_q8_k(const float* x, int64_t k, int8_t* q, float* d, int16_
       continue;
     }
     const float iscale = -127.f / max;
+    // The nearest integer to the rounded f32 product, ties to even (llama.cpp's nearest_int).
+    // Not its 1.5 * 2^23 addition: compilers fuse that with the product into one FMA, which
+    // skips the product's rounding and moves a value now and then by one.
+#ifdef PYHLO_KQ_AVX512
+    for (int j = 0; j < kSuperValues; j += 16) {
+      const __m512 product = _mm512_mul_ps(_mm512_set1_ps(iscale), _mm512_loadu_ps(x + j));
+      const __m512i v = _mm512_min_epi32(_mm512_cvt_roundps_epi32(product, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                         _mm512_set1_epi32(127));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtsepi32_epi8(v));
+      bsum[16 * b + j / 16] = int16_t(_mm512_reduce_add_epi32(v));
+    }
+#else
     for (int j = 0; j < kSuperValues; ++j) {
-      // The nearest integer to the rounded f32 product, ties to even (llama.cpp's nearest_int).
-      // Not its 1.5 * 2^23 addition: compilers fuse that with the product into one FMA, which
-      // skips the product's rounding and moves a value now and then by one.
       const int v = int(std::nearbyint(iscale * x[j]));
       q[j] = int8_t(v < 127 ? v : 127);
     }
@@ -319,8 +313,8 @@ inline void quantize_q8_k(const float* x, int64_t k, int8_t* q, float* d, int16_
       for (int i = 0; i < 16; ++i) sum += q[16 * j + i];
       bsum[16 * b + j] = int16_t(sum);
     }
-    d[b] = 1 / iscale;
 #endif
+    d[b] = 1 / iscale;
   }
 }
 
