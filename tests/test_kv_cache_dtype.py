@@ -30,7 +30,7 @@ def test_the_cache_holds_hf_keys_and_values_in_bf16(tiny_llama):
     # Layer 0's keys and values are HF's rounded to bf16 (to within one bf16 step: the two
     # implementations' f32 values may round to neighbours).
     for ours, theirs in ((cache.keys[0], past.layers[0].keys), (cache.values[0], past.layers[0].values)):
-        stored = np.asarray(ours)[:, :, :n].astype(np.float32)
+        stored = cache.as_values(np.asarray(ours))[:, :, :n].astype(np.float32)
         expected = theirs.numpy()
         assert (np.abs(stored - expected) <= np.abs(expected) * 2.0 ** -7 + 1e-6).all()
 

@@ -35,14 +35,27 @@ def cache_copies(hlo_text: str, cache_elements: int, opcode: str = "copy") -> li
     return lines
 
 
+def cache_rewrites(hlo_text: str, cache_dims: tuple[int, ...]) -> list[str]:
+    """Fusions of an optimized module that write a whole cache other than in place: of the
+    cache's shape, their fused computation's root is not the dynamic-update-slice (XLA:CPU
+    writes such a fusion's whole output, e.g. a bitcast-convert of the updated cache)."""
+    roots = dict(re.findall(r"^%?([\w.\-]+) [^\n]*\{\n(?:[^\n]*\n)*?\s+ROOT [^=]+= [^ ]+ ([a-z\-]+)\(",
+                            hlo_text, re.M))
+    shape = ",".join(str(n) for n in cache_dims)
+    return [line.strip() for line in hlo_text.splitlines()
+            if re.search(rf"= [a-z0-9]+\[{shape}\](\{{[^}}]*\}})? fusion\(", line)
+            and roots[re.search(r"calls=%?([\w.\-]+)", line).group(1)] != "dynamic-update-slice"]
+
+
 def test_no_compiled_step_copies_a_kv_cache(model):
     steps = [c for key, c in model.programs.compiled.items() if isinstance(key, (Block, ModelStep))]
     assert len(steps) == len(model.context_buckets) + len(model.decode_buckets())
     for compiled in steps:
         text = compiled.executable.hlo_text()
         assert "dynamic-update-slice" in text
-        assert cache_copies(text, math.prod(model.session.builder.cache_spec("k").dims)) == [], \
-            compiled.program.name
+        dims = model.session.builder.cache_spec("k").dims
+        assert cache_copies(text, math.prod(dims)) == [], compiled.program.name
+        assert cache_rewrites(text, dims) == [], compiled.program.name
 
 
 def test_caches_are_donated_and_updated_in_place(model):
@@ -95,6 +108,28 @@ def test_the_copy_check_catches_a_program_that_reads_the_cache_before_updating_i
     assert cache_copies(executable.hlo_text(), 2 * 2 * 256 * 16) != []
 
 
+@pytest.mark.cpu_only
+def test_the_rewrite_check_catches_an_update_of_a_bf16_cache_as_its_bits(model):
+    """A bf16 cache updated as u16 and bitcast back: XLA:CPU fuses the update and the bitcast,
+    and the fusion's root, the bitcast, writes the whole cache."""
+    from pyhlo import compile_py_func
+    from pyhlo.ops import elementwise as ew
+    from pyhlo.ops.shape_ops import dynamic_update_slice
+
+    def trap(scribe):
+        cache = scribe.bf16[2, 2, 256, 16].Parameter(parameter_number=0, parameter_name="cache_k")
+        new = scribe.bf16[2, 2, 1, 16].Parameter(parameter_number=1)
+        slot = scribe.s32[()].Parameter(parameter_number=2)
+        bits = dynamic_update_slice(ew.bitcast_convert(cache, "u16"), ew.bitcast_convert(new, "u16"),
+                                    [0, 0, slot, 0])
+        updated = ew.bitcast_convert(bits, "bf16")
+        updated.set_alias_to(cache, must=True)
+        return [updated, slot]
+
+    executable = model.programs.backend.compile(compile_py_func(trap).SerializeToString())
+    assert cache_rewrites(executable.hlo_text(), (2, 2, 256, 16)) != []
+
+
 @pytest.mark.parametrize("amp, kv_cache_dtype", [("bf16", None), ("f32", "bf16")])
 def test_a_bf16_cache_is_updated_in_place(tiny_llama, amp, kv_cache_dtype):
     """bf16 caches (a bf16 model's, or an f32 model's kv_cache_dtype="bf16"), lines at one slot
@@ -118,3 +153,5 @@ def test_a_bf16_cache_is_updated_in_place(tiny_llama, amp, kv_cache_dtype):
             assert cache_copies(text, elements) == [], compiled.program.name
             # XLA:CPU's way of updating a bf16 cache in f32: converted whole, updated, converted back.
             assert cache_copies(text, elements, "convert") == [], compiled.program.name
+            assert cache_rewrites(text, model.session.builder.cache_spec("k").dims) == [], \
+                compiled.program.name

@@ -40,6 +40,9 @@ from pyhlo.ops.shape_ops import (
 )
 from pyhlo.scribe import HloValue
 
+# Key and value types a cache holds as their bits (u16): Attention.cache_dtype.
+HALF_FLOATS = ("bf16", "f16")
+
 
 @dataclass(frozen=True)
 class Rotary:
@@ -186,20 +189,35 @@ class Attention:
         slots = cache_len // self.tp_degree if self.kv_sharding is KVSharding.SEQUENCE else cache_len
         return lines, self.n_kv_heads, slots, self.head_dim + (SCALE_BYTES if self.kv_quant else 0)
 
-    def cache_dtype(self, amp: str) -> str:
-        """The caches' element type: the amp type, cache_type, or s8 for packed int8 rows."""
+    def cache_values_dtype(self, amp: str) -> str:
+        """The type of the keys and values a cache holds: the amp type, cache_type, or s8 for
+        packed int8 rows."""
         return "s8" if self.kv_quant else self.cache_type or amp
 
+    def cache_dtype(self, amp: str) -> str:
+        """The caches' element type: their values' type (cache_values_dtype), but u16 for
+        values in bf16 or f16, which a cache holds as their bits (_to_cache)."""
+        values = self.cache_values_dtype(amp)
+        return "u16" if values in HALF_FLOATS else values
+
     def _to_cache(self, t: HloValue) -> HloValue:
-        """Keys or values [b, heads, n, head_dim] as the cache stores them."""
+        """Keys or values [b, heads, n, head_dim] as the cache stores them.
+
+        A 16-bit float cache holds the values' bits (u16): XLA:CPU widens a bf16 update or slice
+        of a cache to f32 (converting the whole cache and back at every step), and an update
+        whose result is then bitcast back to bf16 is no longer done in place (the program
+        rewrites the whole cache to move one slot). As u16 every write is one in-place update."""
         if self.kv_quant:
             return quantize_rows(t)
-        return ew.convert(t, self.cache_type) if self.cache_type not in (None, t.dtype) else t
+        stored = self.cache_type or t.dtype
+        return _as_bits(ew.convert(t, stored) if stored != t.dtype else t)
 
     def _from_cache(self, cache: HloValue, dtype: str) -> HloValue:
-        """Cache rows as keys or values in `dtype`."""
+        """Cache rows as keys or values in `dtype` (the amp type)."""
         if self.kv_quant:
             return dequantize_rows(cache, dtype)
+        if cache.dtype == "u16":
+            cache = ew.bitcast_convert(cache, self.cache_type or dtype)
         return ew.convert(cache, dtype) if cache.dtype != dtype else cache
 
     @property
@@ -327,20 +345,14 @@ class Attention:
     @staticmethod
     def _write(cache: HloValue, new: HloValue, step: Step) -> HloValue:
         """The cache with new [b, heads, n, d] written at the step's slot: one in-place update
-        for the batch, or one per line at its own slot (continuous batching).
-
-        A 16-bit float cache is updated as the same bits in u16: XLA:CPU widens a bf16
-        dynamic-update-slice to f32 (converts the cache, updates it, converts it back), which
-        rewrites every layer's whole caches at every step instead of one slot."""
-        dtype = cache.dtype
-        cache, new = _as_bits(cache), _as_bits(new)
+        for the batch, or one per line at its own slot (continuous batching)."""
         if not step.per_line:
             cache = dynamic_update_slice(cache, new, [0, 0, step.slot, 0])
         else:
             for row in range(step.batch_size):
                 cache = dynamic_update_slice(cache, slice_along(new, 0, row, row + 1),
                                              [step.cache_line(row), 0, step.line_slot(row), 0])
-        return _from_bits(cache, dtype)
+        return cache
 
     def _attend_stretch(self, q: HloValue, k: HloValue, v: HloValue, step: Step, cache_k: HloValue,
                         cache_v: HloValue) -> tuple[HloValue, HloValue, HloValue]:
@@ -474,17 +486,12 @@ class Attention:
 
         def attend_prefix(q_, k_, v_, mask_, *rest):
             rest = list(rest)
-            # Slots of a 16-bit float cache are cut out as their bits (see _write: XLA:CPU
-            # would widen the whole cache to f32 before slicing it).
-            stored = k_.dtype
-            k_, v_ = _as_bits(k_), _as_bits(v_)
             if step.lines is not None:
                 # Rows of some lines: each row's own line of the caches, its first n_attend slots.
                 lines_ = rest.pop()
                 k_, v_ = (self._rows_of(c, lines_, n_attend) for c in (k_, v_))
             elif n_attend < cache_len:
                 k_, v_ = slice_along(k_, 2, 0, n_attend), slice_along(v_, 2, 0, n_attend)
-            k_, v_ = _from_bits(k_, stored), _from_bits(v_, stored)
             bias = rest
             k_, v_ = self._from_cache(k_, q_.dtype), self._from_cache(v_, q_.dtype)
             return attention(q_, k_, v_, mask_, self.scale, bias=bias[0] if bias else None,
@@ -502,11 +509,5 @@ class Attention:
 
 
 def _as_bits(t: HloValue) -> HloValue:
-    """A 16-bit float value as its bits (u16), for moving slots in and out of caches; others as
-    they are."""
-    return ew.bitcast_convert(t, "u16") if t.dtype in ("bf16", "f16") else t
-
-
-def _from_bits(t: HloValue, dtype: str) -> HloValue:
-    """_as_bits undone: `t` as `dtype` again."""
-    return ew.bitcast_convert(t, dtype) if t.dtype != dtype else t
+    """A 16-bit float value as its bits (u16), as a cache holds it; others as they are."""
+    return ew.bitcast_convert(t, "u16") if t.dtype in HALF_FLOATS else t

@@ -153,6 +153,11 @@ class ProgramBuilder:
         return ParamSpec(name, attention.cache_dtype(self.dtype),
                          attention.cache_dims(self.batch_size, self.cache_len))
 
+    def cache_values_dtype(self) -> str:
+        """The type of the keys and values the caches hold (cache_spec's type is their bits' for
+        16-bit floats)."""
+        return self.device_decoder.layer.attention.cache_values_dtype(self.dtype)
+
     def _rows(self, rows: int | None) -> int:
         """A program's batch: every line (None), or `rows` of them (continuous batching)."""
         if rows is None or rows == self.batch_size:

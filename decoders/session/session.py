@@ -248,7 +248,8 @@ class Session:
             self.layers.append({p.name: place(p, i) for p in declared})
             release(self.layers[-1])
         cache = self.builder.cache_spec("cache")
-        self.kv_cache = KVCache(self.placement, n_layers, cache.dims, cache.dtype)
+        self.kv_cache = KVCache(self.placement, n_layers, cache.dims, cache.dtype,
+                                self.builder.cache_values_dtype())
         # Weights never change once placed: named for the unrolled program once, not every step.
         self._prefixed_weights = {layer_prefix(i) + name: buffer
                                   for i, weights in enumerate(self.layers)

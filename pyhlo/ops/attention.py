@@ -131,8 +131,9 @@ def decode_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValu
     """One query token per line over the cache slots pad[i] <= t <= slot[i], by a CPU kernel
     called through XLA's typed FFI; the same result as attention() with that mask.
 
-    q f32[b, h, 1, d]; k, v f32 or bf16 [b, kvh, S, d], or packed int8 rows s8[b, kvh, S, d + 4]
-    (pyhlo.ops.quantized.quantize_rows); slot s32[b], each line's newest slot; pad s32[b].
+    q f32[b, h, 1, d]; k, v f32 or bf16 [b, kvh, S, d] (bf16 also as its bits, u16), or packed
+    int8 rows s8[b, kvh, S, d + 4] (pyhlo.ops.quantized.quantize_rows); slot s32[b], each
+    line's newest slot; pad s32[b].
     Returns f32[b, h, 1, d].
     The kernel reads the cache in place: no slice of it is copied. It must be registered
     with the backend (runtime.cpu_kernels.register()) before compiling.
@@ -140,11 +141,12 @@ def decode_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValu
     b, h, nq, d = q.dims
     row = d + 4 if k.dtype == "s8" else d
     if (q.dtype != "f32" or nq != 1 or len(k.dims) != 4 or k.dims[0] != b or k.dims[3] != row
-            or h % k.dims[1] or v.dims != k.dims or v.dtype != k.dtype or k.dtype not in ("f32", "bf16", "s8")
+            or h % k.dims[1] or v.dims != k.dims or v.dtype != k.dtype
+            or k.dtype not in ("f32", "bf16", "u16", "s8")
             or slot.dtype != "s32" or slot.dims != (b,) or pad.dtype != "s32" or pad.dims != (b,)):
         raise HloShapeError(
-            f"decode_attention_kernel: need f32 q[b, h, 1, d], f32/bf16 k and v [b, kvh, S, d] (or packed "
-            f"s8 rows [b, kvh, S, d + 4]), s32 slot[b] "
+            f"decode_attention_kernel: need f32 q[b, h, 1, d], f32/bf16/u16 k and v [b, kvh, S, d] "
+            f"(or packed s8 rows [b, kvh, S, d + 4]), s32 slot[b] "
             f"and pad[b]; got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, v "
             f"{v.dtype}{list(v.dims)}, slot {slot.dtype}{list(slot.dims)}, pad {pad.dtype}{list(pad.dims)}")
     factor = constant(q.scribe, "f32", float(scale))

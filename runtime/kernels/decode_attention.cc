@@ -214,8 +214,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
     return ffi::Error::InvalidArgument("pyhlo_decode_attention: q and the result must be f32");
   const auto type = k.element_type();
   if (type != v.element_type() ||
-      (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::S8))
-    return ffi::Error::InvalidArgument("pyhlo_decode_attention: k and v must both be f32, bf16 or packed s8 rows");
+      (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::U16 &&
+       type != ffi::DataType::S8))
+    return ffi::Error::InvalidArgument(
+        "pyhlo_decode_attention: k and v must both be f32, bf16 (or its bits as u16) or packed s8 rows");
   const int64_t packed = type == ffi::DataType::S8 ? int64_t(sizeof(float)) : 0;
   if (qd.size() != 4 || kd.size() != 4 || qd[2] != 1 || qd[0] != kd[0] || qd[3] + packed != kd[3] ||
       kd[1] == 0 || qd[1] % kd[1] != 0 || v.element_count() != k.element_count() ||
@@ -231,7 +233,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   if (type == ffi::DataType::F32)
     return attend(pool, qp, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()),
                   op, b, h, kvh, s, d, stride, at, pad.typed_data(), sc);
-  if (type == ffi::DataType::BF16)
+  if (type == ffi::DataType::BF16 || type == ffi::DataType::U16)   // u16: a bf16 cache's bits
     return attend(pool, qp, static_cast<const uint16_t*>(k.untyped_data()),
                   static_cast<const uint16_t*>(v.untyped_data()), op, b, h, kvh, s, d, stride, at,
                   pad.typed_data(), sc);
