@@ -43,6 +43,7 @@ from decoders.weights.stored import (
 )
 from pyhlo.dtypes import numpy_dtype
 from pyhlo.ops import elementwise as ew
+from pyhlo.ops import nn
 from pyhlo.ops.attention import decode_attention_kernel
 from pyhlo.ops.collectives import all_reduce_sum
 from pyhlo.ops.gguf_blocks import dequantize_gguf, dequantize_gguf_rows
@@ -218,6 +219,11 @@ class XlaLowering:
         """Cache lengths to build decode programs for."""
         return list(token_buckets)
 
+    def rotary_cos_sin(self, positions: HloValue, inv_freq: np.ndarray,
+                       style: str) -> tuple[HloValue, HloValue]:
+        """The cos and sin tables of rotary embeddings at these positions (nn.rotary_cos_sin)."""
+        return nn.rotary_cos_sin(positions, inv_freq, style)
+
 
 @dataclass(frozen=True)
 class CpuKernelLowering(XlaLowering):
@@ -289,6 +295,11 @@ class CpuKernelLowering(XlaLowering):
         # every length; attention with a bias or soft-capping (which the kernel does not take)
         # keeps one per bucket.
         return [token_buckets[-1]] if plain_attention else list(token_buckets)
+
+    def rotary_cos_sin(self, positions: HloValue, inv_freq: np.ndarray,
+                       style: str) -> tuple[HloValue, HloValue]:
+        # Once, by a kernel: XLA:CPU evaluates a program's cos and sin again in each consumer.
+        return nn.rotary_cos_sin_kernel(positions, inv_freq, style)
 
 
 def widened_blocks(form: str, weight: HloValue, scale: HloValue | None, mins: HloValue | None,

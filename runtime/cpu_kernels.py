@@ -8,7 +8,7 @@
         "pyhlo_gemm_q8_0_x8" (_q4_0_x8, _q4_1_x8: prefill products with int8 activations),
         "pyhlo_gemm_q4_k_x8" (_q2_k_x8 ... _q6_k_x8, _gguf_rows_x8: the same for K-quants as the file
         stores them),
-        "pyhlo_decode_attention" in CPU programs...
+        "pyhlo_decode_attention", "pyhlo_rotary_cos_sin" in CPU programs...
 
 The sources live in runtime/kernels/. They are compiled with the machine's C++ compiler
 (`CXX`, else g++, else c++) against the XLA FFI headers that ship with jaxlib, for this
@@ -34,6 +34,7 @@ import warnings
 MATVEC_TARGET = "pyhlo_matvec"
 MATVEC_S8_TARGET = "pyhlo_matvec_s8"
 DECODE_ATTENTION_TARGET = "pyhlo_decode_attention"
+ROTARY_COS_SIN_TARGET = "pyhlo_rotary_cos_sin"
 # GGUF block forms: "q8_0", "q4_0", "q4_1" -> the kernel's target
 MATVEC_BLOCK_TARGETS = {form: f"pyhlo_matvec_{form}" for form in ("q8_0", "q4_0", "q4_1")}
 # The same with the activations rounded to int8 per 32 values (NeuronConfig(int8_activations=True)).
@@ -62,7 +63,7 @@ MATVEC_GGUF_ROWS_TARGET = "pyhlo_matvec_gguf_rows"
 MATVEC_GGUF_ROWS_X8_TARGET = "pyhlo_matvec_gguf_rows_x8"
 # custom-call target -> the handler symbol the library exports
 TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
-           DECODE_ATTENTION_TARGET: "PyhloDecodeAttention",
+           DECODE_ATTENTION_TARGET: "PyhloDecodeAttention", ROTARY_COS_SIN_TARGET: "PyhloRotaryCosSin",
            **{target: f"PyhloMatvec{form.capitalize()}" for form, target in MATVEC_BLOCK_TARGETS.items()},
            **{target: f"PyhloMatvec{form.capitalize()}X8"
               for form, target in MATVEC_BLOCK_X8_TARGETS.items()},
@@ -75,7 +76,7 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            MATVEC_GGUF_ROWS_X8_TARGET: "PyhloMatvecGgufRowsX8"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("matvec.cc", "matvec_gguf.cc", "gemm_blocks.cc", "gemm_kquants.cc",
-                         "decode_attention.cc")]
+                         "decode_attention.cc", "rotary.cc")]
 # Included by the sources: part of what the library's cache name hashes.
 _HEADERS = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("half.h", "vector_sum.h", "kquants.h", "q8_blocks.h", "block_operands.h",

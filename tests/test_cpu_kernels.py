@@ -204,7 +204,45 @@ def test_matvec_kernel_rejects_shapes_it_cannot_run():
         run_fn(program, np.zeros((1, 8), np.float32), np.zeros((4, 9), np.float32))
 
 
-def test_decode_block_calls_the_kernels_and_prefill_does_not(tiny_llama):
+@settings(max_examples=20, deadline=None)
+@given(dims=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple), half=st.integers(1, 40),
+       style=st.sampled_from(["half", "interleaved"]), theta=st.sampled_from([1e4, 5e5, 1e6]),
+       seed=st.integers(0, 2**32 - 1))
+def test_rotary_table_kernel_matches_numpy_and_the_program(dims, half, style, theta, seed):
+    """The kernel's cos and sin of position x frequency (an f32 product, as HF computes it)
+    against numpy's, and against the program's own tables (XLA's cos and sin)."""
+    from pyhlo.ops import nn
+
+    positions = np.random.default_rng(seed).integers(0, 40000, dims).astype(np.int32)
+    inv_freq = (1.0 / theta ** (np.arange(half) / half)).astype(np.float32)
+
+    def program(scribe):
+        at = scribe.s32[dims].Parameter(parameter_number=0)
+        return [*nn.rotary_cos_sin_kernel(at, inv_freq, style), *nn.rotary_cos_sin(at, inv_freq, style)]
+
+    cos, sin, xla_cos, xla_sin = run_fn(program, positions)
+    freqs = np.concatenate([inv_freq, inv_freq]) if style == "half" else np.repeat(inv_freq, 2)
+    angles = positions[..., None].astype(np.float32) * freqs
+    assert cos.shape == sin.shape == (*dims, 2 * half)
+    np.testing.assert_allclose(cos, np.cos(angles), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(sin, np.sin(angles), rtol=0, atol=1e-6)
+    # XLA reduces large angles less exactly: the same tables to within its error.
+    np.testing.assert_allclose(cos, xla_cos, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(sin, xla_sin, rtol=0, atol=1e-4)
+
+
+def test_rotary_table_kernel_takes_s32_positions():
+    from pyhlo.ops import nn
+
+    def program(scribe):
+        positions = scribe.f32[1, 3].Parameter(parameter_number=0)
+        return nn.rotary_cos_sin_kernel(positions, np.ones(2, np.float32))
+
+    with pytest.raises(HloShapeError, match="positions must be s32"):
+        run_fn(program, np.zeros((1, 3), np.float32))
+
+
+def test_decode_block_calls_the_kernels_and_prefill_only_the_rotary_tables(tiny_llama):
     from decoders import LlamaForSampling, NeuronConfig
     from decoders.lowering import CpuKernelLowering
     from decoders.programs.keys import Block
@@ -215,8 +253,11 @@ def test_decode_block_calls_the_kernels_and_prefill_does_not(tiny_llama):
     decode = model.programs.build(Block(1, 128)).module.SerializeToString()
     prefill = model.programs.build(Block(16, 16)).module.SerializeToString()
     assert all(target.encode() in decode
-               for target in (cpu_kernels.MATVEC_TARGET, cpu_kernels.DECODE_ATTENTION_TARGET))
-    assert not cpu_kernels.referenced_by(prefill)
+               for target in (cpu_kernels.MATVEC_TARGET, cpu_kernels.DECODE_ATTENTION_TARGET,
+                              cpu_kernels.ROTARY_COS_SIN_TARGET))
+    # Prefill's products and attention are XLA's own; its rotary tables come from the kernel.
+    assert [target for target in cpu_kernels.TARGETS if target.encode() in prefill] == \
+        [cpu_kernels.ROTARY_COS_SIN_TARGET]
 
     off = LlamaForSampling.from_pretrained(path, n_positions=128,
                                            neuron_config=NeuronConfig(cpu_kernels=False))

@@ -308,7 +308,7 @@ class Attention:
         if self.k_norm is not None:
             k = self.k_norm(values.scoped("k_norm", self.k_norm), k)
         if isinstance(self.positions, Rotary):
-            q, k = self._rotate(q, k, step.positions)
+            q, k = self._rotate(q, k, step.positions, values.lowering)
         q, k, v = (transpose(t, (0, 2, 1, 3)) for t in (q, k, v))     # [b, heads, n, d]
         if self.kv_sharding is KVSharding.SEQUENCE:
             context, cache_k, cache_v = self._attend_stretch(q, k, v, step, cache_k, cache_v)
@@ -389,9 +389,9 @@ class Attention:
         return (slice_along(qkv, last, 0, q_end), slice_along(qkv, last, q_end, k_end),
                 slice_along(qkv, last, k_end, k_end + self.kv_width))
 
-    def _rotate(self, q: HloValue, k: HloValue, positions: HloValue) -> tuple[HloValue, HloValue]:
+    def _rotate(self, q: HloValue, k: HloValue, positions: HloValue, lowering) -> tuple[HloValue, HloValue]:
         rotary = self.positions
-        cos, sin = nn.rotary_cos_sin(positions, np.asarray(rotary.inv_freq, np.float32), rotary.style)
+        cos, sin = lowering.rotary_cos_sin(positions, np.asarray(rotary.inv_freq, np.float32), rotary.style)
         if rotary.scale != 1.0:
             cos, sin = ew.multiply(cos, rotary.scale), ew.multiply(sin, rotary.scale)
         b, n = positions.dims

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from pyhlo.ops.custom_call import ffi_call
 from pyhlo.ops.elementwise import (
     add,
     compare,
@@ -29,6 +30,7 @@ from pyhlo.ops.precision import compute_in_f32
 from pyhlo.ops.reductions import reduce_max, reduce_sum
 from pyhlo.ops.shape_ops import broadcast, concatenate, iota, reshape, slice_along
 from pyhlo.scribe import HloValue
+from pyhlo.shape_inference import HloShapeError
 
 
 def expand(x: HloValue, dims: tuple[int, ...], dim: int) -> HloValue:
@@ -159,6 +161,24 @@ def rotary_cos_sin(positions: HloValue, inv_freq: np.ndarray,
     pos = broadcast(convert(positions, "f32"), dims, list(range(len(positions.dims))))
     angles = multiply(pos, expand_last(constant(scribe, "f32", freqs, (len(freqs),)), dims))
     return angles.shape.Cos(angles), angles.shape.Sin(angles)
+
+
+def rotary_cos_sin_kernel(positions: HloValue, inv_freq: np.ndarray,
+                          style: str = "half") -> tuple[HloValue, HloValue]:
+    """rotary_cos_sin's tables by a CPU kernel (runtime/kernels/rotary.cc), computed once:
+    XLA:CPU would evaluate the program's cos and sin again in every consumer, for every head.
+    The kernel must be registered with the backend (runtime.cpu_kernels.register()) before
+    compiling."""
+    freqs = _rotary_frequencies(inv_freq, style)
+    scribe = positions.scribe
+    if positions.dtype != "s32":
+        raise HloShapeError(f"rotary_cos_sin_kernel: positions must be s32, got {positions.dtype}")
+    count = math.prod(positions.dims)
+    tables = ffi_call(scribe.f32[2, count, len(freqs)],
+                      [reshape(positions, (count,)), constant(scribe, "f32", freqs, (len(freqs),))],
+                      "pyhlo_rotary_cos_sin")
+    dims = positions.dims + (len(freqs),)
+    return reshape(slice_along(tables, 0, 0, 1), dims), reshape(slice_along(tables, 0, 1, 2), dims)
 
 
 def _rotate(x: HloValue, style: str) -> HloValue:
