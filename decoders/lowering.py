@@ -210,9 +210,9 @@ class XlaLowering:
         return ew.convert(product, dtype)
 
     def decode_attention(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, slot: HloValue,
-                         pad: HloValue, scale: float) -> HloValue | None:
-        """Attention of one new token per line, when this lowering has a form of its own;
-        None: the piece's generic attention."""
+                         pad: HloValue, scale: float, lines: HloValue | None = None) -> HloValue | None:
+        """Attention of one new token per row, each over its cache line (`lines`, None: row i
+        line i), when this lowering has a form of its own; None: the piece's generic attention."""
         return None
 
     def decode_buckets(self, token_buckets: list[int], plain_attention: bool) -> list[int]:
@@ -287,8 +287,8 @@ class CpuKernelLowering(XlaLowering):
         return super().linear(x, weight, param, bias, out_dtype, scale, mins)
 
     def decode_attention(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, slot: HloValue,
-                         pad: HloValue, scale: float) -> HloValue | None:
-        return decode_attention_kernel(ew.convert(q, "f32"), cache_k, cache_v, slot, pad, scale)
+                         pad: HloValue, scale: float, lines: HloValue | None = None) -> HloValue | None:
+        return decode_attention_kernel(ew.convert(q, "f32"), cache_k, cache_v, slot, pad, scale, lines)
 
     def decode_buckets(self, token_buckets: list[int], plain_attention: bool) -> list[int]:
         # The kernel reads only the filled slots (within a window, if any), so one program serves

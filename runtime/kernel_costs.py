@@ -84,6 +84,12 @@ def decode_attention_cost(operands: Sequence[hlo_pb2.ShapeProto], result: hlo_pb
                       bytes_accessed=_moved(operands, result), upper_bound=True)
 
 
+def rotary_cos_sin_cost(operands: Sequence[hlo_pb2.ShapeProto], result: hlo_pb2.ShapeProto) -> KernelCost:
+    """cos and sin of P positions times E frequencies: P * E products, 2 P E transcendentals."""
+    count = math.prod(result.dimensions) // 2
+    return KernelCost(flops=count, transcendentals=2 * count, bytes_accessed=_moved(operands, result))
+
+
 CostRule = Callable[[Sequence[hlo_pb2.ShapeProto], hlo_pb2.ShapeProto], KernelCost]
 # custom-call target -> how its work is counted; every kernel runtime.cpu_kernels registers.
 COST_RULES: dict[str, CostRule] = {
@@ -98,6 +104,7 @@ COST_RULES: dict[str, CostRule] = {
     **{target: matvec_cost for target in cpu_kernels.MATVEC_GGUF_X8_TARGETS.values()},
     cpu_kernels.MATVEC_GGUF_ROWS_TARGET: matvec_cost,
     cpu_kernels.MATVEC_GGUF_ROWS_X8_TARGET: matvec_cost,
+    cpu_kernels.ROTARY_COS_SIN_TARGET: rotary_cos_sin_cost,
     cpu_kernels.DECODE_ATTENTION_TARGET: decode_attention_cost,
 }
 

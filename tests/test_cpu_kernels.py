@@ -139,16 +139,22 @@ def reference_decode_attention(q, k, v, slot, pad, scale):
 
 @settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 3), kvh=st.integers(1, 3), group=st.integers(1, 4), s=st.integers(1, 40),
-       d=st.sampled_from([1, 7, 16, 64, 80, 128]), dtype=st.sampled_from(["f32", "bf16"]), data=st.data())
-def test_decode_attention_kernel_matches_numpy(b, kvh, group, s, d, dtype, data):
+       d=st.sampled_from([1, 7, 16, 64, 80, 128]), dtype=st.sampled_from(["f32", "bf16", "u16"]),
+       more_lines=st.integers(0, 3), data=st.data())
+def test_decode_attention_kernel_matches_numpy(b, kvh, group, s, d, dtype, more_lines, data):
+    """u16: bf16 values as their bits. With more cache lines than rows, each row reads the line
+    `lines` names (continuous batching's programs for some lines); else row i line i."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     # Each line at its own length (continuous batching), its left padding below it.
     slot = np.array(data.draw(st.lists(st.integers(0, s - 1), min_size=b, max_size=b)), np.int32)
     pad = np.array([data.draw(st.integers(0, int(last))) for last in slot], np.int32)
+    n_lines = b + more_lines
+    lines = rng.choice(n_lines, b, replace=False).astype(np.int32) if more_lines else None
     h = kvh * group
     q = rng.standard_normal((b, h, 1, d)).astype(np.float32)
-    k = rng.standard_normal((b, kvh, s, d)).astype(numpy_dtype(dtype))
-    v = rng.standard_normal((b, kvh, s, d)).astype(numpy_dtype(dtype))
+    values = "bf16" if dtype == "u16" else dtype
+    k = rng.standard_normal((n_lines, kvh, s, d)).astype(numpy_dtype(values))
+    v = rng.standard_normal((n_lines, kvh, s, d)).astype(numpy_dtype(values))
     scale = 1 / np.sqrt(d)
 
     def program(scribe):
@@ -156,11 +162,27 @@ def test_decode_attention_kernel_matches_numpy(b, kvh, group, s, d, dtype, data)
             scribe.f32[q.shape].Parameter(parameter_number=0),
             getattr(scribe, dtype)[k.shape].Parameter(parameter_number=1),
             getattr(scribe, dtype)[v.shape].Parameter(parameter_number=2),
-            scribe.s32[b].Parameter(parameter_number=3), scribe.s32[b].Parameter(parameter_number=4), scale)
+            scribe.s32[b].Parameter(parameter_number=3), scribe.s32[b].Parameter(parameter_number=4), scale,
+            None if lines is None else scribe.s32[b].Parameter(parameter_number=5))
 
-    (out,) = run_fn(program, q, k, v, slot, pad)
-    np.testing.assert_allclose(out, reference_decode_attention(q, k, v, slot, pad, scale), rtol=1e-4,
-                               atol=1e-5)
+    stored = (k.view(np.uint16), v.view(np.uint16)) if dtype == "u16" else (k, v)
+    (out,) = run_fn(program, q, *stored, slot, pad, *([] if lines is None else [lines]))
+    read = np.arange(b) if lines is None else lines
+    np.testing.assert_allclose(out, reference_decode_attention(q, k[read], v[read], slot, pad, scale),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_decode_attention_kernel_needs_a_line_for_each_row_of_fewer_caches():
+    def program(scribe):
+        return decode_attention_kernel(scribe.f32[1, 2, 1, 8].Parameter(parameter_number=0),
+                                       scribe.f32[3, 2, 4, 8].Parameter(parameter_number=1),
+                                       scribe.f32[3, 2, 4, 8].Parameter(parameter_number=2),
+                                       scribe.s32[1].Parameter(parameter_number=3),
+                                       scribe.s32[1].Parameter(parameter_number=4), 0.5)
+
+    with pytest.raises(HloShapeError, match="lines"):
+        run_fn(program, np.zeros((1, 2, 1, 8), np.float32), np.zeros((3, 2, 4, 8), np.float32),
+               np.zeros((3, 2, 4, 8), np.float32), np.zeros(1, np.int32), np.zeros(1, np.int32))
 
 
 @settings(max_examples=30, deadline=None)

@@ -267,16 +267,17 @@ class ProgramBuilder:
 
         return self._program("copy_line", specs, ["cache_k", "cache_v"], body)
 
-    def model_step(self, n_tokens: int, n_attend: int) -> Program:
+    def model_step(self, n_tokens: int, n_attend: int, rows: int | None = None) -> Program:
         """The whole model unrolled into one program: token ids -> logits and each line's most
-        likely token, every layer's caches updated in place. Parameters of layer i are named
-        `layer{i}.NAME`."""
-        d, b = self.decoder, self.batch_size
+        likely token, every layer's caches updated in place; over every line, or over `rows`
+        lines named by the `lines` input (as block() takes them). Parameters of layer i are
+        named `layer{i}.NAME`."""
+        d, b = self.decoder, self._rows(rows)
         per_layer = [self.cache_spec("cache_k"), self.cache_spec("cache_v"),
                      *(self.spec(p) for p in self.layer_params())]
-        embed = self._embed_specs(n_tokens)
+        embed = self._embed_specs(n_tokens, rows)
         names = {s.name for s in embed}
-        specs = [embed[0], *self._step_specs(n_tokens), ParamSpec("last_index", "s32", (b,)),
+        specs = [embed[0], *self._step_specs(n_tokens, rows), ParamSpec("last_index", "s32", (b,)),
                  *[s for s in embed[1:] if s.name != "positions"],
                  *(self.spec(p) for p in self.head_params() if p.name not in names),
                  *(ParamSpec(layer_prefix(i) + s.name, s.dtype, s.dims) for i in range(d.n_layers)
@@ -307,7 +308,7 @@ class ProgramBuilder:
                 results["next_slot"] = ew.add(p["slot"], n_tokens)
             return results
 
-        return self._program(f"model_n{n_tokens}_s{n_attend}", specs, outputs, body)
+        return self._program(f"model_n{n_tokens}_s{n_attend}{self._rows_suffix(rows)}", specs, outputs, body)
 
     def _greedy_tokens(self, logits: HloValue) -> HloValue:
         """s32[b, 1]: the most likely token of each line (across the replicas' vocabulary blocks)."""

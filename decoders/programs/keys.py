@@ -71,13 +71,15 @@ class CopyLine:
 
 @dataclass(frozen=True)
 class ModelStep:
-    """The whole model unrolled: token ids -> logits, every layer's caches updated."""
+    """The whole model unrolled: token ids -> logits, every layer's caches updated; for every
+    line, or for `rows` of them (continuous batching's decode_lines())."""
 
     n_tokens: int
     n_attend: int
+    rows: int | None = None
 
     def build(self, builder: ProgramBuilder) -> Program:
-        return builder.model_step(self.n_tokens, self.n_attend)
+        return builder.model_step(self.n_tokens, self.n_attend, self.rows)
 
 
 @dataclass(frozen=True)

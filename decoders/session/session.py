@@ -147,7 +147,10 @@ class Session:
                 for rows in self.prefill_rows(c):
                     keys += [Embed(c, rows), LMHead(c, rows)] + [Block(c, s, rows) for s in attends]
         for rows in self.decode_rows():
-            keys += [Embed(1, rows), LMHead(1, rows)] + [Block(1, s, rows) for s in self.token_buckets]
+            if self.lowering.whole_model_decode:
+                keys += [ModelStep(1, s, rows) for s in self.decode_buckets()]
+            else:
+                keys += [Embed(1, rows), LMHead(1, rows)] + [Block(1, s, rows) for s in self.decode_buckets()]
         if self.speculation_length is not None:
             n = self.speculation_length + 1
             keys += [Embed(n), LMHeadAll(n)] + [Block(n, s) for s in self.token_buckets]
@@ -585,8 +588,10 @@ class Session:
         token_ids, lines, slots, last_index = self._padding_rows(rows, token_ids.reshape(k, 1), lines, slots,
                                                                  np.zeros(k, np.int32))
         live = slots < self.n_positions
-        n_attend = bucketing.pick(self.token_buckets, int(slots[live].max()) + 1 if live.any() else 1)
-        return self._run(token_ids, 1, n_attend, slots, np.zeros(rows, np.int32), last_index, lines=lines)
+        n_attend = bucketing.pick(self.decode_buckets(), int(slots[live].max()) + 1 if live.any() else 1)
+        # A padding row's line starts at its scratch slot too: it attends to that slot alone.
+        pads = np.where(live, 0, self.n_positions).astype(np.int32)
+        return self._run(token_ids, 1, n_attend, slots, pads, last_index, lines=lines)
 
     def _padding_rows(self, rows: int, token_ids: np.ndarray, lines: np.ndarray, slots: np.ndarray,
                       last_index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -663,6 +668,8 @@ class Session:
                 "last_index": kept(("row_last", tuple(last_index.tolist())),
                                    lambda: np.ascontiguousarray(last_index)),
                 "token_ids": token_ids}
+        if self.lowering.whole_model_decode and n_tokens == 1 and not every_position:
+            return self._run_whole(step, n_tokens, n_attend, rows)["logits"]
         hidden = self.programs.get(Embed(n_tokens, rows)).run({**step, **self.shared})["hidden"]
         hidden = self._run_layers(hidden, step, n_tokens, n_attend, rows)
         head = LMHeadAll(n_tokens, rows) if every_position else LMHead(n_tokens, rows)
@@ -693,8 +700,9 @@ class Session:
                                                               outputs[out_v])
         return hidden
 
-    def _run_whole(self, step: dict[str, Any], n_tokens: int, n_attend: int) -> dict[str, Any]:
-        program = self.programs.get(ModelStep(n_tokens, n_attend))
+    def _run_whole(self, step: dict[str, Any], n_tokens: int, n_attend: int,
+                   rows: int | None = None) -> dict[str, Any]:
+        program = self.programs.get(ModelStep(n_tokens, n_attend, rows))
         cache = self.kv_cache
         caches = self._prefixed_cache_names
         values = {**step, **self.shared, **self._prefixed_weights}

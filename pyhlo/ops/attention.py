@@ -12,7 +12,7 @@ from pyhlo.ops.elementwise import add, constant, convert, divide, exp, maximum, 
 from pyhlo.ops.linalg import dot_general
 from pyhlo.ops.nn import soft_cap, softmax
 from pyhlo.ops.reductions import reduce_max, reduce_sum
-from pyhlo.ops.shape_ops import broadcast, reshape
+from pyhlo.ops.shape_ops import broadcast, iota, reshape
 from pyhlo.scribe import HloValue
 from pyhlo.shape_inference import HloShapeError
 
@@ -127,27 +127,32 @@ def combine_attention_parts(out: HloValue, top: HloValue, total: HloValue,
 
 
 def decode_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValue, pad: HloValue,
-                            scale: float, target: str = "pyhlo_decode_attention") -> HloValue:
-    """One query token per line over the cache slots pad[i] <= t <= slot[i], by a CPU kernel
-    called through XLA's typed FFI; the same result as attention() with that mask.
+                            scale: float, lines: HloValue | None = None) -> HloValue:
+    """One query token per row over the cache slots pad[i] <= t <= slot[i] of its cache line,
+    by a CPU kernel called through XLA's typed FFI; the same result as attention() with that
+    mask over each row's line.
 
-    q f32[b, h, 1, d]; k, v f32 or bf16 [b, kvh, S, d] (bf16 also as its bits, u16), or packed
-    int8 rows s8[b, kvh, S, d + 4] (pyhlo.ops.quantized.quantize_rows); slot s32[b], each
-    line's newest slot; pad s32[b].
-    Returns f32[b, h, 1, d].
+    q f32[b, h, 1, d]; k, v f32 or bf16 [B, kvh, S, d] (bf16 also as its bits, u16), or packed
+    int8 rows s8[B, kvh, S, d + 4] (pyhlo.ops.quantized.quantize_rows); slot s32[b], each
+    row's newest slot; pad s32[b]; lines s32[b], each row's cache line (None: row i reads line
+    i, B = b). Returns f32[b, h, 1, d].
     The kernel reads the cache in place: no slice of it is copied. It must be registered
     with the backend (runtime.cpu_kernels.register()) before compiling.
     """
     b, h, nq, d = q.dims
     row = d + 4 if k.dtype == "s8" else d
-    if (q.dtype != "f32" or nq != 1 or len(k.dims) != 4 or k.dims[0] != b or k.dims[3] != row
+    if lines is None and len(k.dims) == 4 and k.dims[0] == b:
+        lines = iota(q.scribe, "s32", (b,), 0)
+    if (q.dtype != "f32" or nq != 1 or len(k.dims) != 4 or k.dims[3] != row
             or h % k.dims[1] or v.dims != k.dims or v.dtype != k.dtype
             or k.dtype not in ("f32", "bf16", "u16", "s8")
-            or slot.dtype != "s32" or slot.dims != (b,) or pad.dtype != "s32" or pad.dims != (b,)):
+            or slot.dtype != "s32" or slot.dims != (b,) or pad.dtype != "s32" or pad.dims != (b,)
+            or lines is None or lines.dtype != "s32" or lines.dims != (b,)):
         raise HloShapeError(
-            f"decode_attention_kernel: need f32 q[b, h, 1, d], f32/bf16/u16 k and v [b, kvh, S, d] "
-            f"(or packed s8 rows [b, kvh, S, d + 4]), s32 slot[b] "
-            f"and pad[b]; got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, v "
-            f"{v.dtype}{list(v.dims)}, slot {slot.dtype}{list(slot.dims)}, pad {pad.dtype}{list(pad.dims)}")
+            f"decode_attention_kernel: need f32 q[b, h, 1, d], f32/bf16/u16 k and v [B, kvh, S, d] "
+            f"(or packed s8 rows [B, kvh, S, d + 4]), s32 slot[b], pad[b] and lines[b] (or B = b); "
+            f"got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, v {v.dtype}{list(v.dims)}, "
+            f"slot {slot.dtype}{list(slot.dims)}, pad {pad.dtype}{list(pad.dims)}, "
+            f"lines {None if lines is None else (lines.dtype, list(lines.dims))}")
     factor = constant(q.scribe, "f32", float(scale))
-    return ffi_call(q.shape, [q, k, v, slot, pad, factor], target)
+    return ffi_call(q.shape, [q, k, v, slot, pad, factor, lines], "pyhlo_decode_attention")

@@ -7,10 +7,12 @@
 // (XLA materializes a slice of the cache before its dot). Sums and softmax are f32. The
 // lines' kv heads are shared out over XLA's intra-op threads.
 //
-// Operands: q f32[b, h, 1, d]; k, v f32 or bf16 [b, kvh, S, d], or packed int8 rows
-// s8[b, kvh, S, d + 4] (d values, then the 4 bytes of the row's f32 scale: the row is
-// scale * values); slot s32[b] (each line's newest slot: lines may be at different lengths
-// under continuous batching); pad s32[b]; scale f32[]. Result: f32[b, h, 1, d].
+// Operands: q f32[b, h, 1, d]; k, v f32 or bf16 [B, kvh, S, d] (bf16 also as its bits, u16),
+// or packed int8 rows s8[B, kvh, S, d + 4] (d values, then the 4 bytes of the row's f32 scale:
+// the row is scale * values); slot s32[b] (each row's newest slot: lines may be at different
+// lengths under continuous batching); pad s32[b]; scale f32[]; lines s32[b], the cache line
+// each query row reads (row i line i for a whole batch; continuous batching's programs for
+// some of the lines name theirs). Result: f32[b, h, 1, d].
 //
 // f32 and bf16 rows of 64 or 128 values take an AVX-512 form where the CPU has it
 // (attend_head_16); others, loops that compilers vectorize as they can.
@@ -149,13 +151,14 @@ void attend_head_16(const float* qc, const T* kc, const T* vc, float* oc, int64_
 template <typename T>
 void attend_head(const float* q, const T* k, const T* v, float* out, int64_t i, int64_t c, int64_t h,
                  int64_t kvh, int64_t s, int64_t d, int64_t stride, const int32_t* slot, const int32_t* pad,
-                 float scale, float* scores, float* top, float* total) {
+                 const int32_t* lines, float scale, float* scores, float* top, float* total) {
   const int64_t group = h / kvh;
   const auto [first, last] = attended_slots(slot, pad, i, s);
   const float* qc = q + (i * h + c * group) * d;     // the group's query heads, one after another
   float* oc = out + (i * h + c * group) * d;
-  const T* kc = k + (i * kvh + c) * s * stride;
-  const T* vc = v + (i * kvh + c) * s * stride;
+  const int64_t line = lines[i];
+  const T* kc = k + (line * kvh + c) * s * stride;
+  const T* vc = v + (line * kvh + c) * s * stride;
   std::fill(oc, oc + group * d, 0.0f);
   if (first > last) return;
 #ifdef PYHLO_ATTENTION_AVX512
@@ -201,7 +204,7 @@ void attend_head(const float* q, const T* k, const T* v, float* out, int64_t i, 
 template <typename T>
 ffi::Error attend(ffi::ThreadPool& pool, const float* q, const T* k, const T* v, float* out, int64_t b, int64_t h,
                   int64_t kvh, int64_t s, int64_t d, int64_t stride, const int32_t* slot, const int32_t* pad,
-                  float scale) {
+                  const int32_t* lines, float scale) {
   int64_t longest = 0;
   for (int64_t i = 0; i < b; ++i) {
     const Slots line = attended_slots(slot, pad, i, s);
@@ -212,14 +215,15 @@ ffi::Error attend(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
   return pyhlo_kernels::run_row_chunks(pool, b * kvh, pair_bytes, 1, [=](int64_t begin, int64_t end) {
     std::vector<float> scores(group * s), top(group), total(group);
     for (int64_t pair = begin; pair < end; ++pair)
-      attend_head(q, k, v, out, pair / kvh, pair % kvh, h, kvh, s, d, stride, slot, pad, scale, scores.data(),
-                  top.data(), total.data());
+      attend_head(q, k, v, out, pair / kvh, pair % kvh, h, kvh, s, d, stride, slot, pad, lines, scale,
+                  scores.data(), top.data(), total.data());
   });
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> pad,
-                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out) {
+                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> lines,
+                           ffi::Result<ffi::AnyBuffer> out) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (q.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32)
@@ -231,12 +235,16 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
     return ffi::Error::InvalidArgument(
         "pyhlo_decode_attention: k and v must both be f32, bf16 (or its bits as u16) or packed s8 rows");
   const int64_t packed = type == ffi::DataType::S8 ? int64_t(sizeof(float)) : 0;
-  if (qd.size() != 4 || kd.size() != 4 || qd[2] != 1 || qd[0] != kd[0] || qd[3] + packed != kd[3] ||
+  if (qd.size() != 4 || kd.size() != 4 || qd[2] != 1 || qd[3] + packed != kd[3] ||
       kd[1] == 0 || qd[1] % kd[1] != 0 || v.element_count() != k.element_count() ||
-      pad.element_count() != static_cast<size_t>(qd[0]) || slot.element_count() != static_cast<size_t>(qd[0]))
+      pad.element_count() != static_cast<size_t>(qd[0]) || slot.element_count() != static_cast<size_t>(qd[0]) ||
+      lines.element_count() != static_cast<size_t>(qd[0]))
     return ffi::Error::InvalidArgument(
-        "pyhlo_decode_attention: need q[b, h, 1, d], k and v [b, kvh, S, d] (d + 4 for packed s8 "
-        "rows) with h a multiple of kvh, slot[b] and pad[b]");
+        "pyhlo_decode_attention: need q[b, h, 1, d], k and v [B, kvh, S, d] (d + 4 for packed s8 "
+        "rows) with h a multiple of kvh, slot[b], pad[b] and lines[b]");
+  for (int64_t i = 0; i < qd[0]; ++i)
+    if (lines.typed_data()[i] < 0 || lines.typed_data()[i] >= kd[0])
+      return ffi::Error::InvalidArgument("pyhlo_decode_attention: a row's cache line is not one of the caches'");
   const int64_t b = qd[0], h = qd[1], d = qd[3], kvh = kd[1], s = kd[2], stride = kd[3];
   const float* qp = static_cast<const float*>(q.untyped_data());
   float* op = static_cast<float*>(out->untyped_data());
@@ -244,13 +252,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   const float sc = scale.typed_data()[0];
   if (type == ffi::DataType::F32)
     return attend(pool, qp, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()),
-                  op, b, h, kvh, s, d, stride, at, pad.typed_data(), sc);
+                  op, b, h, kvh, s, d, stride, at, pad.typed_data(), lines.typed_data(), sc);
   if (type == ffi::DataType::BF16 || type == ffi::DataType::U16)   // u16: a bf16 cache's bits
     return attend(pool, qp, static_cast<const uint16_t*>(k.untyped_data()),
                   static_cast<const uint16_t*>(v.untyped_data()), op, b, h, kvh, s, d, stride, at,
-                  pad.typed_data(), sc);
+                  pad.typed_data(), lines.typed_data(), sc);
   return attend(pool, qp, static_cast<const int8_t*>(k.untyped_data()), static_cast<const int8_t*>(v.untyped_data()),
-                op, b, h, kvh, s, d, stride, at, pad.typed_data(), sc);
+                op, b, h, kvh, s, d, stride, at, pad.typed_data(), lines.typed_data(), sc);
 }
 
 }  // namespace
@@ -264,4 +272,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PyhloDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
