@@ -132,10 +132,7 @@ class Session:
         keys: list[ProgramKey] = [Greedy()]
         if self.sampler_k_max is not None:
             keys.append(Sampler(self.sampler_k_max))
-        if self.lowering.whole_model_decode:
-            keys += [ModelStep(1, s) for s in self.decode_buckets()]
-        else:
-            keys += [Embed(1), LMHead(1)] + [Block(1, s) for s in self.decode_buckets()]
+        keys += self._decode_programs()
         for c in self.context_buckets:
             keys += [Embed(c), Block(c, c), LMHead(c)]
             if self.per_line:
@@ -147,10 +144,7 @@ class Session:
                 for rows in self.prefill_rows(c):
                     keys += [Embed(c, rows), LMHead(c, rows)] + [Block(c, s, rows) for s in attends]
         for rows in self.decode_rows():
-            if self.lowering.whole_model_decode:
-                keys += [ModelStep(1, s, rows) for s in self.decode_buckets()]
-            else:
-                keys += [Embed(1, rows), LMHead(1, rows)] + [Block(1, s, rows) for s in self.decode_buckets()]
+            keys += self._decode_programs(rows)
         if self.speculation_length is not None:
             n = self.speculation_length + 1
             keys += [Embed(n), LMHeadAll(n)] + [Block(n, s) for s in self.token_buckets]
@@ -158,6 +152,17 @@ class Session:
         kinds = range(len(self.builder.decoder.kinds))
         return [replace(key, kind=kind) if isinstance(key, Block) else key for key in keys
                 for kind in (kinds if isinstance(key, Block) else (0,))]
+
+    def _decode_programs(self, rows: int | None = None) -> list[ProgramKey]:
+        """A decode step's programs, over every line or `rows` of them, per decode bucket: the
+        whole model in one program, or embed, one block program for every layer, LM head."""
+        if self.lowering.whole_model_decode:
+            return [ModelStep(1, s, rows) for s in self.decode_buckets()]
+        return [Embed(1, rows), LMHead(1, rows)] + [Block(1, s, rows) for s in self.decode_buckets()]
+
+    def _runs_whole_model(self, n_tokens: int, every_position: bool) -> bool:
+        """Whether a step of n_tokens runs in _decode_programs()' one program for the whole model."""
+        return self.lowering.whole_model_decode and n_tokens == 1 and not every_position
 
     @property
     def per_line(self) -> bool:
@@ -641,7 +646,7 @@ class Session:
                 "last_index": kept(("last_index", tuple(lasts.tolist())),
                                    lambda: np.ascontiguousarray(lasts)),
                 "token_ids": token_ids}
-        if self.lowering.whole_model_decode and n_tokens == 1 and not every_position:
+        if self._runs_whole_model(n_tokens, every_position):
             outputs = self._run_whole(step, n_tokens, n_attend)
             if "next_slot" in outputs:
                 # The next step's inputs, already on the device: kept for when it comes.
@@ -668,7 +673,7 @@ class Session:
                 "last_index": kept(("row_last", tuple(last_index.tolist())),
                                    lambda: np.ascontiguousarray(last_index)),
                 "token_ids": token_ids}
-        if self.lowering.whole_model_decode and n_tokens == 1 and not every_position:
+        if self._runs_whole_model(n_tokens, every_position):
             return self._run_whole(step, n_tokens, n_attend, rows)["logits"]
         hidden = self.programs.get(Embed(n_tokens, rows)).run({**step, **self.shared})["hidden"]
         hidden = self._run_layers(hidden, step, n_tokens, n_attend, rows)
