@@ -5,7 +5,8 @@
 // left (1 / threads), down to kMinChunkBytes of weights, so the threads finish together:
 // chunks of a fixed quarter of each thread's rows left one core idle at the end of every
 // product while the other finished its chunk. PYHLO_MATVEC_THREADS (read once) caps the
-// threads a product takes, for measurements.
+// threads a product takes, for measurements. A helper that has finished stays a moment for
+// the next product (Board and linger below) instead of going back to sleep.
 #pragma once
 
 #include <algorithm>
