@@ -217,7 +217,7 @@ ffi::Error attend(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
     for (int64_t pair = begin; pair < end; ++pair)
       attend_head(q, k, v, out, pair / kvh, pair % kvh, h, kvh, s, d, stride, slot, pad, lines, scale,
                   scores.data(), top.data(), total.data());
-  });
+  }, k, /*product=*/false);
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,

@@ -767,7 +767,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, cons
 // Splits the weight rows of `p` between the caller and the pool's threads.
 ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
   return pyhlo_kernels::run_row_chunks(pool, p.n, row_bytes(p), kChunkAlign,
-                                       [p](int64_t begin, int64_t end) { weight_rows(p, begin, end); });
+                                       [p](int64_t begin, int64_t end) { weight_rows(p, begin, end); }, p.w);
 }
 
 ffi::Error Matvec(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {

@@ -410,7 +410,7 @@ ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
   const Layout layout = kLayouts[p.form == kForms ? kQ8_0 : p.form];
   const int64_t row_bytes = p.mixed ? p.rows.body / std::max<int64_t>(1, p.n) : p.k / layout.values * layout.bytes;
   return pyhlo_kernels::run_row_chunks(pool, p.n, row_bytes, kChunkAlign,
-                                       [p](int64_t begin, int64_t end) { weight_rows(p, begin, end); });
+                                       [p](int64_t begin, int64_t end) { weight_rows(p, begin, end); }, p.w);
 }
 
 // x, w and y checked and described; `form` kForms: rows of mixed forms. int8_x: the _x8
