@@ -83,8 +83,8 @@ struct RowChunks : ChunkJob {
 //
 // A lingering helper is a pool thread XLA cannot use: where XLA's own parallel work follows a
 // kernel (its dot for the products of a type the kernel does not take, then the next layer's
-// attention kernel), lingering starved it (SmolLM2-135M in f32 with XLA's dots: 18 -> 33 ms a
-// step). So only a product's helper starts to linger, never the attention kernel's, and a call
+// attention kernel), lingering starved it (SmolLM2-135M in f32 with XLA's dots: 33 ms a step
+// in a run where the attention kernel's helpers lingered, 24 without lingering). So only a product's helper starts to linger, never the attention kernel's, and a call
 // after which a helper waited in vain is marked: helpers go straight back to the pool after it
 // for its next kSkipAfterMiss calls, then try again. Lingering changes who computes which
 // rows, never the result: the caller claims rows itself until none are left.
@@ -107,9 +107,10 @@ class Board {
     }
     seq_.fetch_add(1);
   }
-  void clear() {
+  // The caller's job is done: drop it, unless another caller has posted since.
+  void clear(const ChunkJob* job) {
     std::lock_guard<std::mutex> lock(mu_);
-    job_.reset();
+    if (job_.get() == job) job_.reset();
   }
   std::shared_ptr<ChunkJob> take() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -208,7 +209,7 @@ xla::ffi::Error run_row_chunks(xla::ffi::ThreadPool& pool, int64_t n, int64_t ro
     _mm_pause();
 #endif
   }
-  if (helpers > 0) board.clear();
+  if (helpers > 0) board.clear(work.get());
   return xla::ffi::Error::Success();
 }
 
