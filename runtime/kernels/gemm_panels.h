@@ -14,18 +14,10 @@
 #include <immintrin.h>
 #endif
 
+#include "row_chunks.h"   // product_threads
 #include "xla/ffi/api/ffi.h"
 
 namespace pyhlo_kernels {
-
-// Threads one product may take: the pool's and the caller's, or PYHLO_MATVEC_THREADS (read
-// once) where set, as for the matvec kernels.
-inline int64_t product_threads(xla::ffi::ThreadPool& pool) {
-  static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
-  const int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
-  if (cap != 0) return cap > 0 ? cap : 1;
-  return threads;
-}
 
 // run(panel, scratch) for every panel in [0, panels), `scratch` made by make() once per
 // thread that takes a panel. Panels are handed out by an atomic counter: whoever is free takes

@@ -11,9 +11,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
-#include <chrono>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -28,6 +28,14 @@
 namespace pyhlo_kernels {
 
 constexpr int64_t kMinChunkBytes = 64 << 10;   // the smallest chunk of weights a thread takes
+
+// Threads one product may take: the pool's and the caller's, or PYHLO_MATVEC_THREADS (read
+// once) where set, for measurements.
+inline int64_t product_threads(xla::ffi::ThreadPool& pool) {
+  static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
+  if (cap != 0) return cap > 0 ? cap : 1;
+  return pool.num_threads() > 1 ? pool.num_threads() : 1;
+}
 
 // A product's rows as a helper sees them: whatever the row function, a helper claims chunks
 // and computes them until none are left. `key` names the call (its weights: the same from
@@ -84,10 +92,11 @@ struct RowChunks : ChunkJob {
 // A lingering helper is a pool thread XLA cannot use: where XLA's own parallel work follows a
 // kernel (its dot for the products of a type the kernel does not take, then the next layer's
 // attention kernel), lingering starved it (SmolLM2-135M in f32 with XLA's dots: 33 ms a step
-// in a run where the attention kernel's helpers lingered, 24 without lingering). So only a product's helper starts to linger, never the attention kernel's, and a call
-// after which a helper waited in vain is marked: helpers go straight back to the pool after it
-// for its next kSkipAfterMiss calls, then try again. Lingering changes who computes which
-// rows, never the result: the caller claims rows itself until none are left.
+// in a run where the attention kernel's helpers lingered, 24 without lingering). So only a
+// product's helper starts to linger, never the attention kernel's, and a call after which a
+// helper waited in vain is marked: helpers go straight back to the pool after it for its next
+// kSkipAfterMiss calls, then try again. Lingering changes who computes which rows, never the
+// result: the caller claims rows itself until none are left.
 class Board {
  public:
   static constexpr int kSkipAfterMiss = 64;
@@ -186,9 +195,7 @@ inline void linger(std::shared_ptr<ChunkJob> last, int64_t max_lingering) {
 template <class Rows>
 xla::ffi::Error run_row_chunks(xla::ffi::ThreadPool& pool, int64_t n, int64_t row_bytes, int64_t align,
                                Rows rows, const void* key = nullptr, bool product = true) {
-  static const int64_t cap = getenv("PYHLO_MATVEC_THREADS") ? atoi(getenv("PYHLO_MATVEC_THREADS")) : 0;
-  int64_t threads = pool.num_threads() > 1 ? pool.num_threads() : 1;
-  if (cap != 0) threads = cap > 0 ? cap : 1;
+  const int64_t threads = product_threads(pool);
   auto work = std::make_shared<RowChunks<Rows>>(std::move(rows), n);
   work->parts = threads;
   work->align = align;
