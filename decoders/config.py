@@ -227,7 +227,10 @@ class NeuronConfig:
     # the activations to int8 as llama.cpp does and multiply integers: faster, within the
     # rounding of the exact product (off: activations stay f32). Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
     # IQ4_NL round per 32 values (max |x| / 127), the K-quants Q2_K to Q6_K and IQ4_XS per 256
-    # (llama.cpp's Q8_K); rows of mixed forms each way their forms take.
+    # (llama.cpp's Q8_K); rows of mixed forms each way their forms take. With int8 weights
+    # (`quant`), a prompt's products (more activation rows than the matrix-vector kernel takes)
+    # round per 32 values and run on the int8 GEMM, as HF's dynamic int8 Linear rounds its
+    # inputs; decode steps, bound by reading the weights, keep f32 activations.
     int8_activations: bool = False
     on_device_generation: GenerationConfig | None = None
     # The token embedding runs inside the device program (transformers-neuronx's
@@ -313,9 +316,10 @@ class NeuronConfig:
         if self.int8_activations not in (True, False):
             raise ValueError("NeuronConfig.int8_activations must be True or False, got "
                              f"{self.int8_activations!r}")
-        if self.int8_activations and (self.gguf_blocks is False or self.quant is not None):
+        if self.int8_activations and self.gguf_blocks is False and self.quant is None:
             raise ValueError("NeuronConfig.int8_activations applies to GGUF weights kept in their blocks "
-                             "(Q8_0, Q4_0, Q4_1, the K-quants): it cannot go with gguf_blocks=False or quant")
+                             "(Q8_0, Q4_0, Q4_1, the K-quants) or to int8 weights (quant): it cannot go with "
+                             "gguf_blocks=False unless quant is set")
         if self.kv_cache_quant == "s8":
             self.kv_cache_quant = True
         if self.kv_cache_quant not in (True, False):

@@ -11,6 +11,7 @@ platform at hand:
   int8 activations GGUF block products of more rows (prefill) on the int8 GEMM kernels, decode
   attention reading the cache in place, weights [out, in], decode steps as one unrolled
   program and, as the attention kernel reads only the filled slots, one decode program.
+  With int8 activations, int8 weights' (`quant`) products of more rows take the int8 GEMM too.
 
 platform_choice.py picks one (the only place that looks at the platform). Tensor
 parallelism is a setting of every lowering: each replica's part of a parameter
@@ -55,6 +56,7 @@ from pyhlo.ops.linalg import (
     gemm_blocks_x8_kernel,
     gemm_gguf_rows_x8_kernel,
     gemm_gguf_x8_kernel,
+    gemm_s8_x8_kernel,
     matmul,
     matmul_transposed,
     matvec_blocks_kernel,
@@ -237,7 +239,8 @@ class CpuKernelLowering(XlaLowering):
     # (prefill) take the tiled int8 GEMM kernel instead of weights widened to f32 in the
     # program, and K-quant products of K_QUANT_GEMM_FIRST_ROWS or more rows theirs instead of
     # the matrix-vector kernel. True where the kernels have their fast form
-    # (runtime.cpu_kernels.int8_gemm_is_fast()).
+    # (runtime.cpu_kernels.int8_gemm_is_fast()). The same for int8 weights (`quant`) with k a
+    # multiple of 32 (the rounding's blocks).
     int8_gemm: bool = False
 
     name = "xla-cpu-kernels"
@@ -259,6 +262,10 @@ class CpuKernelLowering(XlaLowering):
         as_file = blocks and block_form(self.block_forms[param.name]).as_file
         if blocks and self.int8_activations and self.int8_gemm and rows_in > last and not as_file:
             product = gemm_blocks_x8_kernel(ew.convert(x, "f32"), weight, scale, mins)
+            return self._finish(product, param, bias, out_dtype or x.dtype)
+        if (weight.dtype == "s8" and self.int8_activations and self.int8_gemm and rows_in > last
+                and weight.dims[1] % 32 == 0):
+            product = gemm_s8_x8_kernel(ew.convert(x, "f32"), weight, scale)
             return self._finish(product, param, bias, out_dtype or x.dtype)
         if (blocks and self.int8_activations and self.int8_gemm and rows_in >= K_QUANT_GEMM_FIRST_ROWS
                 and has_k_quant_gemm(self.block_forms[param.name])):

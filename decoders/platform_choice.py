@@ -52,10 +52,11 @@ def choose_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, batch
     """
     wanted = neuron_config.cpu_kernels
     rounding = [form for _, form in gguf_blocks if has_int8_activation_kernel(form)]
-    if neuron_config.int8_activations and not rounding:
+    if neuron_config.int8_activations and not rounding and neuron_config.quant is None:
         raise ValueError("NeuronConfig.int8_activations applies to GGUF weights kept in their blocks (Q8_0, "
-                         "Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K to Q6_K, IQ4_NL, IQ4_XS), and this model "
-                         "has none (a .gguf file with such tensors, tp_degree 1)")
+                         "Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K to Q6_K, IQ4_NL, IQ4_XS) or to int8 "
+                         "weights (NeuronConfig(quant=QuantizationConfig())), and this model has neither (a "
+                         ".gguf file with such tensors, tp_degree 1)")
     if wanted is not False:
         reasons = _cpu_kernel_obstacles(neuron_config, backend, dtype)
         if reasons and wanted:

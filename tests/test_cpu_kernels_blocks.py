@@ -106,6 +106,30 @@ def test_int8_activation_gemm_kernels_match_numpy(form, lead, n, blocks, seed):
     check_rounded_product(out, x, dequantize_blocks(weight).astype(np.float64))
 
 
+# The prefill GEMM of int8 weights with a scale per row (NeuronConfig.quant): numpy on the
+# rounded activations and the widened weights, to f32 rounding, and within the rounding's reach
+# of the exact product; rows past the tiles and weight rows past the panels as above.
+@settings(max_examples=30, deadline=None)
+@given(lead=st.sampled_from([(1,), (5,), (17,), (128,), (3, 7)]), n=st.sampled_from([1, 15, 17, 33, 67, 100]),
+       blocks=st.integers(1, 9), seed=st.integers(0, 2**32 - 1))
+def test_int8_weight_gemm_kernel_matches_numpy(lead, n, blocks, seed):
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    w = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    scale = (rng.random(n, dtype=np.float32) * 0.02 + 1e-4).astype(np.float32)
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+    x[..., :32] *= 100                      # blocks of different scales in one row
+
+    def program(scribe):
+        return linalg.gemm_s8_x8_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                        scribe.s8[w.shape].Parameter(parameter_number=1),
+                                        scribe.f32[n].Parameter(parameter_number=2))
+
+    (out,) = run_fn(program, x, w, scale)
+    assert out.shape == (*lead, n) and out.dtype == np.float32
+    check_rounded_product(out, x, w.astype(np.float64) * scale.astype(np.float64)[:, None])
+
+
 def test_gemm_kernel_splits_a_prefill_across_threads_and_agrees_with_the_matvec_kernel():
     for form in FORMS:
         weight = random_blocks(form, 1001, 576, 3)
@@ -151,6 +175,13 @@ def test_block_kernel_rejects_shapes_it_cannot_run():
                                             scribe.f16[4, 2].Parameter(parameter_number=2))
     with pytest.raises(HloShapeError, match="gemm_blocks_x8_kernel: .*u8 values"):
         compile_py_func(gemm)
+
+    def gemm_s8(scribe):
+        return linalg.gemm_s8_x8_kernel(scribe.f32[128, 40].Parameter(parameter_number=0),
+                                        scribe.s8[4, 40].Parameter(parameter_number=1),
+                                        scribe.f32[4].Parameter(parameter_number=2))
+    with pytest.raises(HloShapeError, match="gemm_s8_x8_kernel: .*k a multiple of 32"):
+        compile_py_func(gemm_s8)
 
 
 KERNEL_FORMS = {"avx2": "-mno-avx512f", "portable": "-mno-avx2 -mno-avx512f"}

@@ -133,12 +133,12 @@ def test_int8_activations_round_the_block_products(block_file, form):
 
 
 def test_int8_activations_need_block_weights_and_the_kernels(block_file, tiny_llama):
-    with pytest.raises(ValueError, match="cannot go with gguf_blocks=False or quant"):
+    with pytest.raises(ValueError, match="cannot go with gguf_blocks=False unless quant is set"):
         NeuronConfig(gguf_blocks=False, int8_activations=True)
     with pytest.raises(ValueError, match="must be True or False"):
         NeuronConfig(int8_activations="yes")
     _, hf_directory = tiny_llama("gqa_tied_llama3", "safetensors")
-    with pytest.raises(ValueError, match="this model has none"):
+    with pytest.raises(ValueError, match="this model has neither"):
         LlamaForSampling.from_pretrained(hf_directory, n_positions=128,
                                          neuron_config=NeuronConfig(int8_activations=True))
     with pytest.raises(ValueError, match="does not use"):

@@ -173,7 +173,7 @@ def test_the_converted_copy_keeps_each_tensor_once(kquant_file, tmp_path, monkey
 
 
 def test_int8_activations_need_weights_kept_in_blocks(kquant_file):
-    with pytest.raises(ValueError, match="this model has none"):
+    with pytest.raises(ValueError, match="this model has neither"):
         LlamaForSampling.from_pretrained(kquant_file("f32", lambda name: None), n_positions=128,
                                          neuron_config=NeuronConfig(int8_activations=True))
 

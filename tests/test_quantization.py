@@ -153,6 +153,41 @@ def test_quantized_weights_save_and_load_as_int8(tmp_path, tiny_llama):
         LlamaForSampling.from_pretrained(path, **shape).load(tmp_path)
 
 
+@pytest.mark.cpu_only
+def test_int8_activations_run_an_int8_prompt_on_the_integer_gemm(tiny_llama):
+    """NeuronConfig(quant=..., int8_activations=True): a prompt's products take the int8 GEMM
+    (activations rounded per 32 values; where it has its fast form), decode steps the same
+    matrix-vector kernel as without; the logits stay within the rounding's reach of the int8
+    model with f32 activations and the greedy tokens agree."""
+    import torch
+
+    from decoders import LlamaForSampling, NeuronConfig
+    from decoders.programs.keys import Block
+    from runtime import cpu_kernels
+
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    shape = dict(batch_size=1, n_positions=64, context_length_estimate=[16])
+    runs = {}
+    for rounded in (True, False):
+        config = NeuronConfig(quant=QuantizationConfig(), cpu_kernels=True, int8_activations=rounded)
+        model = LlamaForSampling.from_pretrained(path, neuron_config=config, **shape).to_neuron()
+        prefill = model.programs.build(Block(16, 64)).module
+        targets = {i.custom_call_target for c in prefill.computations for i in c.instructions}
+        assert ("pyhlo_gemm_s8_x8" in targets) == (rounded and cpu_kernels.int8_gemm_is_fast())
+        decode = model.programs.build(Block(1, 64)).module
+        assert "pyhlo_matvec_s8" in {i.custom_call_target for c in decode.computations
+                                     for i in c.instructions}
+        runs[rounded] = model.sample(torch.arange(5, 17)[None], sequence_length=40, top_k=1, eos_token_id=[],
+                                     output_scores=True)
+    (tokens, scores), (expected_tokens, expected_scores) = runs[True], runs[False]
+    scores, expected_scores = np.stack(scores), np.stack(expected_scores)
+    for step in (0, 1):                                            # the prompt's token, a decode step
+        expected = expected_scores[step]
+        error = float(np.abs(scores[step] - expected).max() / np.abs(expected).max())
+        assert (1e-7 < error < 3e-2) if cpu_kernels.int8_gemm_is_fast() else error < 1e-5, step
+    assert tokens.tolist() == expected_tokens.tolist()
+
+
 TP_RUN = """
 import json, sys
 import numpy as np

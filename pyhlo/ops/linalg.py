@@ -88,6 +88,21 @@ def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: 
     return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, target)
 
 
+def gemm_s8_x8_kernel(x: HloValue, w: HloValue, scale: HloValue) -> HloValue:
+    """x[..., k] (f32) @ w[n, k].T * scale -> f32[..., n] for many activation rows (a prefill) of
+    int8 weights with one f32 scale per row (matvec_kernel's s8 operands): x rounded to int8 per
+    32 values as the _x8 targets round it (d = max|x| / 127), each block's product an integer
+    sum, on the tiled integer GEMM (runtime/kernels/gemm_blocks.cc). k must be a multiple of 32.
+    The kernel must be registered with the backend (runtime.cpu_kernels.register()) before a
+    program using it is compiled."""
+    if (x.dtype != "f32" or w.dtype != "s8" or len(w.dims) != 2 or x.dims[-1] != w.dims[1]
+            or w.dims[1] % 32 or scale.dtype != "f32" or scale.dims != (w.dims[0],)):
+        raise HloShapeError(f"gemm_s8_x8_kernel: need f32 x[..., k] (k a multiple of 32), s8 w[n, k] and f32 "
+                            f"scale[n]; got {x.dtype}{list(x.dims)}, {w.dtype}{list(w.dims)} and scale "
+                            f"{scale.dtype}{list(scale.dims)}")
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], w.dims[0])], [x, w, scale], "pyhlo_gemm_s8_x8")
+
+
 def gemm_blocks_x8_kernel(x: HloValue, values: HloValue, scales: HloValue,
                           mins: HloValue | None = None) -> HloValue:
     """matvec_blocks_kernel(..., int8_activations=True) for many activation rows (a prefill): the

@@ -2,6 +2,8 @@
 // activations (a prefill), w in llama.cpp's GGUF block forms split into arrays as the
 // pyhlo_matvec_<form>_x8 targets take them (runtime/kernels/matvec.cc has the layout), x
 // rounded to int8 per 32 values as those targets round it (d = max |x| / 127, q = round(x / d)).
+// pyhlo_gemm_s8_x8: the same for int8 weights with one f32 scale per row (pyhlo_matvec_s8's
+// operands: NeuronConfig.quant), packed as Q8_0 blocks whose scales are the row's.
 //
 // The matrix-vector kernels read each weight row once and are bound by memory; with a hundred
 // rows of activations the integer products bind instead, so this kernel keeps them in registers
@@ -39,7 +41,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Form { kQ8_0, kQ4_0, kQ4_1 };
+enum Form { kQ8_0, kQ4_0, kQ4_1, kS8 };
 constexpr int64_t kBlock = 32;
 constexpr int kLanes = 16;               // int32 lanes of a vector: weight rows side by side
 constexpr int kPanelRows = 2 * kLanes;   // weight rows of a panel (two vectors)
@@ -51,8 +53,9 @@ using pyhlo_kernels::half_to_f32;
 struct Problem {
   Form form;
   int64_t m, n, k, nb;
-  const void* w;                 // s8 [N, K] (Q8_0) or u8 [N, K/2] (Q4)
-  const uint16_t* scales;        // f16 [N, K/32]
+  const void* w;                 // s8 [N, K] (Q8_0, S8) or u8 [N, K/2] (Q4)
+  const uint16_t* scales;        // f16 [N, K/32] (not S8)
+  const float* row_scales;       // f32 [N] (S8)
   const uint16_t* mins;          // f16 [N, K/32] (Q4_1)
   const uint8_t* xq;             // [M, K]: rounded x + 128
   const float* xd;               // [M, K/32]: the rounding's scales
@@ -72,9 +75,17 @@ struct Panel {
         min(nb * kPanelRows) {}
 };
 
+// Whether the form keeps a weight in a byte (Q8_0, S8) rather than a nibble (Q4).
+inline bool bytes_per_value(Form form) { return form == kQ8_0 || form == kS8; }
+
+// Scale of block b of row n.
+inline float block_scale(const Problem& p, int64_t n, int64_t b) {
+  return p.form == kS8 ? p.row_scales[n] : half_to_f32(p.scales[n * p.nb + b]);
+}
+
 // Weight j of block b of row n as the packed panel holds it.
 inline int8_t packed_weight(const Problem& p, int64_t n, int64_t b, int j) {
-  if (p.form == kQ8_0) return static_cast<const int8_t*>(p.w)[n * p.k + b * kBlock + j];
+  if (bytes_per_value(p.form)) return static_cast<const int8_t*>(p.w)[n * p.k + b * kBlock + j];
   const uint8_t byte = static_cast<const uint8_t*>(p.w)[n * (p.k / 2) + b * (kBlock / 2) + j % (kBlock / 2)];
   const int q = j < kBlock / 2 ? byte & 0xF : byte >> 4;
   return int8_t(p.form == kQ4_0 ? q - 8 : q);
@@ -86,7 +97,7 @@ void pack(const Problem& p, int64_t n0, Panel& panel) {
   for (int r = 0; r < kPanelRows; ++r) {
     const bool real = r < rows;
     for (int64_t b = 0; b < nb; ++b) {
-      row_d[b] = real ? half_to_f32(p.scales[(n0 + r) * nb + b]) : 0.0f;
+      row_d[b] = real ? block_scale(p, n0 + r, b) : 0.0f;
       row_min[b] = real && p.mins != nullptr ? half_to_f32(p.mins[(n0 + r) * nb + b]) : 0.0f;
     }
     for (int64_t b = 0; b < nb; ++b) {
@@ -99,7 +110,7 @@ void pack(const Problem& p, int64_t n0, Panel& panel) {
   // every row (gathering them measured several times slower); the sums of the weights come
   // from vpdpbusd against 128s.
   const __m512i x128 = _mm512_set1_epi8(char(0x80)), nibble = _mm512_set1_epi8(0x0F);
-  const int64_t stride = p.form == kQ8_0 ? p.k : p.k / 2;
+  const int64_t stride = bytes_per_value(p.form) ? p.k : p.k / 2;
   for (int half = 0; half < 2; ++half) {
     const int64_t first = n0 + half * kLanes;
     const int64_t real = std::clamp<int64_t>(p.n - first, 0, kLanes);
@@ -118,7 +129,7 @@ void pack(const Problem& p, int64_t n0, Panel& panel) {
       rows[r] = static_cast<const char*>(p.w) + (first + (r < real ? r : 0)) * stride;
     for (int64_t b = 0; b < nb; ++b) {
       __m512i v[kQuads];
-      if (p.form == kQ8_0) {
+      if (bytes_per_value(p.form)) {
         pyhlo_kernels::transpose_16x4(rows, b * kBlock, v);
         pyhlo_kernels::transpose_16x4(rows, b * kBlock + 16, v + 4);
       } else {
@@ -274,13 +285,27 @@ void round_activations(const float* x, int64_t m, int64_t k, uint8_t* xq, float*
   }
 }
 
+// Rounds x and shares the panels of p (its weights and output set) between the threads.
+void multiply(ffi::ThreadPool& pool, Problem& p, const float* x) {
+  if (p.m == 0 || p.n == 0) return;
+  std::vector<uint8_t> xq(p.m * p.k);
+  std::vector<float> xd(p.m * p.nb), xsum(p.m * p.nb);
+  round_activations(x, p.m, p.k, xq.data(), xd.data(), xsum.data());
+  p.xq = xq.data();
+  p.xd = xd.data();
+  p.xsum = xsum.data();
+  pyhlo_kernels::share_panels(
+      pool, (p.n + kPanelRows - 1) / kPanelRows, [&p] { return Panel(p.nb); },
+      [&p](int64_t c, Panel& panel) { panel_product(p, panel, c * kPanelRows); });
+}
+
 ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::AnyBuffer& scales,
                ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y) {
   const auto w_dims = w.dimensions();
   const int64_t per_byte = form == kQ8_0 ? 1 : 2;
   if (!pyhlo_kernels::block_operands_fit(form == kQ8_0, x, w, scales, mins, *y))
     return ffi::Error::InvalidArgument(pyhlo_kernels::block_operands_needed("pyhlo_gemm_q8_0/q4_0/q4_1_x8"));
-  Problem p;
+  Problem p{};
   p.form = form;
   p.k = w_dims[1] * per_byte;
   p.nb = p.k / kBlock;
@@ -292,17 +317,33 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuff
   p.y = static_cast<float*>(y->untyped_data());
   if (y->element_count() != static_cast<size_t>(p.m * p.n))
     return ffi::Error::InvalidArgument("pyhlo_gemm_q8_0/q4_0/q4_1_x8: y must have x's rows and N columns");
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  std::vector<uint8_t> xq(p.m * p.k);
-  std::vector<float> xd(p.m * p.nb), xsum(p.m * p.nb);
-  round_activations(static_cast<const float*>(x.untyped_data()), p.m, p.k, xq.data(), xd.data(), xsum.data());
-  p.xq = xq.data();
-  p.xd = xd.data();
-  p.xsum = xsum.data();
+  multiply(pool, p, static_cast<const float*>(x.untyped_data()));
+  return ffi::Error::Success();
+}
 
-  pyhlo_kernels::share_panels(
-      pool, (p.n + kPanelRows - 1) / kPanelRows, [&p] { return Panel(p.nb); },
-      [&p](int64_t c, Panel& panel) { panel_product(p, panel, c * kPanelRows); });
+ffi::Error GemmS8X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                    ffi::Result<ffi::AnyBuffer> y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  const bool fit = x.element_type() == ffi::DataType::F32 && y->element_type() == ffi::DataType::F32 &&
+                   w.element_type() == ffi::DataType::S8 && scale.element_type() == ffi::DataType::F32 &&
+                   x_dims.size() >= 1 && w_dims.size() == 2 && x_dims[x_dims.size() - 1] == w_dims[1] &&
+                   w_dims[1] % kBlock == 0 && scale.element_count() == static_cast<size_t>(w_dims[0]);
+  if (!fit)
+    return ffi::Error::InvalidArgument(
+        "pyhlo_gemm_s8_x8: need f32 x[..., K] (K a multiple of 32), s8 w[N, K] and f32 scale[N]");
+  Problem p{};
+  p.form = kS8;
+  p.k = w_dims[1];
+  p.nb = p.k / kBlock;
+  p.n = w_dims[0];
+  p.m = x.element_count() / p.k;
+  p.w = w.untyped_data();
+  p.row_scales = static_cast<const float*>(scale.untyped_data());
+  p.y = static_cast<float*>(y->untyped_data());
+  if (y->element_count() != static_cast<size_t>(p.m * p.n))
+    return ffi::Error::InvalidArgument("pyhlo_gemm_s8_x8: y must have x's rows and N columns");
+  multiply(pool, p, static_cast<const float*>(x.untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -329,6 +370,7 @@ ffi::Error GemmQ4_1X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 
 PYHLO_GEMM_HANDLER(PyhloGemmQ8_0X8, GemmQ8_0X8, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
 PYHLO_GEMM_HANDLER(PyhloGemmQ4_0X8, GemmQ4_0X8, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
+PYHLO_GEMM_HANDLER(PyhloGemmS8X8, GemmS8X8, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
 PYHLO_GEMM_HANDLER(PyhloGemmQ4_1X8, GemmQ4_1X8,
                    .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
 

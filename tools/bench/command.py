@@ -25,7 +25,8 @@ cached next to the model, or, for gguf, the model's own file.
 
 Precisions (--amp): f32 and bf16 run every weight in that type. s8 is int8 weights for the
 linear products inside the decoder layers, in f32 models: pyhlo with
-NeuronConfig(quant=QuantizationConfig(quant_dtype="s8")) (one scale per row), llama.cpp on a
+NeuronConfig(quant=QuantizationConfig(quant_dtype="s8"), int8_activations=True) (one scale per
+row; a prompt's activations rounded to int8 for the integer GEMM), llama.cpp on a
 Q8_0 GGUF of the same weights (one scale per 32 values), HF transformers with PyTorch's
 dynamic int8 quantization (torch.ao.quantization.quantize_dynamic) of the layers' Linear
 modules. Embeddings, LM head and norms stay f32 in all three. gguf is the GGUF model file

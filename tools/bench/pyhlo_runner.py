@@ -14,9 +14,9 @@ def pyhlo_options(amp: str, kv_cache_dtype: str | None = None) -> dict:
     from decoders import NeuronConfig, QuantizationConfig
 
     caches = {"kv_cache_dtype": kv_cache_dtype}
-    if amp == "s8":
-        return {"amp": "f32",
-                "neuron_config": NeuronConfig(quant=QuantizationConfig(quant_dtype="s8"), **caches)}
+    if amp == "s8":   # the prompt's activations rounded to int8, as llama.cpp's and torch's are
+        return {"amp": "f32", "neuron_config": NeuronConfig(quant=QuantizationConfig(quant_dtype="s8"),
+                                                            int8_activations=True, **caches)}
     if amp in ("gguf", "gguf-x8"):
         return {"amp": "f32",
                 "neuron_config": NeuronConfig(gguf_blocks=True, int8_activations=amp == "gguf-x8", **caches)}

@@ -49,10 +49,12 @@ AGREEMENT_TOKENS = 16
 # What a precision means for each engine, where the name alone does not say it.
 AMP_NOTES = {
     "s8": "s8: int8 weights for the decoder layers' linear products, embeddings, LM head and norms f32 "
-          "(pyhlo: one f32 scale per row; llama.cpp: Q8_0, one f16 scale per 32 values; HF transformers: "
-          "torch dynamic int8 quantization of the layers' Linear modules, activations quantized per "
-          "product); vs compares engines at the same precision. The three round differently (llama.cpp and "
-          "torch quantize the activations too), so their greedy tokens part from pyhlo's sooner than in f32.",
+          "(pyhlo: one f32 scale per row, a prompt's activations rounded to int8 per 32 values for its "
+          "integer GEMM (NeuronConfig(int8_activations=True)), decode steps' kept f32; llama.cpp: Q8_0, "
+          "one f16 scale per 32 values, activations rounded per 32; HF transformers: torch dynamic int8 "
+          "quantization of the layers' Linear modules, activations quantized per product); vs compares "
+          "engines at the same precision. The three round differently, so their greedy tokens part from "
+          "pyhlo's sooner than in f32.",
     "gguf": "gguf: the GGUF file's own weights as stored (SmolLM2-135M-Instruct.Q4_1.gguf: Q4_1 layer "
             "matrices, Q8_0 embedding / LM head, f32 norms); pyhlo runs the blocks as stored, dequantized "
             "inside its kernels, llama.cpp reads the same file (and quantizes the activations to 8 bits for "
