@@ -87,7 +87,8 @@ def add_quant_argument(group) -> None:
     group.add_argument("--int8-activations", action="store_true",
                        help="a GGUF file's Q8_0 / Q4_0 / Q4_1 and K-quant products on pyhlo's CPU kernels "
                             "round the activations to int8 (per 32 values; K-quants per 256) and multiply "
-                            "integers, as llama.cpp does (faster; within the rounding of the exact product)")
+                            "integers, as llama.cpp does (faster; within the rounding of the exact product); "
+                            "with --quant s8, a prompt's products the same way (per 32 values)")
     group.add_argument("--kv-cache-quant", action="store_true",
                        help="keep the KV caches as int8 with an f32 scale per slot and head (about a quarter "
                             "of f32 caches' bytes, half of bf16's)")
