@@ -97,6 +97,7 @@ COST_RULES: dict[str, CostRule] = {
     cpu_kernels.MATVEC_S8_TARGET: matvec_cost,
     **{target: matvec_cost for target in cpu_kernels.MATVEC_BLOCK_TARGETS.values()},
     **{target: matvec_cost for target in cpu_kernels.MATVEC_BLOCK_X8_TARGETS.values()},
+    **{target: matvec_cost for target in cpu_kernels.GEMM_BLOCK_TARGETS.values()},
     **{target: matvec_cost for target in cpu_kernels.GEMM_BLOCK_X8_TARGETS.values()},
     **{target: matvec_cost for target in cpu_kernels.GEMM_GGUF_X8_TARGETS.values()},
     cpu_kernels.GEMM_GGUF_ROWS_X8_TARGET: matvec_cost,

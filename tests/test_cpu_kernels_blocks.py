@@ -27,10 +27,12 @@ def kernels():
 
 
 def run_kernel(x: np.ndarray, arrays: list[np.ndarray], int8_activations: bool = False,
-               gemm: bool = False) -> np.ndarray:
+               gemm: bool = False, exact_gemm: bool = False) -> np.ndarray:
     def program(scribe):
         params = [getattr(scribe, SCRIBE_TYPES[a.dtype.name])[a.shape].Parameter(parameter_number=i)
                   for i, a in enumerate([x, *arrays])]
+        if exact_gemm:
+            return linalg.gemm_blocks_kernel(*params)
         if gemm:
             return linalg.gemm_blocks_x8_kernel(*params)
         return linalg.matvec_blocks_kernel(*params, int8_activations=int8_activations)
@@ -104,6 +106,23 @@ def test_int8_activation_gemm_kernels_match_numpy(form, lead, n, blocks, seed):
     out = run_kernel(x, [a for a in weight[1:] if a is not None], gemm=True)
     assert out.shape == (*lead, n) and out.dtype == np.float32
     check_rounded_product(out, x, dequantize_blocks(weight).astype(np.float64))
+
+
+# The exact prefill GEMM: numpy on the widened weights, to f32 rounding, at row counts past the
+# tiles of 12 rows, weight rows past the panels of 32 and k past the panels' chunks of 1024.
+@settings(max_examples=30, deadline=None)
+@given(form=st.sampled_from(FORMS), lead=st.sampled_from([(1,), (11,), (13,), (25,), (128,), (3, 7)]),
+       n=st.sampled_from([1, 15, 17, 33, 67, 100]), blocks=st.sampled_from([1, 2, 5, 9, 33, 70]),
+       seed=st.integers(0, 2**32 - 1))
+def test_exact_gemm_kernels_match_numpy(form, lead, n, blocks, seed):
+    k = 32 * blocks
+    weight = random_blocks(form, n, k, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((*lead, k)).astype(np.float32)
+    out = run_kernel(x, [a for a in weight[1:] if a is not None], exact_gemm=True)
+    assert out.shape == (*lead, n) and out.dtype == np.float32
+    w = dequantize_blocks(weight).astype(np.float64)
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).T
+    assert (np.abs(out - x.astype(np.float64) @ w.T) <= 1e-5 * bound + 1e-30).all()
 
 
 # The prefill GEMM of int8 weights with a scale per row (NeuronConfig.quant): numpy on the

@@ -88,6 +88,18 @@ def matvec_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue, mins: 
     return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, target)
 
 
+def gemm_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue,
+                       mins: HloValue | None = None) -> HloValue:
+    """matvec_blocks_kernel(...) for many activation rows (a prefill): the same operands and the
+    same exact product (the weights widened to f32 as the program widens them, x f32), each
+    thread widening a panel of weight rows in its cache once for all activation rows
+    (runtime/kernels/gemm_exact.cc). The kernel must be registered with the backend
+    (runtime.cpu_kernels.register()) before a program using it is compiled."""
+    form = _block_form("gemm_blocks_kernel", x, values, scales, mins)
+    operands = [x, values, scales] + ([mins] if mins is not None else [])
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, f"pyhlo_gemm_{form}")
+
+
 def gemm_s8_x8_kernel(x: HloValue, w: HloValue, scale: HloValue) -> HloValue:
     """x[..., k] (f32) @ w[n, k].T * scale -> f32[..., n] for many activation rows (a prefill) of
     int8 weights with one f32 scale per row (matvec_kernel's s8 operands): x rounded to int8 per
