@@ -7,12 +7,11 @@ platform at hand:
   pyhlo's kernels, GPUs, NeuronCores. The weight layout is the one XLA:CPU streams fastest
   for the element type and batch size (measured: f32 [in, out]; bf16/f16 at batch 1 [out, in]).
 - `CpuKernelLowering`: XLA:CPU with pyhlo's kernels (runtime/kernels/): products with few
-  activation rows (decode steps at small batch sizes) on the matrix-vector kernel, with
-  int8 activations GGUF block products of more rows (prefill) on the int8 GEMM kernels (without,
-  Q8_0 / Q4_0 / Q4_1 ones on the exact GEMM that widens a panel of weights in cache), decode
+  activation rows (decode steps at small batch sizes) on the matrix-vector kernel; products of
+  more rows (prefill) of GGUF block and int8 weights on GEMM kernels (with int8 activations the
+  integer GEMMs, else the exact GEMM that widens a panel of weight rows in cache); decode
   attention reading the cache in place, weights [out, in], decode steps as one unrolled
   program and, as the attention kernel reads only the filled slots, one decode program.
-  With int8 activations, int8 weights' (`quant`) products of more rows take the int8 GEMM too.
 
 platform_choice.py picks one (the only place that looks at the platform). Tensor
 parallelism is a setting of every lowering: each replica's part of a parameter
@@ -58,6 +57,7 @@ from pyhlo.ops.linalg import (
     gemm_blocks_x8_kernel,
     gemm_gguf_rows_x8_kernel,
     gemm_gguf_x8_kernel,
+    gemm_s8_kernel,
     gemm_s8_x8_kernel,
     matmul,
     matmul_transposed,
@@ -244,10 +244,10 @@ class CpuKernelLowering(XlaLowering):
     # (runtime.cpu_kernels.int8_gemm_is_fast()). The same for int8 weights (`quant`) with k a
     # multiple of 32 (the rounding's blocks).
     int8_gemm: bool = False
-    # Products of Q8_0 / Q4_0 / Q4_1 block weights past the kernel rows (prefill) without int8
-    # activations in an f32 model take the exact GEMM kernel (each thread widens a panel of weight
-    # rows in its cache) instead of weights widened in the program. True where it has its fast form
-    # (runtime.cpu_kernels.exact_gemm_is_fast()).
+    # Products of Q8_0 / Q4_0 / Q4_1 block weights and of int8 weights (`quant`) past the kernel
+    # rows (prefill) without int8 activations in an f32 model take the exact GEMM kernel (each
+    # thread widens a panel of weight rows in its cache) instead of weights widened in the
+    # program. True where it has its fast form (runtime.cpu_kernels.exact_gemm_is_fast()).
     exact_gemm: bool = False
 
     name = "xla-cpu-kernels"
@@ -273,6 +273,10 @@ class CpuKernelLowering(XlaLowering):
         if (blocks and self.exact_gemm and self.dtype == "f32" and not self.int8_activations
                 and rows_in > last and not as_file):
             product = gemm_blocks_kernel(ew.convert(x, "f32"), weight, scale, mins)
+            return self._finish(product, param, bias, out_dtype or x.dtype)
+        if weight.dtype == "s8" and self.exact_gemm and self.dtype == "f32" and not self.int8_activations \
+                and rows_in > last:
+            product = gemm_s8_kernel(ew.convert(x, "f32"), weight, scale)
             return self._finish(product, param, bias, out_dtype or x.dtype)
         if (weight.dtype == "s8" and self.int8_activations and self.int8_gemm and rows_in > last
                 and weight.dims[1] % 32 == 0):

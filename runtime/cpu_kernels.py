@@ -5,7 +5,8 @@
         ...emit custom-calls "pyhlo_matvec", "pyhlo_matvec_s8", "pyhlo_matvec_q8_0" (_q4_0, _q4_1),
         "pyhlo_matvec_q4_k" (_q5_k, _q6_k, _q5_0 ...: GGUF blocks as the file stores them;
         "pyhlo_matvec_q4_k_x8" ...: the K-quants with int8 activations),
-        "pyhlo_gemm_q8_0" (_q4_0, _q4_1: prefill products of weights widened in a cache-sized panel),
+        "pyhlo_gemm_q8_0" (_q4_0, _q4_1, "pyhlo_gemm_s8": prefill products of weights widened in a
+        cache-sized panel),
         "pyhlo_gemm_q8_0_x8" (_q4_0_x8, _q4_1_x8: prefill products with int8 activations;
         "pyhlo_gemm_s8_x8": the same for int8 weights with a scale per row),
         "pyhlo_gemm_q4_k_x8" (_q2_k_x8 ... _q6_k_x8, _gguf_rows_x8: the same for K-quants as the file
@@ -44,6 +45,8 @@ MATVEC_BLOCK_X8_TARGETS = {form: f"pyhlo_matvec_{form}_x8" for form in ("q8_0", 
 # Prefill products of the same forms, exact: each thread widens a panel of weight rows to f32 in
 # its cache (runtime/kernels/gemm_exact.cc).
 GEMM_BLOCK_TARGETS = {form: f"pyhlo_gemm_{form}" for form in ("q8_0", "q4_0", "q4_1")}
+# The same for int8 weights with one f32 scale per row.
+GEMM_S8_TARGET = "pyhlo_gemm_s8"
 # Prefill products of the same forms, x rounded to int8 as the _x8 targets do: a tiled integer GEMM.
 GEMM_BLOCK_X8_TARGETS = {form: f"pyhlo_gemm_{form}_x8" for form in ("q8_0", "q4_0", "q4_1")}
 # The same for int8 weights with one f32 scale per row (pyhlo_matvec_s8's operands).
@@ -80,6 +83,7 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            **{target: f"PyhloMatvec{ggml_type}" for ggml_type, target in MATVEC_GGUF_TARGETS.items()},
            **{target: f"PyhloMatvec{ggml_type}X8" for ggml_type, target in MATVEC_GGUF_X8_TARGETS.items()},
            GEMM_GGUF_ROWS_X8_TARGET: "PyhloGemmGgufRowsX8", GEMM_S8_X8_TARGET: "PyhloGemmS8X8",
+           GEMM_S8_TARGET: "PyhloGemmS8",
            MATVEC_GGUF_ROWS_TARGET: "PyhloMatvecGgufRows",
            MATVEC_GGUF_ROWS_X8_TARGET: "PyhloMatvecGgufRowsX8"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
@@ -188,7 +192,7 @@ def int8_gemm_is_fast() -> bool:
 
 
 def exact_gemm_is_fast() -> bool:
-    """Whether the exact GEMM kernels (GEMM_BLOCK_TARGETS) run in their AVX-512 form on this
+    """Whether the exact GEMM kernels (GEMM_BLOCK_TARGETS, GEMM_S8_TARGET) run in their AVX-512 form on this
     machine. Elsewhere they have a portable form, correct but slower than XLA's dot, which the
     lowering does not take."""
     return register() and bool(_loaded[-1].PyhloGemmExactAvx512())

@@ -149,6 +149,29 @@ def test_int8_weight_gemm_kernel_matches_numpy(lead, n, blocks, seed):
     check_rounded_product(out, x, w.astype(np.float64) * scale.astype(np.float64)[:, None])
 
 
+# Its exact form: numpy on the widened weights, to f32 rounding; k need not be a multiple of 32
+# and may pass the panels' chunks of 1024 values.
+@settings(max_examples=30, deadline=None)
+@given(lead=st.sampled_from([(1,), (13,), (128,), (3, 7)]), n=st.sampled_from([1, 17, 33, 100]),
+       k=st.sampled_from([1, 7, 64, 100, 1030, 2100]), seed=st.integers(0, 2**32 - 1))
+def test_exact_int8_weight_gemm_kernel_matches_numpy(lead, n, k, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    scale = (rng.random(n, dtype=np.float32) * 0.02 + 1e-4).astype(np.float32)
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+
+    def program(scribe):
+        return linalg.gemm_s8_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                     scribe.s8[w.shape].Parameter(parameter_number=1),
+                                     scribe.f32[n].Parameter(parameter_number=2))
+
+    (out,) = run_fn(program, x, w, scale)
+    assert out.shape == (*lead, n) and out.dtype == np.float32
+    widened = w.astype(np.float64) * scale.astype(np.float64)[:, None]
+    bound = np.abs(x).astype(np.float64) @ np.abs(widened).T
+    assert (np.abs(out - x.astype(np.float64) @ widened.T) <= 1e-5 * bound + 1e-30).all()
+
+
 def test_gemm_kernel_splits_a_prefill_across_threads_and_agrees_with_the_matvec_kernel():
     for form in FORMS:
         weight = random_blocks(form, 1001, 576, 3)

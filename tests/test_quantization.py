@@ -174,6 +174,7 @@ def test_int8_activations_run_an_int8_prompt_on_the_integer_gemm(tiny_llama):
         prefill = model.programs.build(Block(16, 64)).module
         targets = {i.custom_call_target for c in prefill.computations for i in c.instructions}
         assert ("pyhlo_gemm_s8_x8" in targets) == (rounded and cpu_kernels.int8_gemm_is_fast())
+        assert ("pyhlo_gemm_s8" in targets) == (not rounded and cpu_kernels.exact_gemm_is_fast())
         decode = model.programs.build(Block(1, 64)).module
         assert "pyhlo_matvec_s8" in {i.custom_call_target for c in decode.computations
                                      for i in c.instructions}

@@ -100,6 +100,20 @@ def gemm_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue,
     return ffi_call(x.scribe.f32[(*x.dims[:-1], values.dims[0])], operands, f"pyhlo_gemm_{form}")
 
 
+def gemm_s8_kernel(x: HloValue, w: HloValue, scale: HloValue) -> HloValue:
+    """x[..., k] (f32) @ (w[n, k] * scale[:, None]).T -> f32[..., n] for many activation rows (a
+    prefill) of int8 weights with one f32 scale per row (matvec_kernel's s8 operands), exact: each
+    thread widens a panel of weight rows to f32 in its cache once for all activation rows
+    (runtime/kernels/gemm_exact.cc). The kernel must be registered with the backend
+    (runtime.cpu_kernels.register()) before a program using it is compiled."""
+    if (x.dtype != "f32" or w.dtype != "s8" or len(w.dims) != 2 or x.dims[-1] != w.dims[1]
+            or scale.dtype != "f32" or scale.dims != (w.dims[0],)):
+        raise HloShapeError(f"gemm_s8_kernel: need f32 x[..., k], s8 w[n, k] and f32 scale[n]; got "
+                            f"{x.dtype}{list(x.dims)}, {w.dtype}{list(w.dims)} and scale "
+                            f"{scale.dtype}{list(scale.dims)}")
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], w.dims[0])], [x, w, scale], "pyhlo_gemm_s8")
+
+
 def gemm_s8_x8_kernel(x: HloValue, w: HloValue, scale: HloValue) -> HloValue:
     """x[..., k] (f32) @ w[n, k].T * scale -> f32[..., n] for many activation rows (a prefill) of
     int8 weights with one f32 scale per row (matvec_kernel's s8 operands): x rounded to int8 per

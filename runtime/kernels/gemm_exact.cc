@@ -3,6 +3,8 @@
 // pyhlo_matvec_<form> targets take them (runtime/kernels/matvec.cc has the layout). Exact: the
 // weights are widened to f32 as the program's own dequantization widens them (d * (q - 8) for
 // Q4_0, d * q + m for Q4_1, d * q for Q8_0) and x stays f32; only the order of the sums differs.
+// pyhlo_gemm_s8: the same for int8 weights with one f32 scale per row (pyhlo_matvec_s8's operands:
+// NeuronConfig.quant), widened as scale * q.
 //
 // Widening a weight inside the program writes the whole f32 weight out and reads it back for
 // XLA's dot. Here each thread widens a panel of 32 weight rows, kChunk values of k at a time,
@@ -33,7 +35,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Form { kQ8_0, kQ4_0, kQ4_1 };
+enum Form { kQ8_0, kQ4_0, kQ4_1, kS8 };
 constexpr int64_t kBlock = 32;
 constexpr int kLanes = 16;
 constexpr int kPanelRows = 2 * kLanes;   // weight rows of a panel
@@ -45,8 +47,9 @@ using pyhlo_kernels::half_to_f32;
 struct Problem {
   Form form;
   int64_t m, n, k, nb;
-  const void* w;                 // s8 [N, K] (Q8_0) or u8 [N, K/2] (Q4)
-  const uint16_t* scales;        // f16 [N, K/32]
+  const void* w;                 // s8 [N, K] (Q8_0, S8) or u8 [N, K/2] (Q4)
+  const uint16_t* scales;        // f16 [N, K/32] (not S8)
+  const float* row_scales;       // f32 [N] (S8)
   const uint16_t* mins;          // f16 [N, K/32] (Q4_1)
   const float* x;                // [M, K]
   float* y;                      // [M, N]
@@ -75,11 +78,18 @@ void widen_block(const Problem& p, int64_t n, int64_t b, float* out) {
   }
 }
 
-// Values k0 .. k0 + kc - 1 of weight rows n0 .. n0 + 31 into panel[kc][32] (rows past N zero).
+// Values k0 .. k0 + kc - 1 of weight rows n0 .. n0 + 31 into panel[kc][32] (rows past N zero);
+// k0 is a multiple of 32 and, but for S8, so is kc.
 void pack(const Problem& p, int64_t n0, int64_t k0, int64_t kc, float* panel) {
   float block[kBlock];
   for (int r = 0; r < kPanelRows; ++r) {
     const bool real = n0 + r < p.n;
+    if (p.form == kS8) {
+      const int8_t* q = static_cast<const int8_t*>(p.w) + (n0 + r) * p.k + k0;
+      const float d = real ? p.row_scales[n0 + r] : 0.0f;
+      for (int64_t j = 0; j < kc; ++j) panel[j * kPanelRows + r] = real ? d * float(q[j]) : 0.0f;
+      continue;
+    }
     for (int64_t b = 0; b < kc / kBlock; ++b) {
       if (real) widen_block(p, n0 + r, k0 / kBlock + b, block);
       for (int j = 0; j < kBlock; ++j) panel[(b * kBlock + j) * kPanelRows + r] = real ? block[j] : 0.0f;
@@ -140,11 +150,19 @@ void panel_product(const Problem& p, std::vector<float>& panel, int64_t n0) {
   }
 }
 
+void multiply(ffi::ThreadPool& pool, const Problem& p) {
+  if (p.m == 0 || p.n == 0) return;
+  pyhlo_kernels::share_panels(
+      pool, (p.n + kPanelRows - 1) / kPanelRows,
+      [&p] { return std::vector<float>(std::min(kChunk, p.k) * kPanelRows); },
+      [&p](int64_t c, std::vector<float>& panel) { panel_product(p, panel, c * kPanelRows); });
+}
+
 ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::AnyBuffer& scales,
                ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y) {
   if (!pyhlo_kernels::block_operands_fit(form == kQ8_0, x, w, scales, mins, *y))
     return ffi::Error::InvalidArgument(pyhlo_kernels::block_operands_needed("pyhlo_gemm_q8_0/q4_0/q4_1"));
-  Problem p;
+  Problem p{};
   p.form = form;
   p.k = w.dimensions()[1] * (form == kQ8_0 ? 1 : 2);
   p.nb = p.k / kBlock;
@@ -157,11 +175,31 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuff
   p.y = static_cast<float*>(y->untyped_data());
   if (y->element_count() != static_cast<size_t>(p.m * p.n))
     return ffi::Error::InvalidArgument("pyhlo_gemm_q8_0/q4_0/q4_1: y must have x's rows and N columns");
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  pyhlo_kernels::share_panels(
-      pool, (p.n + kPanelRows - 1) / kPanelRows,
-      [&p] { return std::vector<float>(std::min(kChunk, p.k) * kPanelRows); },
-      [&p](int64_t c, std::vector<float>& panel) { panel_product(p, panel, c * kPanelRows); });
+  multiply(pool, p);
+  return ffi::Error::Success();
+}
+
+ffi::Error GemmS8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                  ffi::Result<ffi::AnyBuffer> y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  const bool fit = x.element_type() == ffi::DataType::F32 && y->element_type() == ffi::DataType::F32 &&
+                   w.element_type() == ffi::DataType::S8 && scale.element_type() == ffi::DataType::F32 &&
+                   x_dims.size() >= 1 && w_dims.size() == 2 && x_dims[x_dims.size() - 1] == w_dims[1] &&
+                   scale.element_count() == static_cast<size_t>(w_dims[0]);
+  if (!fit) return ffi::Error::InvalidArgument("pyhlo_gemm_s8: need f32 x[..., K], s8 w[N, K] and f32 scale[N]");
+  Problem p{};
+  p.form = kS8;
+  p.k = w_dims[1];
+  p.n = w_dims[0];
+  p.m = p.k == 0 ? 0 : x.element_count() / p.k;
+  p.w = w.untyped_data();
+  p.row_scales = static_cast<const float*>(scale.untyped_data());
+  p.x = static_cast<const float*>(x.untyped_data());
+  p.y = static_cast<float*>(y->untyped_data());
+  if (y->element_count() != static_cast<size_t>(p.m * p.n))
+    return ffi::Error::InvalidArgument("pyhlo_gemm_s8: y must have x's rows and N columns");
+  multiply(pool, p);
   return ffi::Error::Success();
 }
 
@@ -188,6 +226,7 @@ ffi::Error GemmQ4_1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 
 PYHLO_GEMM_EXACT_HANDLER(PyhloGemmQ8_0, GemmQ8_0, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
 PYHLO_GEMM_EXACT_HANDLER(PyhloGemmQ4_0, GemmQ4_0, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
+PYHLO_GEMM_EXACT_HANDLER(PyhloGemmS8, GemmS8, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
 PYHLO_GEMM_EXACT_HANDLER(PyhloGemmQ4_1, GemmQ4_1,
                          .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
 
