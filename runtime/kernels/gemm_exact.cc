@@ -4,30 +4,14 @@
 // weights are widened to f32 as the program's own dequantization widens them (d * (q - 8) for
 // Q4_0, d * q + m for Q4_1, d * q for Q8_0) and x stays f32; only the order of the sums differs.
 // pyhlo_gemm_s8: the same for int8 weights with one f32 scale per row (pyhlo_matvec_s8's operands:
-// NeuronConfig.quant), widened as scale * q.
-//
-// Widening a weight inside the program writes the whole f32 weight out and reads it back for
-// XLA's dot. Here each thread widens a panel of 32 weight rows, kChunk values of k at a time,
-// into a buffer that stays in its cache (value j of the 32 rows side by side: 128 KB), once for
-// all activation rows, and multiplies it by tiles of 12 activation rows: per value of k, two
-// vector loads of the panel and 12 broadcast activations meet in 24 multiply-adds, the 24 sums
-// (32 weight rows by 12 activation rows) in registers across the chunk.
-//
-// Panels are split between the caller and XLA's intra-op thread pool (gemm_panels.h). Paths:
-// AVX-512 where the CPU has it; elsewhere a portable form on the same panels, correct but not
-// fast (the lowering takes this kernel only where it has the AVX-512 form).
+// NeuronConfig.quant), widened as scale * q. The product: widened_panels.h.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "block_operands.h"
-#include "gemm_panels.h"
 #include "half.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define PYHLO_GEMM_EXACT_AVX512 1
-#endif
+#include "widened_panels.h"
 
 #include "xla/ffi/api/ffi.h"
 
@@ -37,10 +21,6 @@ namespace {
 
 enum Form { kQ8_0, kQ4_0, kQ4_1, kS8 };
 constexpr int64_t kBlock = 32;
-constexpr int kLanes = 16;
-constexpr int kPanelRows = 2 * kLanes;   // weight rows of a panel
-constexpr int kTileRows = 12;            // activation rows of a tile
-constexpr int64_t kChunk = 1024;         // values of k a panel holds at a time
 
 using pyhlo_kernels::half_to_f32;
 
@@ -51,8 +31,6 @@ struct Problem {
   const uint16_t* scales;        // f16 [N, K/32] (not S8)
   const float* row_scales;       // f32 [N] (S8)
   const uint16_t* mins;          // f16 [N, K/32] (Q4_1)
-  const float* x;                // [M, K]
-  float* y;                      // [M, N]
 };
 
 // Block b of row n widened to f32 into out[32].
@@ -78,84 +56,23 @@ void widen_block(const Problem& p, int64_t n, int64_t b, float* out) {
   }
 }
 
-// Values k0 .. k0 + kc - 1 of weight rows n0 .. n0 + 31 into panel[kc][32] (rows past N zero);
-// k0 is a multiple of 32 and, but for S8, so is kc.
-void pack(const Problem& p, int64_t n0, int64_t k0, int64_t kc, float* panel) {
-  float block[kBlock];
-  for (int r = 0; r < kPanelRows; ++r) {
-    const bool real = n0 + r < p.n;
-    if (p.form == kS8) {
-      const int8_t* q = static_cast<const int8_t*>(p.w) + (n0 + r) * p.k + k0;
-      const float d = real ? p.row_scales[n0 + r] : 0.0f;
-      for (int64_t j = 0; j < kc; ++j) panel[j * kPanelRows + r] = real ? d * float(q[j]) : 0.0f;
-      continue;
-    }
-    for (int64_t b = 0; b < kc / kBlock; ++b) {
-      if (real) widen_block(p, n0 + r, k0 / kBlock + b, block);
-      for (int j = 0; j < kBlock; ++j) panel[(b * kBlock + j) * kPanelRows + r] = real ? block[j] : 0.0f;
-    }
+// Values k0 .. k0 + kc - 1 of weight row n as f32 into out; k0 is a multiple of 32 and, but for
+// S8, so is kc.
+void widen(const Problem& p, int64_t n, int64_t k0, int64_t kc, float* out) {
+  if (p.form == kS8) {
+    const int8_t* q = static_cast<const int8_t*>(p.w) + n * p.k + k0;
+    const float d = p.row_scales[n];
+    for (int64_t j = 0; j < kc; ++j) out[j] = d * float(q[j]);
+    return;
   }
+  for (int64_t b = 0; b < kc / kBlock; ++b) widen_block(p, n, k0 / kBlock + b, out + b * kBlock);
 }
 
-// y[m0 .. m0 + R - 1][n0 .. n0 + 31] (those below N) plus (or, for the first chunk, set to) the
-// sums of the panel's kc values.
-template <int R>
-void tile(const Problem& p, const float* panel, int64_t n0, int64_t m0, int64_t k0, int64_t kc, bool first) {
-  const float* x = p.x + m0 * p.k + k0;
-#ifdef PYHLO_GEMM_EXACT_AVX512
-  __m512 acc[2][R];
-  for (int h = 0; h < 2; ++h) {
-    const int64_t real = std::clamp<int64_t>(p.n - (n0 + h * kLanes), 0, kLanes);
-    const __mmask16 mask = real >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << real) - 1);
-    for (int r = 0; r < R; ++r)
-      acc[h][r] = first ? _mm512_setzero_ps()
-                        : _mm512_maskz_loadu_ps(mask, p.y + (m0 + r) * p.n + n0 + h * kLanes);
-  }
-  for (int64_t j = 0; j < kc; ++j) {
-    const __m512 w0 = _mm512_loadu_ps(panel + j * kPanelRows);
-    const __m512 w1 = _mm512_loadu_ps(panel + j * kPanelRows + kLanes);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * p.k + j]);
-      acc[0][r] = _mm512_fmadd_ps(w0, xv, acc[0][r]);
-      acc[1][r] = _mm512_fmadd_ps(w1, xv, acc[1][r]);
-    }
-  }
-  pyhlo_kernels::store_tile<R>(p.y, p.n, n0, m0, acc);
-#else
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kPanelRows && n0 + c < p.n; ++c) {
-      float sum = first ? 0.0f : p.y[(m0 + r) * p.n + n0 + c];
-      for (int64_t j = 0; j < kc; ++j) sum += panel[j * kPanelRows + c] * x[r * p.k + j];
-      p.y[(m0 + r) * p.n + n0 + c] = sum;
-    }
-#endif
-}
-
-template <int R>
-void tail(const Problem& p, const float* panel, int64_t n0, int64_t m0, int64_t k0, int64_t kc, bool first,
-          int64_t rows) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile<R>(p, panel, n0, m0, k0, kc, first);
-    tail<R - 1>(p, panel, n0, m0, k0, kc, first, rows);
-  }
-}
-
-void panel_product(const Problem& p, std::vector<float>& panel, int64_t n0) {
-  for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
-    const int64_t kc = std::min(kChunk, p.k - k0);
-    pack(p, n0, k0, kc, panel.data());
-    int64_t m0 = 0;
-    for (; m0 + kTileRows <= p.m; m0 += kTileRows) tile<kTileRows>(p, panel.data(), n0, m0, k0, kc, k0 == 0);
-    tail<kTileRows - 1>(p, panel.data(), n0, m0, k0, kc, k0 == 0, p.m - m0);
-  }
-}
-
-void multiply(ffi::ThreadPool& pool, const Problem& p) {
-  if (p.m == 0 || p.n == 0) return;
-  pyhlo_kernels::share_panels(
-      pool, (p.n + kPanelRows - 1) / kPanelRows,
-      [&p] { return std::vector<float>(std::min(kChunk, p.k) * kPanelRows); },
-      [&p](int64_t c, std::vector<float>& panel) { panel_product(p, panel, c * kPanelRows); });
+void multiply(ffi::ThreadPool& pool, const Problem& p, ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& y) {
+  const pyhlo_kernels::WidenedProduct product{p.m, p.n, p.k, static_cast<const float*>(x.untyped_data()),
+                                              static_cast<float*>(y->untyped_data())};
+  pyhlo_kernels::widened_gemm(pool, product,
+                              [&p](int64_t n, int64_t k0, int64_t kc, float* out) { widen(p, n, k0, kc, out); });
 }
 
 ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::AnyBuffer& scales,
@@ -171,11 +88,9 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuff
   p.w = w.untyped_data();
   p.scales = static_cast<const uint16_t*>(scales.untyped_data());
   p.mins = mins != nullptr ? static_cast<const uint16_t*>(mins->untyped_data()) : nullptr;
-  p.x = static_cast<const float*>(x.untyped_data());
-  p.y = static_cast<float*>(y->untyped_data());
   if (y->element_count() != static_cast<size_t>(p.m * p.n))
     return ffi::Error::InvalidArgument("pyhlo_gemm_q8_0/q4_0/q4_1: y must have x's rows and N columns");
-  multiply(pool, p);
+  multiply(pool, p, x, y);
   return ffi::Error::Success();
 }
 
@@ -195,11 +110,9 @@ ffi::Error GemmS8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   p.m = p.k == 0 ? 0 : x.element_count() / p.k;
   p.w = w.untyped_data();
   p.row_scales = static_cast<const float*>(scale.untyped_data());
-  p.x = static_cast<const float*>(x.untyped_data());
-  p.y = static_cast<float*>(y->untyped_data());
   if (y->element_count() != static_cast<size_t>(p.m * p.n))
     return ffi::Error::InvalidArgument("pyhlo_gemm_s8: y must have x's rows and N columns");
-  multiply(pool, p);
+  multiply(pool, p, x, y);
   return ffi::Error::Success();
 }
 
@@ -231,11 +144,6 @@ PYHLO_GEMM_EXACT_HANDLER(PyhloGemmQ4_1, GemmQ4_1,
                          .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
 
 // Whether this build has the AVX-512 form (1) or only the portable one (0), which is correct
-// but slower than XLA's dot: the lowering takes the kernel only in the first case.
-extern "C" int PyhloGemmExactAvx512() {
-#ifdef PYHLO_GEMM_EXACT_AVX512
-  return 1;
-#else
-  return 0;
-#endif
-}
+// but slower than XLA's dot: the lowering takes the exact GEMMs (here and matvec_gguf.cc's)
+// only in the first case.
+extern "C" int PyhloGemmExactAvx512() { return pyhlo_kernels::widened_gemm_is_fast() ? 1 : 0; }

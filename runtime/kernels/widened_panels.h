@@ -1,0 +1,132 @@
+// The exact GEMM over weights widened to f32 a panel at a time (gemm_exact.cc's block forms and
+// int8 rows, matvec_gguf.cc's forms kept as the file's bytes): y[m, n] = sum_k x[m, k] * w[n, k]
+// for many rows of f32 activations (a prefill), where widen(n, k0, kc, out) writes values
+// k0 .. k0 + kc - 1 of weight row n as f32.
+//
+// Widening a weight inside the program writes the whole f32 weight out and reads it back for
+// XLA's dot. Here each thread widens a panel of 32 weight rows, kWidenedChunk values of k at a
+// time, into a buffer that stays in its cache (value j of the 32 rows side by side: 128 KB),
+// once for all activation rows, and multiplies it by tiles of 12 activation rows: per value of
+// k, two vector loads of the panel and 12 broadcast activations meet in 24 multiply-adds, the
+// 24 sums (32 weight rows by 12 activation rows) in registers across the chunk. Panels are
+// split between the caller and XLA's intra-op thread pool (gemm_panels.h). AVX-512 where the
+// CPU has it; elsewhere a portable form on the same panels, correct but not fast (the lowering
+// takes these kernels only where widened_gemm_is_fast()).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "gemm_panels.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PYHLO_WIDENED_AVX512 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace pyhlo_kernels {
+
+constexpr int kWidenedLanes = 16;
+constexpr int kWidenedPanelRows = 2 * kWidenedLanes;   // weight rows of a panel
+constexpr int kWidenedTileRows = 12;                   // activation rows of a tile
+constexpr int64_t kWidenedChunk = 1024;                // values of k a panel holds at a time (a
+                                                       // multiple of every form's block)
+
+constexpr bool widened_gemm_is_fast() {
+#ifdef PYHLO_WIDENED_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+struct WidenedProduct {
+  int64_t m, n, k;
+  const float* x;   // [M, K]
+  float* y;         // [M, N]
+};
+
+// y[m0 .. m0 + R - 1][n0 .. n0 + 31] (those below N) plus (or, for the first chunk, set to) the
+// sums of the panel's kc values, from k0.
+template <int R>
+void widened_tile(const WidenedProduct& p, const float* panel, int64_t n0, int64_t m0, int64_t k0, int64_t kc,
+                  bool first) {
+  const float* x = p.x + m0 * p.k + k0;
+#ifdef PYHLO_WIDENED_AVX512
+  __m512 acc[2][R];
+  for (int h = 0; h < 2; ++h) {
+    const int64_t real = std::clamp<int64_t>(p.n - (n0 + h * kWidenedLanes), 0, kWidenedLanes);
+    const __mmask16 mask = real >= kWidenedLanes ? __mmask16(0xFFFF) : __mmask16((1u << real) - 1);
+    for (int r = 0; r < R; ++r)
+      acc[h][r] = first ? _mm512_setzero_ps()
+                        : _mm512_maskz_loadu_ps(mask, p.y + (m0 + r) * p.n + n0 + h * kWidenedLanes);
+  }
+  for (int64_t j = 0; j < kc; ++j) {
+    const __m512 w0 = _mm512_loadu_ps(panel + j * kWidenedPanelRows);
+    const __m512 w1 = _mm512_loadu_ps(panel + j * kWidenedPanelRows + kWidenedLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * p.k + j]);
+      acc[0][r] = _mm512_fmadd_ps(w0, xv, acc[0][r]);
+      acc[1][r] = _mm512_fmadd_ps(w1, xv, acc[1][r]);
+    }
+  }
+  store_tile<R>(p.y, p.n, n0, m0, acc);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kWidenedPanelRows && n0 + c < p.n; ++c) {
+      float sum = first ? 0.0f : p.y[(m0 + r) * p.n + n0 + c];
+      for (int64_t j = 0; j < kc; ++j) sum += panel[j * kWidenedPanelRows + c] * x[r * p.k + j];
+      p.y[(m0 + r) * p.n + n0 + c] = sum;
+    }
+#endif
+}
+
+template <int R>
+void widened_tail(const WidenedProduct& p, const float* panel, int64_t n0, int64_t m0, int64_t k0, int64_t kc,
+                  bool first, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return widened_tile<R>(p, panel, n0, m0, k0, kc, first);
+    widened_tail<R - 1>(p, panel, n0, m0, k0, kc, first, rows);
+  }
+}
+
+// A thread's buffers: the panel [chunk][32] and one widened row's chunk.
+struct WidenedPanel {
+  std::vector<float> values, row;
+  explicit WidenedPanel(int64_t k)
+      : values(std::min(kWidenedChunk, k) * kWidenedPanelRows), row(std::min(kWidenedChunk, k)) {}
+};
+
+template <typename Widen>
+void widened_panel_product(const WidenedProduct& p, const Widen& widen, WidenedPanel& panel, int64_t n0) {
+  float* values = panel.values.data();
+  for (int64_t k0 = 0; k0 < p.k; k0 += kWidenedChunk) {
+    const int64_t kc = std::min(kWidenedChunk, p.k - k0);
+    for (int r = 0; r < kWidenedPanelRows; ++r) {   // rows past N are zeros
+      const bool real = n0 + r < p.n;
+      if (real) widen(n0 + r, k0, kc, panel.row.data());
+      for (int64_t j = 0; j < kc; ++j) values[j * kWidenedPanelRows + r] = real ? panel.row[j] : 0.0f;
+    }
+    int64_t m0 = 0;
+    for (; m0 + kWidenedTileRows <= p.m; m0 += kWidenedTileRows)
+      widened_tile<kWidenedTileRows>(p, values, n0, m0, k0, kc, k0 == 0);
+    widened_tail<kWidenedTileRows - 1>(p, values, n0, m0, k0, kc, k0 == 0, p.m - m0);
+  }
+}
+
+// The product, panels shared between the caller and the pool; widen() may run on any thread.
+template <typename Widen>
+void widened_gemm(xla::ffi::ThreadPool& pool, const WidenedProduct& p, const Widen& widen) {
+  if (p.m == 0 || p.n == 0 || p.k == 0) {
+    std::fill(p.y, p.y + p.m * p.n, 0.0f);
+    return;
+  }
+  share_panels(
+      pool, (p.n + kWidenedPanelRows - 1) / kWidenedPanelRows, [&p] { return WidenedPanel(p.k); },
+      [&](int64_t c, WidenedPanel& panel) { widened_panel_product(p, widen, panel, c * kWidenedPanelRows); });
+}
+
+}  // namespace pyhlo_kernels
