@@ -244,10 +244,11 @@ class CpuKernelLowering(XlaLowering):
     # (runtime.cpu_kernels.int8_gemm_is_fast()). The same for int8 weights (`quant`) with k a
     # multiple of 32 (the rounding's blocks).
     int8_gemm: bool = False
-    # Products of Q8_0 / Q4_0 / Q4_1 block weights and of int8 weights (`quant`) past the kernel
-    # rows (prefill) without int8 activations in an f32 model take the exact GEMM kernel (each
-    # thread widens a panel of weight rows in its cache) instead of weights widened in the
-    # program. True where it has its fast form (runtime.cpu_kernels.exact_gemm_is_fast()).
+    # Products of GGUF block weights (every form the kernels take, rows of mixed forms too) and
+    # of int8 weights (`quant`) past the kernel rows (prefill) without int8 activations in an
+    # f32 model take the exact GEMM kernels (each thread widens a panel of weight rows in its
+    # cache) instead of weights widened in the program or the matrix-vector kernel. True where
+    # they have their fast form (runtime.cpu_kernels.exact_gemm_is_fast()).
     exact_gemm: bool = False
 
     name = "xla-cpu-kernels"
@@ -267,29 +268,13 @@ class CpuKernelLowering(XlaLowering):
         first, last = dict(self.kernel_rows).get("blocks" if blocks else weight.dtype, (0, 0))
         rows_in = int(np.prod(x.dims[:-1]))
         as_file = blocks and block_form(self.block_forms[param.name]).as_file
-        if blocks and self.int8_activations and self.int8_gemm and rows_in > last and not as_file:
-            product = gemm_blocks_x8_kernel(ew.convert(x, "f32"), weight, scale, mins)
-            return self._finish(product, param, bias, out_dtype or x.dtype)
-        if (blocks and self.exact_gemm and self.dtype == "f32" and not self.int8_activations
-                and rows_in > last and not as_file):
-            product = gemm_blocks_kernel(ew.convert(x, "f32"), weight, scale, mins)
-            return self._finish(product, param, bias, out_dtype or x.dtype)
-        if weight.dtype == "s8" and self.exact_gemm and self.dtype == "f32" and not self.int8_activations \
-                and rows_in > last:
-            product = gemm_s8_kernel(ew.convert(x, "f32"), weight, scale)
-            return self._finish(product, param, bias, out_dtype or x.dtype)
-        if (weight.dtype == "s8" and self.int8_activations and self.int8_gemm and rows_in > last
-                and weight.dims[1] % 32 == 0):
-            product = gemm_s8_x8_kernel(ew.convert(x, "f32"), weight, scale)
-            return self._finish(product, param, bias, out_dtype or x.dtype)
-        if (blocks and self.int8_activations and self.int8_gemm and rows_in >= K_QUANT_GEMM_FIRST_ROWS
-                and has_k_quant_gemm(self.block_forms[param.name])):
-            product = k_quant_gemm(ew.convert(x, "f32"), weight, self.block_forms[param.name])
-            return self._finish(product, param, bias, out_dtype or x.dtype)
+        gemm = self._gemm_product(x, weight, param, scale, mins, rows_in, last)
+        if gemm is not None:
+            return self._finish(gemm, param, bias, out_dtype or x.dtype)
         # Forms kept as the file's bytes (K-quants, Q5_x, IQ4, rows of mixed forms) take their
-        # kernel at every row count: the program's own unpacking of them is many operations a
-        # value and writes the widened weight out (SmolLM2-1.7B's shape in Q4_K_M, 128-token
-        # prompt: 8.8 -> 17.4 tokens/s exact, 8.7 -> 52.9 with int8 activations).
+        # kernel at every row count a GEMM does not take: the program's own unpacking of them is
+        # many operations a value and writes the widened weight out (SmolLM2-1.7B's shape in
+        # Q4_K_M, 128-token prompt: 8.8 -> 17.4 tokens/s exact, 8.7 -> 52.9 with int8 activations).
         if 0 < first <= rows_in and (rows_in <= last or as_file):
             # A bf16 model's activations stay bf16 for bf16 weights: an f32 copy would lose the
             # rounding on XLA:CPU (it drops f32 -> bf16 -> f32 converts) and the bf16-pair kernel.
@@ -307,6 +292,36 @@ class CpuKernelLowering(XlaLowering):
                 product = matvec_kernel(rows, weight, scale)
             return self._finish(product, param, bias, out_dtype or x.dtype)
         return super().linear(x, weight, param, bias, out_dtype, scale, mins)
+
+    def _gemm_product(self, x: HloValue, weight: HloValue, param: Param, scale: HloValue | None,
+                      mins: HloValue | None, rows_in: int, last: int) -> HloValue | None:
+        """The product on a GEMM kernel where one takes it (a prefill: more activation rows than the
+        matrix-vector kernel's `last`; a K-quant's int8 GEMM from K_QUANT_GEMM_FIRST_ROWS), else None.
+        With int8 activations the integer GEMMs; without, in an f32 model, the exact GEMMs that
+        widen a panel of weight rows in cache."""
+        quant = self.block_forms.get(param.name)
+        rounded = self.int8_activations and self.int8_gemm
+        exact = self.exact_gemm and self.dtype == "f32" and not self.int8_activations
+        if quant is not None:
+            form = block_form(quant)
+            if rounded and has_k_quant_gemm(quant) and rows_in >= K_QUANT_GEMM_FIRST_ROWS:
+                return k_quant_gemm(ew.convert(x, "f32"), weight, quant)
+            if rows_in <= last:
+                return None
+            if not form.as_file and (rounded or exact):
+                gemm = gemm_blocks_x8_kernel if rounded else gemm_blocks_kernel
+                return gemm(ew.convert(x, "f32"), weight, scale, mins)
+            if form.as_file and exact:
+                if quant.startswith(ROWS):
+                    return matvec_gguf_rows_kernel(ew.convert(x, "f32"), weight, ggml_types(quant), gemm=True)
+                return matvec_gguf_kernel(ew.convert(x, "f32"), weight, form.ggml_type, gemm=True)
+            return None
+        if weight.dtype == "s8" and rows_in > last:
+            if rounded and weight.dims[1] % 32 == 0:
+                return gemm_s8_x8_kernel(ew.convert(x, "f32"), weight, scale)
+            if exact:
+                return gemm_s8_kernel(ew.convert(x, "f32"), weight, scale)
+        return None
 
     def decode_attention(self, q: HloValue, cache_k: HloValue, cache_v: HloValue, slot: HloValue,
                          pad: HloValue, scale: float, lines: HloValue | None = None) -> HloValue | None:

@@ -106,6 +106,8 @@ COST_RULES: dict[str, CostRule] = {
     **{target: matvec_cost for target in cpu_kernels.MATVEC_GGUF_TARGETS.values()},
     **{target: matvec_cost for target in cpu_kernels.MATVEC_GGUF_X8_TARGETS.values()},
     cpu_kernels.MATVEC_GGUF_ROWS_TARGET: matvec_cost,
+    **{target: matvec_cost for target in cpu_kernels.GEMM_GGUF_TARGETS.values()},
+    cpu_kernels.GEMM_GGUF_ROWS_TARGET: matvec_cost,
     cpu_kernels.MATVEC_GGUF_ROWS_X8_TARGET: matvec_cost,
     cpu_kernels.ROTARY_COS_SIN_TARGET: rotary_cos_sin_cost,
     cpu_kernels.DECODE_ATTENTION_TARGET: decode_attention_cost,

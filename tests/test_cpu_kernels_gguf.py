@@ -27,11 +27,12 @@ def kernels():
     assert cpu_kernels.register(), "the CPU kernels did not build"
 
 
-def run_kernel(x: np.ndarray, data: np.ndarray, ggml_type: str, int8_activations: bool = False) -> np.ndarray:
+def run_kernel(x: np.ndarray, data: np.ndarray, ggml_type: str, int8_activations: bool = False,
+               gemm: bool = False) -> np.ndarray:
     def program(scribe):
         return linalg.matvec_gguf_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
                                          scribe.u8[data.shape].Parameter(parameter_number=1), ggml_type,
-                                         int8_activations=int8_activations)
+                                         int8_activations=int8_activations, gemm=gemm)
 
     (out,) = run_fn(program, x, data)
     return out
@@ -51,6 +52,43 @@ def test_each_gguf_kernel_matches_numpy(ggml_type, lead, n, blocks, seed):
     bound = np.abs(x).astype(np.float64) @ np.abs(w).T         # the size of the sum's terms
     assert out.shape == (*lead, n) and out.dtype == np.float32
     assert (np.abs(out - expected) <= 1e-5 * bound + 1e-30).all()
+
+
+# The exact prefill GEMM (gemm=True): the same check at row counts past its tiles of 12 rows,
+# weight rows past its panels of 32 and k past its chunks of 1024 values.
+@pytest.mark.parametrize("ggml_type", linalg.GGUF_KERNEL_TYPES)
+@settings(max_examples=4, deadline=None)
+@given(lead=st.sampled_from([(1,), (13,), (25,), (2, 7)]), n=st.sampled_from([1, 17, 33, 70]),
+       blocks=st.sampled_from([1, 5]), seed=st.integers(0, 2**32 - 1))
+def test_each_exact_gguf_gemm_kernel_matches_numpy(ggml_type, lead, n, blocks, seed):
+    data = random_gguf_blocks(ggml_type, n, blocks * (8 if LAYOUTS[ggml_type][0] == 32 else 1), seed)
+    w = gguf_dequantized(ggml_type, data).astype(np.float64)
+    x = np.random.default_rng(seed + 1).standard_normal((*lead, w.shape[1])).astype(np.float32)
+    out = run_kernel(x, data, ggml_type, gemm=True)
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).T
+    assert out.shape == (*lead, n) and out.dtype == np.float32
+    assert (np.abs(out - x.astype(np.float64) @ w.T) <= 1e-5 * bound + 1e-30).all()
+
+
+@settings(max_examples=10, deadline=None)
+@given(types=st.lists(st.sampled_from(["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_0", "Q4_1", "Q5_1"]), min_size=1,
+                      max_size=40),
+       lead=st.sampled_from([(1,), (13,)]), seed=st.integers(0, 2**32 - 1))
+def test_the_exact_gemm_of_rows_of_mixed_forms_matches_numpy(types, lead, seed):
+    forms = tuple(sorted(set(types)))
+    data, w = mixed_rows(types, forms, 1280, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((*lead, 1280)).astype(np.float32)
+
+    def program(scribe):
+        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                              scribe.u8[data.shape].Parameter(parameter_number=1), forms,
+                                              gemm=True)
+
+    (out,) = run_fn(program, x, data)
+    w = w.astype(np.float64)
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).T
+    assert out.shape == (*lead, len(types))
+    assert (np.abs(out - x.astype(np.float64) @ w.T) <= 1e-5 * bound + 1e-30).all()
 
 
 @settings(max_examples=15, deadline=None)
@@ -285,9 +323,9 @@ def test_every_form_kept_as_stored_has_an_int8_activation_kernel():
         linalg._gguf_target("matvec_gguf_rows_kernel", True, ("Q4_K", "BF16"))
 
 
-@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("kernel", ["exact", "int8", "gemm"])
 @pytest.mark.parametrize("spoil", ["code", "offset"])
-def test_a_row_naming_no_form_or_lying_past_the_rows_is_a_clear_error(spoil, int8_activations):
+def test_a_row_naming_no_form_or_lying_past_the_rows_is_a_clear_error(spoil, kernel):
     """A code outside ROW_CODES, or an offset whose row would run past the rows' bytes (into
     the offsets, or out of the array), is refused when the kernel runs, never read."""
     data, _ = mixed_rows(["Q4_K", "Q6_K"], ("Q4_K", "Q6_K"), 256, 0)
@@ -302,7 +340,8 @@ def test_a_row_naming_no_form_or_lying_past_the_rows_is_a_clear_error(spoil, int
     def program(scribe):
         return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
                                               scribe.u8[data.shape].Parameter(parameter_number=1),
-                                              ("Q4_K", "Q6_K"), int8_activations=int8_activations)
+                                              ("Q4_K", "Q6_K"), int8_activations=kernel == "int8",
+                                              gemm=kernel == "gemm")
 
     with pytest.raises(Exception, match="names no GGUF form"):
         run_fn(program, x, data)

@@ -177,14 +177,17 @@ def _gguf_target(name: str, int8_activations: bool, ggml_types: tuple[str, ...],
 
 
 def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str,
-                       int8_activations: bool = False) -> HloValue:
+                       int8_activations: bool = False, gemm: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] kept as a GGUF file stores
     it: rows of whole blocks of `ggml_type`, u8 [n, k / values * bytes] (pyhlo.ops.gguf_blocks
     has the layouts). Each block's values are the gguf package's reading of it (a K-quant's
     minimums applied through the sums of x) and the sums are f32; with int8_activations
     (GGUF_X8_KERNEL_TYPES), x is rounded to int8 as llama.cpp rounds it for the form (per 256
     values as its Q8_K, or per 32 as its Q8_0 / Q8_1) and each block's product is an integer
-    sum (the _x8 targets). The kernel must be registered
+    sum (the _x8 targets). gemm (for many activation rows, a prefill; not with int8_activations,
+    which has gemm_gguf_x8_kernel): the same exact product, each thread widening a panel of weight
+    rows to f32 in its cache once for all activation rows (pyhlo_gemm_<type>,
+    runtime/kernels/widened_panels.h). The kernel must be registered
     with the backend (runtime.cpu_kernels.register()) before a program using it is compiled."""
     from pyhlo.ops.gguf_blocks import LAYOUTS
 
@@ -195,7 +198,16 @@ def matvec_gguf_kernel(x: HloValue, data: HloValue, ggml_type: str,
                             f"{data.dtype}{list(data.dims)}")
     suffix = _gguf_target("matvec_gguf_kernel", int8_activations, (ggml_type,))
     shape = x.scribe.f32[(*x.dims[:-1], data.dims[0])]
-    return ffi_call(shape, [x, data], f"pyhlo_matvec_{ggml_type.lower()}{suffix}")
+    return ffi_call(shape, [x, data], f"{_gguf_product('matvec_gguf_kernel', gemm, int8_activations)}_"
+                                      f"{ggml_type.lower()}{suffix}")
+
+
+def _gguf_product(name: str, gemm: bool, int8_activations: bool) -> str:
+    """The target's stem: the exact GEMM or the matrix-vector kernel."""
+    if gemm and int8_activations:
+        raise HloShapeError(f"{name}: gemm=True is the exact product; with int8 activations use "
+                            "gemm_gguf_x8_kernel / gemm_gguf_rows_x8_kernel")
+    return "pyhlo_gemm" if gemm else "pyhlo_matvec"
 
 
 def _gguf_operands_fit(x: HloValue, data: HloValue, ggml_type: str, types: tuple[str, ...]) -> bool:
@@ -248,13 +260,13 @@ def gemm_gguf_rows_x8_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str,
 
 
 def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...],
-                            int8_activations: bool = False) -> HloValue:
+                            int8_activations: bool = False, gemm: bool = False) -> HloValue:
     """x[..., k] (f32) @ w.T -> f32[..., n] by a CPU kernel, w[n, k] in rows of mixed GGUF forms
     (`ggml_types`), laid out by pyhlo.ops.gguf_blocks.pack_mixed_rows: u8 [n, widest row + 5],
     the rows back to back, then their offsets and forms' codes. The kernel checks each row's code
     and offset when it runs. int8_activations as matvec_gguf_kernel's, for rows of
     GGUF_ROWS_X8_KERNEL_TYPES: x is rounded once each way the rows' forms take it (per 256 values,
-    per 32) and each row multiplied as its form is."""
+    per 32) and each row multiplied as its form is. gemm as matvec_gguf_kernel's."""
     from pyhlo.ops.gguf_blocks import mixed_rows_width
 
     k = x.dims[-1] if x.dims else -1
@@ -265,4 +277,5 @@ def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, 
                             f"{data.dtype}{list(data.dims)}")
     suffix = _gguf_target("matvec_gguf_rows_kernel", int8_activations, tuple(ggml_types),
                           GGUF_ROWS_X8_KERNEL_TYPES)
-    return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], "pyhlo_matvec_gguf_rows" + suffix)
+    target = _gguf_product("matvec_gguf_rows_kernel", gemm, int8_activations) + "_gguf_rows" + suffix
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], target)

@@ -22,6 +22,10 @@
 // AVX2, a Q4_K, Q5_K or Q6_K row is multiplied whole by kquants.h's row kernels, unpacked in
 // registers (up to 8 activation rows a pass); the other forms, a piece at a time as above.
 //
+// pyhlo_gemm_<form>, pyhlo_gemm_gguf_rows: the exact product for many activation rows (a
+// prefill), each row's values widened to f32 as the exact form's (a K-quant's minimum added to
+// each value) a panel at a time, once for all activation rows (widened_panels.h).
+//
 // Paths: AVX-512 or AVX2 + FMA where the CPU has them, elsewhere portable forms that
 // compilers vectorize as they can. The K-quants are unpacked with AVX-512 or AVX2
 // (kquants.h), Q5_0 and Q5_1 with AVX2, IQ4's table entries for int8 with vpshufb, the other
@@ -40,6 +44,7 @@
 #include "mixed_rows.h"
 #include "q8_blocks.h"
 #include "row_chunks.h"
+#include "widened_panels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -406,6 +411,33 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
+// The exact GEMM's widening: values k0 .. k0 + kc - 1 (whole blocks) of weight row n as f32, a
+// K-quant's as (d * scale) * (q - centre) + dlow * low, its sums' terms in dot_f32. A row of
+// mixed forms whose code names no form that fits is NaN (and the call an error).
+void widen_row(const Problem& p, int64_t n, int64_t k0, int64_t kc, float* out) {
+  const Form form = p.mixed ? Form(p.rows.code(n)) : p.form;
+  if (p.mixed && !row_fits(p, n, form)) {
+    p.bad_row->store(true, std::memory_order_relaxed);
+    std::fill(out, out + kc, NAN);
+    return;
+  }
+  const Layout layout = kLayouts[form];
+  const uint8_t* row = p.mixed ? p.rows.row(n) : p.w + n * (p.k / layout.values * layout.bytes);
+  for (int64_t b = k0 / layout.values; b < (k0 + kc) / layout.values; ++b) {
+    float* o = out + b * layout.values - k0;
+    if (!is_k_quant(form)) {
+      dequantize(form, row + b * layout.bytes, o);
+      continue;
+    }
+    SuperBlock s;
+    pyhlo_kernels::unpack(k_quant(form), row + b * layout.bytes, &s, false);
+    for (int j = 0; j < 16; ++j) {
+      const float step = s.d * float(s.scale[j]), offset = s.centre ? 0.0f : s.dlow * float(s.low[j]);
+      for (int i = 0; i < 16; ++i) o[16 * j + i] = step * float(int(s.q[16 * j + i]) - s.centre) + offset;
+    }
+  }
+}
+
 ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
   const Layout layout = kLayouts[p.form == kForms ? kQ8_0 : p.form];
   const int64_t row_bytes = p.mixed ? p.rows.body / std::max<int64_t>(1, p.n) : p.k / layout.values * layout.bytes;
@@ -413,9 +445,13 @@ ffi::Error Dispatch(ffi::ThreadPool& pool, const Problem& p) {
                                        [p](int64_t begin, int64_t end) { weight_rows(p, begin, end); }, p.w);
 }
 
+constexpr const char* kBadRow =
+    "pyhlo_matvec_gguf_rows / pyhlo_gemm_gguf_rows: a row's code names no GGUF form whose blocks fit the rows' "
+    "bytes at the row's offset (lay rows out with pyhlo.ops.gguf_blocks.pack_mixed_rows)";
+
 // x, w and y checked and described; `form` kForms: rows of mixed forms. int8_x: the _x8
-// target.
-ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
+// target; gemm: the exact GEMM.
+ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, bool gemm, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
                ffi::Result<ffi::AnyBuffer>& y) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
@@ -447,6 +483,13 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
     per_32 = per_32 && p.k % 32 == 0;
   }
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  std::atomic<bool> bad_row{false};
+  p.bad_row = &bad_row;
+  if (gemm) {
+    pyhlo_kernels::widened_gemm(pool, pyhlo_kernels::WidenedProduct{p.m, p.n, p.k, p.x, p.y},
+                                [&p](int64_t n, int64_t k0, int64_t kc, float* out) { widen_row(p, n, k0, kc, out); });
+    return bad_row.load() ? ffi::Error::InvalidArgument(kBadRow) : ffi::Error::Success();
+  }
   std::vector<int8_t> x_q8, x_q8_nibbles, x_q32;
   std::vector<float> x_q8_scale, x_q8_d32, x_sums, x_q32_d, x_q32_s;
   std::vector<int16_t> x_q8_sums;
@@ -487,19 +530,18 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, bool int8_x, ffi::AnyBuffer& x,
     p.x_q32_d = x_q32_d.data();
     p.x_q32_s = x_q32_s.data();
   }
-  std::atomic<bool> bad_row{false};
-  p.bad_row = &bad_row;
   const ffi::Error done = Dispatch(pool, p);
-  if (bad_row.load())
-    return ffi::Error::InvalidArgument(
-        "pyhlo_matvec_gguf_rows: a row's code names no GGUF form whose blocks fit the rows' bytes at the row's "
-        "offset (lay rows out with pyhlo.ops.gguf_blocks.pack_mixed_rows)");
-  return done;
+  return bad_row.load() ? ffi::Error::InvalidArgument(kBadRow) : done;
 }
 
 template <Form F, bool Int8X>
 ffi::Error MatvecGguf(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
-  return Run(pool, F, Int8X, x, w, y);
+  return Run(pool, F, Int8X, false, x, w, y);
+}
+
+template <Form F>
+ffi::Error GemmGguf(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  return Run(pool, F, false, true, x, w, y);
 }
 
 }  // namespace
@@ -512,6 +554,24 @@ ffi::Error MatvecGguf(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
                                     .Arg<ffi::AnyBuffer>()                                       \
                                     .Ret<ffi::AnyBuffer>())
 
+#define PYHLO_GGUF_GEMM_HANDLER(symbol, form)                                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, GemmGguf<form>,                                          \
+                                ffi::Ffi::Bind()                                                 \
+                                    .Ctx<ffi::ThreadPool>()                                      \
+                                    .Arg<ffi::AnyBuffer>()                                       \
+                                    .Arg<ffi::AnyBuffer>()                                       \
+                                    .Ret<ffi::AnyBuffer>())
+
+PYHLO_GGUF_GEMM_HANDLER(PyhloGemmQ5_0, kQ5_0);
+PYHLO_GGUF_GEMM_HANDLER(PyhloGemmQ5_1, kQ5_1);
+PYHLO_GGUF_GEMM_HANDLER(PyhloGemmQ2_K, kQ2_K);
+PYHLO_GGUF_GEMM_HANDLER(PyhloGemmQ3_K, kQ3_K);
+PYHLO_GGUF_GEMM_HANDLER(PyhloGemmQ4_K, kQ4_K);
+PYHLO_GGUF_GEMM_HANDLER(PyhloGemmQ5_K, kQ5_K);
+PYHLO_GGUF_GEMM_HANDLER(PyhloGemmQ6_K, kQ6_K);
+PYHLO_GGUF_GEMM_HANDLER(PyhloGemmIQ4_NL, kIQ4_NL);
+PYHLO_GGUF_GEMM_HANDLER(PyhloGemmIQ4_XS, kIQ4_XS);
+PYHLO_GGUF_GEMM_HANDLER(PyhloGemmGgufRows, kForms);
 PYHLO_GGUF_HANDLER(PyhloMatvecQ5_0, kQ5_0, false);
 PYHLO_GGUF_HANDLER(PyhloMatvecQ5_1, kQ5_1, false);
 PYHLO_GGUF_HANDLER(PyhloMatvecQ2_K, kQ2_K, false);
