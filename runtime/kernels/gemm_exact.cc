@@ -36,6 +36,32 @@ struct Problem {
 // Block b of row n widened to f32 into out[32].
 void widen_block(const Problem& p, int64_t n, int64_t b, float* out) {
   const float d = half_to_f32(p.scales[n * p.nb + b]);
+#ifdef PYHLO_WIDENED_AVX512
+  // The same products as below, 16 at a time (each exact in f32 but for the one rounding).
+  const __m512 scale = _mm512_set1_ps(d);
+  if (p.form == kQ8_0) {
+    const int8_t* q = static_cast<const int8_t*>(p.w) + n * p.k + b * kBlock;
+    for (int half = 0; half < 2; ++half) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * half));
+      _mm512_storeu_ps(out + 16 * half, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))));
+    }
+    return;
+  }
+  const uint8_t* q = static_cast<const uint8_t*>(p.w) + n * (p.k / 2) + b * (kBlock / 2);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), high = _mm512_srli_epi32(bytes, 4);
+  if (p.form == kQ4_0) {
+    low = _mm512_sub_epi32(low, _mm512_set1_epi32(8));
+    high = _mm512_sub_epi32(high, _mm512_set1_epi32(8));
+    _mm512_storeu_ps(out, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(low)));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(high)));
+    return;
+  }
+  // d * q + m rounded twice, as the scalar form: a fused multiply-add would round once.
+  const __m512 m = _mm512_set1_ps(half_to_f32(p.mins[n * p.nb + b]));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(low)), m));
+  _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(high)), m));
+#else
   if (p.form == kQ8_0) {
     const int8_t* q = static_cast<const int8_t*>(p.w) + n * p.k + b * kBlock;
     for (int j = 0; j < kBlock; ++j) out[j] = d * float(q[j]);
@@ -54,6 +80,7 @@ void widen_block(const Problem& p, int64_t n, int64_t b, float* out) {
     out[j] = d * float(q[j] & 0xF) + m;
     out[j + kBlock / 2] = d * float(q[j] >> 4) + m;
   }
+#endif
 }
 
 // Values k0 .. k0 + kc - 1 of weight row n as f32 into out; k0 is a multiple of 32 and, but for

@@ -93,23 +93,86 @@ void widened_tail(const WidenedProduct& p, const float* panel, int64_t n0, int64
   }
 }
 
-// A thread's buffers: the panel [chunk][32] and one widened row's chunk.
+// A thread's buffers: the panel [chunk][32] and 16 widened rows' chunks [16][chunk].
 struct WidenedPanel {
-  std::vector<float> values, row;
+  std::vector<float> values, rows;
   explicit WidenedPanel(int64_t k)
-      : values(std::min(kWidenedChunk, k) * kWidenedPanelRows), row(std::min(kWidenedChunk, k)) {}
+      : values(std::min(kWidenedChunk, k) * kWidenedPanelRows), rows(std::min(kWidenedChunk, k) * kWidenedLanes) {}
 };
+
+#ifdef PYHLO_WIDENED_AVX512
+// r[i] (16 values of row i) becomes r[j] (value j of the 16 rows): pairs of rows, then fours by
+// 64-bit halves, then 128-bit lanes.
+inline void transpose_16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  const auto low = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  const auto high = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int g = 0; g < 4; ++g) {   // r[4g + c], lane l: rows 4g .. 4g + 3 at value c + 4l
+    r[4 * g] = low(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 1] = high(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 2] = low(t[4 * g + 1], t[4 * g + 3]);
+    r[4 * g + 3] = high(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    t[4 * c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+    t[4 * c + 1] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
+    t[4 * c + 2] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    t[4 * c + 3] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_f32x4(t[4 * c], t[4 * c + 2], 0x88);
+    r[c + 8] = _mm512_shuffle_f32x4(t[4 * c], t[4 * c + 2], 0xdd);
+    r[c + 4] = _mm512_shuffle_f32x4(t[4 * c + 1], t[4 * c + 3], 0x88);
+    r[c + 12] = _mm512_shuffle_f32x4(t[4 * c + 1], t[4 * c + 3], 0xdd);
+  }
+}
+#endif
+
+// Values k0 .. k0 + kc - 1 of weight rows n0 .. n0 + 31 widened into the panel [kc][32], rows
+// past N zeros: 16 rows widened side by side, then turned in registers 16 values at a time.
+template <typename Widen>
+void widen_panel(const WidenedProduct& p, const Widen& widen, WidenedPanel& panel, int64_t n0, int64_t k0,
+                 int64_t kc) {
+  float* values = panel.values.data();
+  for (int h = 0; h < 2; ++h) {
+    float* rows = panel.rows.data();
+    for (int r = 0; r < kWidenedLanes; ++r) {
+      const int64_t n = n0 + h * kWidenedLanes + r;
+      if (n < p.n) {
+        widen(n, k0, kc, rows + r * kc);
+      } else {
+        std::fill(rows + r * kc, rows + (r + 1) * kc, 0.0f);
+      }
+    }
+    int64_t j = 0;
+#ifdef PYHLO_WIDENED_AVX512
+    for (; j + kWidenedLanes <= kc; j += kWidenedLanes) {
+      __m512 v[16];
+      for (int r = 0; r < kWidenedLanes; ++r) v[r] = _mm512_loadu_ps(rows + r * kc + j);
+      transpose_16x16(v);
+      for (int c = 0; c < kWidenedLanes; ++c)
+        _mm512_storeu_ps(values + (j + c) * kWidenedPanelRows + h * kWidenedLanes, v[c]);
+    }
+#endif
+    for (; j < kc; ++j)
+      for (int r = 0; r < kWidenedLanes; ++r) values[j * kWidenedPanelRows + h * kWidenedLanes + r] = rows[r * kc + j];
+  }
+}
 
 template <typename Widen>
 void widened_panel_product(const WidenedProduct& p, const Widen& widen, WidenedPanel& panel, int64_t n0) {
-  float* values = panel.values.data();
+  const float* values = panel.values.data();
   for (int64_t k0 = 0; k0 < p.k; k0 += kWidenedChunk) {
     const int64_t kc = std::min(kWidenedChunk, p.k - k0);
-    for (int r = 0; r < kWidenedPanelRows; ++r) {   // rows past N are zeros
-      const bool real = n0 + r < p.n;
-      if (real) widen(n0 + r, k0, kc, panel.row.data());
-      for (int64_t j = 0; j < kc; ++j) values[j * kWidenedPanelRows + r] = real ? panel.row[j] : 0.0f;
-    }
+    widen_panel(p, widen, panel, n0, k0, kc);
     int64_t m0 = 0;
     for (; m0 + kWidenedTileRows <= p.m; m0 += kWidenedTileRows)
       widened_tile<kWidenedTileRows>(p, values, n0, m0, k0, kc, k0 == 0);
