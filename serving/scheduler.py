@@ -22,7 +22,10 @@ Prefix caching: a free line keeps the keys and values of the tokens its last req
 A new request goes to the free line whose kept tokens share the longest prefix with its
 prompt (the least recently used free line when none does, so the others' prefixes live
 longest), and only the rest of its prompt is computed: a shared system prompt or a chat's
-earlier turns are not prefilled again. Tokens are chosen on the host: greedy, or HF transformers'
+earlier turns are not prefilled again. Where a busy line's written prompt shares at least
+COPY_PREFIX_AT_LEAST more tokens than that (a burst of chats with one template, landing on
+lines that never held it), the free line is first made a copy of that line (Session.copy_line)
+and the shared tokens are not computed either. Tokens are chosen on the host: greedy, or HF transformers'
 temperature / top-k / top-p warpers and a seeded torch generator per request. A request's
 constraint (structured output, serving/structured.py) first sets the logits of the tokens its
 grammar refuses to -inf.
@@ -45,6 +48,11 @@ from decoders.session import choice
 from serving import logprobs
 
 log = logging.getLogger("pyhlo")
+
+# Shared prompt tokens from which a busy line's cache is copied into a new request's line rather
+# than computed again: copying a line costs about what a 16-token chunk does (SmolLM2-135M: a
+# line's caches are 47 MB in f32, a few milliseconds to copy).
+COPY_PREFIX_AT_LEAST = 16
 
 
 @dataclasses.dataclass
@@ -364,12 +372,34 @@ class ContinuousBatcher:
             shared = {i: 0 if request.prompt_logprobs is not None else
                       _common_prefix(self.kept[i], request.prompt[:-1]) for i in free}
             line = max(free, key=lambda i: (shared[i], -self.last_used[i]))
-            request.line, request.written = line, shared[line]
-            request.reused = shared[line]
-            self.prompt_tokens_reused += shared[line]
+            reused = shared[line]
             self.lines[line] = request
             self.kept[line] = []
+            request.line = line
+            source, held = self._busy_line_sharing(request)
+            if held >= reused + COPY_PREFIX_AT_LEAST:
+                try:
+                    self.session.copy_line(source, line)
+                except Exception as error:
+                    self._program_failed([request], error)
+                    continue
+                reused = held
+            request.written = request.reused = reused
+            self.prompt_tokens_reused += reused
         self.waiting.extendleft(reversed(passed))
+
+    def _busy_line_sharing(self, request: Request) -> tuple[int, int]:
+        """The busy line whose written prompt tokens share the longest prefix with request's
+        prompt (all but its last token), and how many they share; (-1, 0) where none can be
+        copied (no whole lines per device, a prompt computed in full for its logprobs)."""
+        if not self.session.row_prefill or request.prompt_logprobs is not None:
+            return -1, 0
+        best = (-1, 0)
+        for line, held in enumerate(self.lines):
+            if held is not None and held is not request:
+                shared = _common_prefix(held.prompt[:held.written], request.prompt[:-1])
+                best = max(best, (line, shared), key=lambda pair: pair[1])
+        return best
 
     def _admit_sharing(self, request: Request, leader: Request, free: list[int]) -> None:
         """request into a free line holding a copy of its leader's, its prompt but the last

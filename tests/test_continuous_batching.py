@@ -402,6 +402,42 @@ def test_a_prompt_sharing_a_cached_prefix_computes_only_the_rest(tiny_llama):
     assert again.reused == len(turn) - 1 and again.tokens == reply.tokens
 
 
+def test_a_prompt_sharing_a_busy_lines_prefix_starts_from_a_copy_of_it(tiny_llama):
+    """A request whose prompt shares a prefix with a busy line's written prompt (and with no free
+    line) starts from a copy of that line: the shared tokens are not computed, its tokens are
+    HF's, and the busy line's own tokens are untouched. A shorter share is computed."""
+    from serving import scheduler
+
+    hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=2))
+    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=256,
+                                             context_length_estimate=[16, 64],
+                                             neuron_config=config).to_neuron()
+    batcher = ContinuousBatcher(model)
+    prefix = np.random.default_rng(2).integers(1, 320, 100).tolist()
+    busy = batcher.submit(prefix + [7, 8, 9], max_new_tokens=20)
+    while busy.written < len(busy.prompt):
+        batcher.step()
+    written = batcher.prompt_tokens_written
+    copied = batcher.submit(prefix + [11, 12], max_new_tokens=12)
+    while batcher.busy:
+        batcher.step()
+    assert copied.line != busy.line and copied.reused == 100
+    assert batcher.prompt_tokens_written == written + 2
+    assert copied.tokens == hf_greedy(hf, prefix + [11, 12], 12)
+    assert busy.tokens == hf_greedy(hf, prefix + [7, 8, 9], 20)
+
+    # Sharing fewer than COPY_PREFIX_AT_LEAST tokens (and none with a free line): computed.
+    short = np.random.default_rng(3).integers(1, 320, scheduler.COPY_PREFIX_AT_LEAST - 1).tolist()
+    first = batcher.submit(short + [30, 31], max_new_tokens=20)
+    while first.written < len(first.prompt):
+        batcher.step()
+    other = batcher.submit(short + [40, 41], max_new_tokens=4)
+    while batcher.busy:
+        batcher.step()
+    assert other.reused == 0 and other.tokens == hf_greedy(hf, short + [40, 41], 4)
+
+
 def test_the_configuration_round_trips_through_a_dict():
     config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=4))
     again = NeuronConfig.from_dict(config.to_dict())
