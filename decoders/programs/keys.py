@@ -63,10 +63,13 @@ class LMHeadAll:
 
 @dataclass(frozen=True)
 class CopyLine:
-    """One layer's caches, one line's keys and values copied into another (continuous batching)."""
+    """Every layer's caches, the keys and values of one line's first `slots` slots copied into
+    another's (continuous batching); None: the whole line."""
+
+    slots: int | None = None
 
     def build(self, builder: ProgramBuilder) -> Program:
-        return builder.copy_line()
+        return builder.copy_line(self.slots)
 
 
 @dataclass(frozen=True)
