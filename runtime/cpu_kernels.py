@@ -43,7 +43,7 @@ MATVEC_BLOCK_TARGETS = {form: f"pyhlo_matvec_{form}" for form in ("q8_0", "q4_0"
 # The same with the activations rounded to int8 per 32 values (NeuronConfig(int8_activations=True)).
 MATVEC_BLOCK_X8_TARGETS = {form: f"pyhlo_matvec_{form}_x8" for form in ("q8_0", "q4_0", "q4_1")}
 # Prefill products of the same forms, exact: each thread widens a panel of weight rows to f32 in
-# its cache (runtime/kernels/gemm_exact.cc).
+# its cache (runtime/kernels/gemm_blocks.cc, widened_panels.h).
 GEMM_BLOCK_TARGETS = {form: f"pyhlo_gemm_{form}" for form in ("q8_0", "q4_0", "q4_1")}
 # The same for int8 weights with one f32 scale per row.
 GEMM_S8_TARGET = "pyhlo_gemm_s8"
@@ -93,7 +93,7 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            MATVEC_GGUF_ROWS_TARGET: "PyhloMatvecGgufRows",
            MATVEC_GGUF_ROWS_X8_TARGET: "PyhloMatvecGgufRowsX8"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
-            for name in ("matvec.cc", "matvec_gguf.cc", "gemm_exact.cc", "gemm_blocks.cc", "gemm_kquants.cc",
+            for name in ("matvec.cc", "matvec_gguf.cc", "gemm_blocks.cc", "gemm_kquants.cc",
                          "decode_attention.cc", "rotary.cc")]
 # Included by the sources: part of what the library's cache name hashes.
 _HEADERS = [pathlib.Path(__file__).with_name("kernels") / name

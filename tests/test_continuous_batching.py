@@ -364,16 +364,20 @@ def test_bad_continuous_batching_input_is_a_clear_error(tiny_llama):
         LlamaForSampling.from_pretrained(path, **SHAPE).session.step_every_line(np.zeros((1, 1)), [0], [0])
 
 
+def two_long_lines(path):
+    """A continuous-batching model of 2 lines of 256 positions, prompts in chunks of 16 and 64."""
+    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=2))
+    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=256,
+                                             context_length_estimate=[16, 64], neuron_config=config)
+    return model.to_neuron()
+
+
 def test_a_prompt_sharing_a_cached_prefix_computes_only_the_rest(tiny_llama):
     """Prefix caching: a second request sharing a 100-token prefix reuses it (counted by the
     batcher), with the tokens HF gives it alone; a chat's next turn reuses the whole first
     exchange; an unrelated request takes the least recently used line."""
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
-    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=2))
-    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=256,
-                                             context_length_estimate=[16, 64],
-                                             neuron_config=config).to_neuron()
-    batcher = ContinuousBatcher(model)
+    batcher = ContinuousBatcher(two_long_lines(path))
     prefix = np.random.default_rng(1).integers(1, 320, 100).tolist()
 
     def run(prompt, new_tokens):
@@ -409,11 +413,7 @@ def test_a_prompt_sharing_a_busy_lines_prefix_starts_from_a_copy_of_it(tiny_llam
     from serving import scheduler
 
     hf, path = tiny_llama("gqa_tied_llama3", "safetensors")
-    config = NeuronConfig(continuous_batching=ContinuousBatchingConfig(batch_size_for_shared_caches=2))
-    model = LlamaForSampling.from_pretrained(path, batch_size=2, n_positions=256,
-                                             context_length_estimate=[16, 64],
-                                             neuron_config=config).to_neuron()
-    batcher = ContinuousBatcher(model)
+    batcher = ContinuousBatcher(two_long_lines(path))
     prefix = np.random.default_rng(2).integers(1, 320, 100).tolist()
     busy = batcher.submit(prefix + [7, 8, 9], max_new_tokens=20)
     while busy.written < len(busy.prompt):

@@ -115,14 +115,24 @@ def test_int8_activation_gemm_kernels_match_numpy(form, lead, n, blocks, seed):
        n=st.sampled_from([1, 15, 17, 33, 67, 100]), blocks=st.sampled_from([1, 2, 5, 9, 33, 70]),
        seed=st.integers(0, 2**32 - 1))
 def test_exact_gemm_kernels_match_numpy(form, lead, n, blocks, seed):
-    k = 32 * blocks
-    weight = random_blocks(form, n, k, seed)
-    x = np.random.default_rng(seed + 1).standard_normal((*lead, k)).astype(np.float32)
+    weight = random_blocks(form, n, 32 * blocks, seed)
+    w = dequantize_blocks(weight).astype(np.float64)
+    x = np.random.default_rng(seed + 1).standard_normal((*lead, w.shape[1])).astype(np.float32)
     out = run_kernel(x, [a for a in weight[1:] if a is not None], exact_gemm=True)
     assert out.shape == (*lead, n) and out.dtype == np.float32
-    w = dequantize_blocks(weight).astype(np.float64)
     bound = np.abs(x).astype(np.float64) @ np.abs(w).T
     assert (np.abs(out - x.astype(np.float64) @ w.T) <= 1e-5 * bound + 1e-30).all()
+
+
+def run_int8_weight_gemm(kernel, x: np.ndarray, w: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """kernel (gemm_s8_x8_kernel or gemm_s8_kernel) on x, int8 w and its scales per row."""
+    def program(scribe):
+        return kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                      scribe.s8[w.shape].Parameter(parameter_number=1),
+                      scribe.f32[scale.shape].Parameter(parameter_number=2))
+
+    (out,) = run_fn(program, x, w, scale)
+    return out
 
 
 # The prefill GEMM of int8 weights with a scale per row (NeuronConfig.quant): numpy on the
@@ -138,13 +148,7 @@ def test_int8_weight_gemm_kernel_matches_numpy(lead, n, blocks, seed):
     scale = (rng.random(n, dtype=np.float32) * 0.02 + 1e-4).astype(np.float32)
     x = rng.standard_normal((*lead, k)).astype(np.float32)
     x[..., :32] *= 100                      # blocks of different scales in one row
-
-    def program(scribe):
-        return linalg.gemm_s8_x8_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
-                                        scribe.s8[w.shape].Parameter(parameter_number=1),
-                                        scribe.f32[n].Parameter(parameter_number=2))
-
-    (out,) = run_fn(program, x, w, scale)
+    out = run_int8_weight_gemm(linalg.gemm_s8_x8_kernel, x, w, scale)
     assert out.shape == (*lead, n) and out.dtype == np.float32
     check_rounded_product(out, x, w.astype(np.float64) * scale.astype(np.float64)[:, None])
 
@@ -159,13 +163,7 @@ def test_exact_int8_weight_gemm_kernel_matches_numpy(lead, n, k, seed):
     w = rng.integers(-127, 128, (n, k), dtype=np.int8)
     scale = (rng.random(n, dtype=np.float32) * 0.02 + 1e-4).astype(np.float32)
     x = rng.standard_normal((*lead, k)).astype(np.float32)
-
-    def program(scribe):
-        return linalg.gemm_s8_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
-                                     scribe.s8[w.shape].Parameter(parameter_number=1),
-                                     scribe.f32[n].Parameter(parameter_number=2))
-
-    (out,) = run_fn(program, x, w, scale)
+    out = run_int8_weight_gemm(linalg.gemm_s8_kernel, x, w, scale)
     assert out.shape == (*lead, n) and out.dtype == np.float32
     widened = w.astype(np.float64) * scale.astype(np.float64)[:, None]
     bound = np.abs(x).astype(np.float64) @ np.abs(widened).T

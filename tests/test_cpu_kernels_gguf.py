@@ -38,6 +38,17 @@ def run_kernel(x: np.ndarray, data: np.ndarray, ggml_type: str, int8_activations
     return out
 
 
+def run_rows_kernel(x: np.ndarray, data: np.ndarray, forms: tuple[str, ...], **options) -> np.ndarray:
+    """matvec_gguf_rows_kernel over rows of mixed forms (options: int8_activations, gemm)."""
+    def program(scribe):
+        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                              scribe.u8[data.shape].Parameter(parameter_number=1), forms,
+                                              **options)
+
+    (out,) = run_fn(program, x, data)
+    return out
+
+
 # n covers the thread chunks and their tails; rows 1-8 and a 2-d lead.
 @pytest.mark.parametrize("ggml_type", linalg.GGUF_KERNEL_TYPES)
 @settings(max_examples=6, deadline=None)
@@ -78,13 +89,7 @@ def test_the_exact_gemm_of_rows_of_mixed_forms_matches_numpy(types, lead, seed):
     forms = tuple(sorted(set(types)))
     data, w = mixed_rows(types, forms, 1280, seed)
     x = np.random.default_rng(seed + 1).standard_normal((*lead, 1280)).astype(np.float32)
-
-    def program(scribe):
-        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
-                                              scribe.u8[data.shape].Parameter(parameter_number=1), forms,
-                                              gemm=True)
-
-    (out,) = run_fn(program, x, data)
+    out = run_rows_kernel(x, data, forms, gemm=True)
     w = w.astype(np.float64)
     bound = np.abs(x).astype(np.float64) @ np.abs(w).T
     assert out.shape == (*lead, len(types))
@@ -99,12 +104,7 @@ def test_the_kernel_of_rows_of_mixed_forms_matches_numpy(types, lead, seed):
     forms = tuple(sorted(set(types)))
     data, w = mixed_rows(types, forms, 512, seed)
     x = np.random.default_rng(seed + 1).standard_normal((*lead, 512)).astype(np.float32)
-
-    def program(scribe):
-        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
-                                              scribe.u8[data.shape].Parameter(parameter_number=1), forms)
-
-    (out,) = run_fn(program, x, data)
+    out = run_rows_kernel(x, data, forms)
     w = w.astype(np.float64)
     bound = np.abs(x).astype(np.float64) @ np.abs(w).T
     assert out.shape == (*lead, len(types))
@@ -185,13 +185,7 @@ def check_int8_activation_product(out: np.ndarray, x: np.ndarray, types: list[st
 
 def run_rows_kernel_x8(x: np.ndarray, data: np.ndarray, forms: tuple[str, ...]) -> np.ndarray:
     """The int8-activation kernel over rows of mixed forms (each row's form in its last byte)."""
-    def program(scribe):
-        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
-                                              scribe.u8[data.shape].Parameter(parameter_number=1), forms,
-                                              int8_activations=True)
-
-    (out,) = run_fn(program, x, data)
-    return out
+    return run_rows_kernel(x, data, forms, int8_activations=True)
 
 
 def test_q8_1_rounding_is_llama_cpps():
@@ -283,13 +277,7 @@ def test_the_int8_activation_kernel_of_rows_of_mixed_forms_matches_numpy(types, 
     forms = tuple(sorted(set(types)))
     data, _ = mixed_rows(types, forms, 512, seed)
     x = np.random.default_rng(seed + 1).standard_normal((*lead, 512)).astype(np.float32)
-
-    def program(scribe):
-        return linalg.matvec_gguf_rows_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
-                                              scribe.u8[data.shape].Parameter(parameter_number=1), forms,
-                                              int8_activations=True)
-
-    (out,) = run_fn(program, x, data)
+    out = run_rows_kernel(x, data, forms, int8_activations=True)
     assert out.shape == (*lead, len(types))
     check_int8_activation_product(out, x, types, data, mixed=True)
 

@@ -93,7 +93,7 @@ def gemm_blocks_kernel(x: HloValue, values: HloValue, scales: HloValue,
     """matvec_blocks_kernel(...) for many activation rows (a prefill): the same operands and the
     same exact product (the weights widened to f32 as the program widens them, x f32), each
     thread widening a panel of weight rows in its cache once for all activation rows
-    (runtime/kernels/gemm_exact.cc). The kernel must be registered with the backend
+    (runtime/kernels/gemm_blocks.cc). The kernel must be registered with the backend
     (runtime.cpu_kernels.register()) before a program using it is compiled."""
     form = _block_form("gemm_blocks_kernel", x, values, scales, mins)
     operands = [x, values, scales] + ([mins] if mins is not None else [])
@@ -104,7 +104,7 @@ def gemm_s8_kernel(x: HloValue, w: HloValue, scale: HloValue) -> HloValue:
     """x[..., k] (f32) @ (w[n, k] * scale[:, None]).T -> f32[..., n] for many activation rows (a
     prefill) of int8 weights with one f32 scale per row (matvec_kernel's s8 operands), exact: each
     thread widens a panel of weight rows to f32 in its cache once for all activation rows
-    (runtime/kernels/gemm_exact.cc). The kernel must be registered with the backend
+    (runtime/kernels/gemm_blocks.cc). The kernel must be registered with the backend
     (runtime.cpu_kernels.register()) before a program using it is compiled."""
     if (x.dtype != "f32" or w.dtype != "s8" or len(w.dims) != 2 or x.dims[-1] != w.dims[1]
             or scale.dtype != "f32" or scale.dims != (w.dims[0],)):

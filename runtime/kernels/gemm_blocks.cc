@@ -5,6 +5,11 @@
 // pyhlo_gemm_s8_x8: the same for int8 weights with one f32 scale per row (pyhlo_matvec_s8's
 // operands: NeuronConfig.quant), packed as Q8_0 blocks whose scales are the row's.
 //
+// pyhlo_gemm_q8_0, _q4_0, _q4_1, _s8 (no _x8): the exact products of the same operands, x kept
+// f32 and the weights widened to f32 as the program's own dequantization widens them (d * (q -
+// 8) for Q4_0, d * q + m for Q4_1, d * q for Q8_0, scale * q for S8) a panel at a time
+// (widened_panels.h); only the order of the sums differs.
+//
 // The matrix-vector kernels read each weight row once and are bound by memory; with a hundred
 // rows of activations the integer products bind instead, so this kernel keeps them in registers
 // the way llamafile's tinyBLAS does: a tile of 32 weight rows by 4 activation rows, each block's
@@ -24,11 +29,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "block_operands.h"
 #include "gemm_panels.h"
 #include "half.h"
+#include "widened_panels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -285,8 +292,60 @@ void round_activations(const float* x, int64_t m, int64_t k, uint8_t* xq, float*
   }
 }
 
-// Rounds x and shares the panels of p (its weights and output set) between the threads.
-void multiply(ffi::ThreadPool& pool, Problem& p, const float* x) {
+// The exact form's widening: block b of row n as f32 into out[32].
+void widen_block(const Problem& p, int64_t n, int64_t b, float* out) {
+  const float d = half_to_f32(p.scales[n * p.nb + b]);
+#ifdef PYHLO_WIDENED_AVX512
+  // The same products as below, 16 at a time.
+  const __m512 scale = _mm512_set1_ps(d);
+  if (p.form == kQ8_0) {
+    const int8_t* q = static_cast<const int8_t*>(p.w) + n * p.k + b * kBlock;
+    for (int half = 0; half < 2; ++half) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * half));
+      _mm512_storeu_ps(out + 16 * half, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))));
+    }
+    return;
+  }
+  const uint8_t* q = static_cast<const uint8_t*>(p.w) + n * (p.k / 2) + b * (kBlock / 2);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), high = _mm512_srli_epi32(bytes, 4);
+  if (p.form == kQ4_0) {
+    low = _mm512_sub_epi32(low, _mm512_set1_epi32(8));
+    high = _mm512_sub_epi32(high, _mm512_set1_epi32(8));
+    _mm512_storeu_ps(out, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(low)));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(high)));
+    return;
+  }
+  const __m512 m = _mm512_set1_ps(half_to_f32(p.mins[n * p.nb + b]));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(low)), m));
+  _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(high)), m));
+#else
+  for (int j = 0; j < kBlock; ++j) {
+    const int8_t v = packed_weight(p, n, b, j);
+    out[j] = p.form == kQ4_1 ? d * float(v) + half_to_f32(p.mins[n * p.nb + b]) : d * float(v);
+  }
+#endif
+}
+
+// Values k0 .. k0 + kc - 1 of weight row n as f32 into out; k0 is a multiple of 32 and, but for
+// S8, so is kc.
+void widen(const Problem& p, int64_t n, int64_t k0, int64_t kc, float* out) {
+  if (p.form == kS8) {
+    const int8_t* q = static_cast<const int8_t*>(p.w) + n * p.k + k0;
+    for (int64_t j = 0; j < kc; ++j) out[j] = p.row_scales[n] * float(q[j]);
+    return;
+  }
+  for (int64_t b = 0; b < kc / kBlock; ++b) widen_block(p, n, k0 / kBlock + b, out + b * kBlock);
+}
+
+// The product of p (its weights and output set): exact, on panels of widened weights; else x
+// rounded and the packed panels shared between the threads.
+void multiply(ffi::ThreadPool& pool, Problem& p, const float* x, bool exact) {
+  if (exact) {
+    pyhlo_kernels::widened_gemm(pool, pyhlo_kernels::WidenedProduct{p.m, p.n, p.k, x, p.y},
+                                [&p](int64_t n, int64_t k0, int64_t kc, float* out) { widen(p, n, k0, kc, out); });
+    return;
+  }
   if (p.m == 0 || p.n == 0) return;
   std::vector<uint8_t> xq(p.m * p.k);
   std::vector<float> xd(p.m * p.nb), xsum(p.m * p.nb);
@@ -299,12 +358,12 @@ void multiply(ffi::ThreadPool& pool, Problem& p, const float* x) {
       [&p](int64_t c, Panel& panel) { panel_product(p, panel, c * kPanelRows); });
 }
 
-ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuffer& w, ffi::AnyBuffer& scales,
-               ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y) {
+ffi::Error Run(ffi::ThreadPool& pool, Form form, bool exact, ffi::AnyBuffer& x, ffi::AnyBuffer& w,
+               ffi::AnyBuffer& scales, ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y) {
   const auto w_dims = w.dimensions();
   const int64_t per_byte = form == kQ8_0 ? 1 : 2;
   if (!pyhlo_kernels::block_operands_fit(form == kQ8_0, x, w, scales, mins, *y))
-    return ffi::Error::InvalidArgument(pyhlo_kernels::block_operands_needed("pyhlo_gemm_q8_0/q4_0/q4_1_x8"));
+    return ffi::Error::InvalidArgument(pyhlo_kernels::block_operands_needed("pyhlo_gemm_q8_0/q4_0/q4_1[_x8]"));
   Problem p{};
   p.form = form;
   p.k = w_dims[1] * per_byte;
@@ -316,22 +375,27 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::AnyBuffer& x, ffi::AnyBuff
   p.mins = mins != nullptr ? static_cast<const uint16_t*>(mins->untyped_data()) : nullptr;
   p.y = static_cast<float*>(y->untyped_data());
   if (y->element_count() != static_cast<size_t>(p.m * p.n))
-    return ffi::Error::InvalidArgument("pyhlo_gemm_q8_0/q4_0/q4_1_x8: y must have x's rows and N columns");
-  multiply(pool, p, static_cast<const float*>(x.untyped_data()));
+    return ffi::Error::InvalidArgument("pyhlo_gemm_q8_0/q4_0/q4_1[_x8]: y must have x's rows and N columns");
+  multiply(pool, p, static_cast<const float*>(x.untyped_data()), exact);
   return ffi::Error::Success();
 }
 
-ffi::Error GemmS8X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
-                    ffi::Result<ffi::AnyBuffer> y) {
+// int8 weights with a scale per row: x f32[..., K], s8 w[N, K], f32 scale[N], y f32 [x's rows,
+// N]; the _x8 form rounds x per 32 values, so K must be a multiple of 32 there.
+template <bool Exact>
+ffi::Error GemmS8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                  ffi::Result<ffi::AnyBuffer> y) {
+  const char* name = Exact ? "pyhlo_gemm_s8" : "pyhlo_gemm_s8_x8";
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const bool fit = x.element_type() == ffi::DataType::F32 && y->element_type() == ffi::DataType::F32 &&
                    w.element_type() == ffi::DataType::S8 && scale.element_type() == ffi::DataType::F32 &&
                    x_dims.size() >= 1 && w_dims.size() == 2 && x_dims[x_dims.size() - 1] == w_dims[1] &&
-                   w_dims[1] % kBlock == 0 && scale.element_count() == static_cast<size_t>(w_dims[0]);
+                   (Exact || w_dims[1] % kBlock == 0) && w_dims[1] > 0 &&
+                   scale.element_count() == static_cast<size_t>(w_dims[0]);
   if (!fit)
-    return ffi::Error::InvalidArgument(
-        "pyhlo_gemm_s8_x8: need f32 x[..., K] (K a multiple of 32), s8 w[N, K] and f32 scale[N]");
+    return ffi::Error::InvalidArgument(std::string(name) + ": need f32 x[..., K]" + (Exact ? "" : " (K a multiple of 32)") +
+                                       ", s8 w[N, K] and f32 scale[N]");
   Problem p{};
   p.form = kS8;
   p.k = w_dims[1];
@@ -342,24 +406,22 @@ ffi::Error GemmS8X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   p.row_scales = static_cast<const float*>(scale.untyped_data());
   p.y = static_cast<float*>(y->untyped_data());
   if (y->element_count() != static_cast<size_t>(p.m * p.n))
-    return ffi::Error::InvalidArgument("pyhlo_gemm_s8_x8: y must have x's rows and N columns");
-  multiply(pool, p, static_cast<const float*>(x.untyped_data()));
+    return ffi::Error::InvalidArgument(std::string(name) + ": y must have x's rows and N columns");
+  multiply(pool, p, static_cast<const float*>(x.untyped_data()), Exact);
   return ffi::Error::Success();
 }
 
-ffi::Error GemmQ8_0X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+// Q8_0 / Q4_0 (x, values, scales) and Q4_1 (with mins), exact or with int8 activations.
+template <Form F, bool Exact>
+ffi::Error GemmBlocks(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
                       ffi::Result<ffi::AnyBuffer> y) {
-  return Run(pool, kQ8_0, x, w, scales, nullptr, y);
+  return Run(pool, F, Exact, x, w, scales, nullptr, y);
 }
 
-ffi::Error GemmQ4_0X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
-                      ffi::Result<ffi::AnyBuffer> y) {
-  return Run(pool, kQ4_0, x, w, scales, nullptr, y);
-}
-
-ffi::Error GemmQ4_1X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
-                      ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y) {
-  return Run(pool, kQ4_1, x, w, scales, &mins, y);
+template <bool Exact>
+ffi::Error GemmQ4_1(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                    ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y) {
+  return Run(pool, kQ4_1, Exact, x, w, scales, &mins, y);
 }
 
 }  // namespace
@@ -367,12 +429,16 @@ ffi::Error GemmQ4_1X8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 #define PYHLO_GEMM_HANDLER(symbol, function, ...)                                             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, function,                                             \
                                 ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() __VA_ARGS__.Ret<ffi::AnyBuffer>())
+#define PYHLO_THREE_ARGS .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
 
-PYHLO_GEMM_HANDLER(PyhloGemmQ8_0X8, GemmQ8_0X8, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
-PYHLO_GEMM_HANDLER(PyhloGemmQ4_0X8, GemmQ4_0X8, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
-PYHLO_GEMM_HANDLER(PyhloGemmS8X8, GemmS8X8, .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
-PYHLO_GEMM_HANDLER(PyhloGemmQ4_1X8, GemmQ4_1X8,
-                   .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>());
+PYHLO_GEMM_HANDLER(PyhloGemmQ8_0X8, (GemmBlocks<kQ8_0, false>), PYHLO_THREE_ARGS);
+PYHLO_GEMM_HANDLER(PyhloGemmQ4_0X8, (GemmBlocks<kQ4_0, false>), PYHLO_THREE_ARGS);
+PYHLO_GEMM_HANDLER(PyhloGemmQ4_1X8, GemmQ4_1<false>, PYHLO_THREE_ARGS.Arg<ffi::AnyBuffer>());
+PYHLO_GEMM_HANDLER(PyhloGemmS8X8, GemmS8<false>, PYHLO_THREE_ARGS);
+PYHLO_GEMM_HANDLER(PyhloGemmQ8_0, (GemmBlocks<kQ8_0, true>), PYHLO_THREE_ARGS);
+PYHLO_GEMM_HANDLER(PyhloGemmQ4_0, (GemmBlocks<kQ4_0, true>), PYHLO_THREE_ARGS);
+PYHLO_GEMM_HANDLER(PyhloGemmQ4_1, GemmQ4_1<true>, PYHLO_THREE_ARGS.Arg<ffi::AnyBuffer>());
+PYHLO_GEMM_HANDLER(PyhloGemmS8, GemmS8<true>, PYHLO_THREE_ARGS);
 
 // Whether this build has the AVX-512 VNNI form (1) or only the portable one (0), which is
 // correct but slower than XLA's dot: the lowering takes the kernel only in the first case.
@@ -383,3 +449,8 @@ extern "C" int PyhloGemmBlocksVnni() {
   return 0;
 #endif
 }
+
+// Whether this build has the exact GEMMs' AVX-512 form (1) or only the portable one (0), which
+// is correct but slower than XLA's dot: the lowering takes the exact GEMMs (here and
+// matvec_gguf.cc's) only in the first case.
+extern "C" int PyhloGemmExactAvx512() { return pyhlo_kernels::widened_gemm_is_fast() ? 1 : 0; }

@@ -1,4 +1,4 @@
-// The exact GEMM over weights widened to f32 a panel at a time (gemm_exact.cc's block forms and
+// The exact GEMM over weights widened to f32 a panel at a time (gemm_blocks.cc's block forms and
 // int8 rows, matvec_gguf.cc's forms kept as the file's bytes): y[m, n] = sum_k x[m, k] * w[n, k]
 // for many rows of f32 activations (a prefill), where widen(n, k0, kc, out) writes values
 // k0 .. k0 + kc - 1 of weight row n as f32.
