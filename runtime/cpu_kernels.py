@@ -67,12 +67,12 @@ MATVEC_GGUF_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}"
 MATVEC_GGUF_X8_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}_x8"
                           for ggml_type in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                                             "IQ4_NL", "IQ4_XS")}
-# A weight whose rows come in several GGUF forms, each row's form in its last byte (_x8: the
-# activations rounded each way its rows' forms take them).
 # Prefill products of the forms kept as the file's bytes (and of mixed rows), exact: each thread
 # widens a panel of weight rows to f32 in its cache (runtime/kernels/widened_panels.h).
 GEMM_GGUF_TARGETS = {ggml_type: f"pyhlo_gemm_{ggml_type.lower()}" for ggml_type in MATVEC_GGUF_TARGETS}
 GEMM_GGUF_ROWS_TARGET = "pyhlo_gemm_gguf_rows"
+# A weight whose rows come in several GGUF forms, each row's form in its last byte (_x8: the
+# activations rounded each way its rows' forms take them).
 MATVEC_GGUF_ROWS_TARGET = "pyhlo_matvec_gguf_rows"
 MATVEC_GGUF_ROWS_X8_TARGET = "pyhlo_matvec_gguf_rows_x8"
 # custom-call target -> the handler symbol the library exports
@@ -199,9 +199,8 @@ def int8_gemm_is_fast() -> bool:
 
 def exact_gemm_is_fast() -> bool:
     """Whether the exact GEMM kernels (GEMM_BLOCK_TARGETS, GEMM_S8_TARGET, GEMM_GGUF_TARGETS,
-    GEMM_GGUF_ROWS_TARGET) run in their AVX-512 form on this
-    machine. Elsewhere they have a portable form, correct but slower than XLA's dot, which the
-    lowering does not take."""
+    GEMM_GGUF_ROWS_TARGET) run in their AVX-512 form on this machine. Elsewhere they have a
+    portable form, correct but slower than XLA's dot, which the lowering does not take."""
     return register() and bool(_loaded[-1].PyhloGemmExactAvx512())
 
 

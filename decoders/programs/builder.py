@@ -249,29 +249,31 @@ class ProgramBuilder:
 
         return self._program(f"lm_head_all_n{n_tokens}{self._rows_suffix(rows)}", specs, ["logits"], body)
 
-    def copy_line(self, slots: int | None = None) -> Program:
-        """Every layer's caches with the first `slots` slots (None: all) of line `source`'s keys
-        and values copied into line `target`, in place, in one program: choices of one prompt,
-        or prompts sharing a prefix, share its computed keys and values. Parameters of layer i
-        are named `layer{i}.cache_k` / `.cache_v`."""
-        per_layer = [self.cache_spec("cache_k"), self.cache_spec("cache_v")]
-        names = [layer_prefix(i) + s.name for i in range(self.decoder.n_layers) for s in per_layer]
+    def copy_line(self, slots: int) -> Program:
+        """Every layer's caches with `slots` slots of line `source`'s keys and values from slot
+        `offset` copied into line `target`, in place, in one program: choices of one prompt, or
+        prompts sharing a prefix, share its computed keys and values. Parameters of layer i are
+        named `layer{i}.cache_k` / `.cache_v`. A window past the caches' end is moved back to
+        end there (XLA clamps both slices alike): it copies slots the source holds to the same
+        slots of the target."""
         specs = [ParamSpec(layer_prefix(i) + s.name, s.dtype, s.dims)
-                 for i in range(self.decoder.n_layers) for s in per_layer]
-        specs += [ParamSpec("source", "s32", ()), ParamSpec("target", "s32", ())]
-        width = per_layer[0].dims[2] if slots is None else min(slots, per_layer[0].dims[2])
+                 for i in range(self.decoder.n_layers)
+                 for s in (self.cache_spec("cache_k"), self.cache_spec("cache_v"))]
+        names = [s.name for s in specs]
+        specs += [ParamSpec(name, "s32", ()) for name in ("source", "target", "offset")]
 
         def body(p):
             out = {}
             for name in names:
                 cache = p[name]
-                zero = [0] * (len(cache.dims) - 1)
-                line = dynamic_slice(cache, [p["source"], *zero], [1, cache.dims[1], width, *cache.dims[3:]])
-                out[name] = dynamic_update_slice(cache, line, [p["target"], *zero])
+                start = [p["offset"] if axis == 2 else 0 for axis in range(1, len(cache.dims))]
+                width = [cache.dims[1], min(slots, cache.dims[2]), *cache.dims[3:]]
+                line = dynamic_slice(cache, [p["source"], *start], [1, *width])
+                out[name] = dynamic_update_slice(cache, line, [p["target"], *start])
                 out[name].set_alias_to(cache, must=True)
             return out
 
-        return self._program("copy_line" + ("" if slots is None else f"_s{width}"), specs, names, body)
+        return self._program(f"copy_line_s{slots}", specs, names, body)
 
     def model_step(self, n_tokens: int, n_attend: int, rows: int | None = None) -> Program:
         """The whole model unrolled into one program: token ids -> logits and each line's most

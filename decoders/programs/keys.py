@@ -63,10 +63,10 @@ class LMHeadAll:
 
 @dataclass(frozen=True)
 class CopyLine:
-    """Every layer's caches, the keys and values of one line's first `slots` slots copied into
-    another's (continuous batching); None: the whole line."""
+    """Every layer's caches, the keys and values of `slots` slots of one line from a given slot
+    copied into another's (continuous batching)."""
 
-    slots: int | None = None
+    slots: int
 
     def build(self, builder: ProgramBuilder) -> Program:
         return builder.copy_line(self.slots)

@@ -146,8 +146,7 @@ class Session:
         for rows in self.decode_rows():
             keys += self._decode_programs(rows)
         if self.row_prefill:
-            # Copies of a line's first slots (prompts sharing a prefix), by context bucket.
-            keys += [CopyLine(c) for c in self.context_buckets] + [CopyLine()]
+            keys.append(CopyLine(self.context_buckets[0]))   # copy_line()'s window
         if self.speculation_length is not None:
             n = self.speculation_length + 1
             keys += [Embed(n), LMHeadAll(n)] + [Block(n, s) for s in self.token_buckets]
@@ -560,28 +559,25 @@ class Session:
 
     def copy_line(self, source: int, target: int, slots: int | None = None) -> None:
         """Continuous batching: line `target`'s cache made a copy of line `source`'s, every
-        layer, in one program (a prompt's keys and values computed once for several choices,
-        or for prompts sharing a prefix): its first `slots` slots, rounded up to a context
-        bucket (None: the whole line). Needs whole lines on each device (row_prefill)."""
+        layer, its first `slots` slots (None: the whole line): a prompt's keys and values
+        computed once for several choices, or for prompts sharing a prefix. One program copies
+        a window of the narrowest context bucket's slots; it runs once a window. Needs whole
+        lines on each device (row_prefill)."""
         if not self.row_prefill:
             raise ValueError("copy_line() needs a continuous-batching model whose lines are whole on each "
                              "device")
         if not (0 <= source < self.batch_size and 0 <= target < self.batch_size):
             raise ValueError(f"copy_line: lines in 0..{self.batch_size - 1}; got {source}, {target}")
-        program = self.programs.get(CopyLine(self._copied_slots(slots)))
+        window = self.context_buckets[0]
+        program = self.programs.get(CopyLine(window))
         cache = self.kv_cache
-        values = {"source": np.int32(source), "target": np.int32(target)}
-        for layer, (k, v) in enumerate(self._prefixed_cache_names):
-            values[k], values[v] = cache.keys[layer], cache.values[layer]
-        outputs = program.run(values)
-        for layer, (k, v) in enumerate(self._prefixed_cache_names):
-            cache.keys[layer], cache.values[layer] = outputs[k], outputs[v]
-
-    def _copied_slots(self, slots: int | None) -> int | None:
-        """The CopyLine width for `slots` slots: the smallest context bucket that holds them, else
-        the whole line (None)."""
-        fitting = [c for c in self.context_buckets if slots is not None and c >= slots]
-        return min(fitting) if fitting else None
+        for offset in range(0, cache.dims[2] if slots is None else slots, window):
+            values = {"source": np.int32(source), "target": np.int32(target), "offset": np.int32(offset)}
+            for layer, (k, v) in enumerate(self._prefixed_cache_names):
+                values[k], values[v] = cache.keys[layer], cache.values[layer]
+            outputs = program.run(values)
+            for layer, (k, v) in enumerate(self._prefixed_cache_names):
+                cache.keys[layer], cache.values[layer] = outputs[k], outputs[v]
 
     def decode_lines(self, token_ids: np.ndarray, lines: np.ndarray, slots: np.ndarray) -> Any:
         """Continuous batching, the active lines' decode step: one token each for k lines,

@@ -546,21 +546,16 @@ ffi::Error GemmGguf(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 
 }  // namespace
 
-#define PYHLO_GGUF_HANDLER(symbol, form, int8_x)                                                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, (MatvecGguf<form, int8_x>),                              \
+// Every target here takes (x, w) and returns y.
+#define PYHLO_GGUF_BIND(symbol, function)                                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, function,                                                \
                                 ffi::Ffi::Bind()                                                 \
                                     .Ctx<ffi::ThreadPool>()                                      \
                                     .Arg<ffi::AnyBuffer>()                                       \
                                     .Arg<ffi::AnyBuffer>()                                       \
                                     .Ret<ffi::AnyBuffer>())
-
-#define PYHLO_GGUF_GEMM_HANDLER(symbol, form)                                                   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, GemmGguf<form>,                                          \
-                                ffi::Ffi::Bind()                                                 \
-                                    .Ctx<ffi::ThreadPool>()                                      \
-                                    .Arg<ffi::AnyBuffer>()                                       \
-                                    .Arg<ffi::AnyBuffer>()                                       \
-                                    .Ret<ffi::AnyBuffer>())
+#define PYHLO_GGUF_HANDLER(symbol, form, int8_x) PYHLO_GGUF_BIND(symbol, (MatvecGguf<form, int8_x>))
+#define PYHLO_GGUF_GEMM_HANDLER(symbol, form) PYHLO_GGUF_BIND(symbol, GemmGguf<form>)
 
 PYHLO_GGUF_GEMM_HANDLER(PyhloGemmQ5_0, kQ5_0);
 PYHLO_GGUF_GEMM_HANDLER(PyhloGemmQ5_1, kQ5_1);
