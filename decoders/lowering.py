@@ -239,11 +239,13 @@ class CpuKernelLowering(XlaLowering):
     kernel_rows: tuple[tuple[str, tuple[int, int]], ...] = tuple(DEFAULT_KERNEL_ROWS.items())
     # With int8_activations: products of Q8_0 / Q4_0 / Q4_1 block weights past the kernel rows
     # (prefill) take the tiled int8 GEMM kernel instead of weights widened to f32 in the
-    # program, and K-quant products of K_QUANT_GEMM_FIRST_ROWS or more rows theirs instead of
-    # the matrix-vector kernel. True where the kernels have their fast form
-    # (runtime.cpu_kernels.int8_gemm_is_fast()). The same for int8 weights (`quant`) with k a
-    # multiple of 32 (the rounding's blocks).
+    # program. True where the kernels have a fast form (runtime.cpu_kernels.int8_gemm_is_fast()).
+    # The same for int8 weights (`quant`) with k a multiple of 32 (the rounding's blocks).
     int8_gemm: bool = False
+    # With int8 activations: K-quant products of K_QUANT_GEMM_FIRST_ROWS or more rows take their
+    # int8 GEMM instead of the matrix-vector kernel. True where it has its fast form
+    # (runtime.cpu_kernels.k_quant_int8_gemm_is_fast()).
+    k_quant_int8_gemm: bool = False
     # Products of GGUF block weights (every form the kernels take, rows of mixed forms too) and
     # of int8 weights (`quant`) past the kernel rows (prefill) without int8 activations in an
     # f32 model take the exact GEMM kernels (each thread widens a panel of weight rows in its
@@ -304,7 +306,8 @@ class CpuKernelLowering(XlaLowering):
         exact = self.exact_gemm and self.dtype == "f32" and not self.int8_activations
         if quant is not None:
             form = block_form(quant)
-            if rounded and has_k_quant_gemm(quant) and rows_in >= K_QUANT_GEMM_FIRST_ROWS:
+            if (self.int8_activations and self.k_quant_int8_gemm and has_k_quant_gemm(quant)
+                    and rows_in >= K_QUANT_GEMM_FIRST_ROWS):
                 return k_quant_gemm(ew.convert(x, "f32"), weight, quant)
             if rows_in <= last:
                 return None

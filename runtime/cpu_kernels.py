@@ -190,18 +190,26 @@ def register() -> bool:
 
 
 def int8_gemm_is_fast() -> bool:
-    """Whether the int8 GEMM kernels (GEMM_BLOCK_X8_TARGETS, GEMM_S8_X8_TARGET,
-    GEMM_GGUF_X8_TARGETS) run in their AVX-512 VNNI form on this machine. Elsewhere they have a
-    portable form, correct but slower than XLA's dot or the matrix-vector kernel, which the
-    lowering does not take."""
+    """Whether the int8 GEMM kernels of the block forms and int8 rows (GEMM_BLOCK_X8_TARGETS,
+    GEMM_S8_X8_TARGET) run in a vector form on this machine: AVX-512 VNNI, or AVX2's
+    vpmaddubsw. Elsewhere they have a portable form, correct but slower than XLA's dot, which
+    the lowering does not take."""
+    return register() and bool(_loaded[-1].PyhloGemmBlocksFast())
+
+
+def k_quant_int8_gemm_is_fast() -> bool:
+    """Whether the K-quants' int8 GEMM kernels (GEMM_GGUF_X8_TARGETS) run in their AVX-512 VNNI
+    form on this machine. Elsewhere (AVX2 included) they have a portable form, slower than the
+    matrix-vector kernel, which the lowering takes instead."""
     return register() and bool(_loaded[-1].PyhloGemmBlocksVnni())
 
 
 def exact_gemm_is_fast() -> bool:
     """Whether the exact GEMM kernels (GEMM_BLOCK_TARGETS, GEMM_S8_TARGET, GEMM_GGUF_TARGETS,
-    GEMM_GGUF_ROWS_TARGET) run in their AVX-512 form on this machine. Elsewhere they have a
-    portable form, correct but slower than XLA's dot, which the lowering does not take."""
-    return register() and bool(_loaded[-1].PyhloGemmExactAvx512())
+    GEMM_GGUF_ROWS_TARGET) run in a vector form (AVX-512, or AVX2 with FMA) on this machine.
+    Elsewhere they have a portable form, correct but slower than XLA's dot, which the lowering
+    does not take."""
+    return register() and bool(_loaded[-1].PyhloGemmExactFast())
 
 
 def referenced_by(data: bytes) -> bool:

@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3)
     args = parser.parse_args()
     assert cpu_kernels.register(), "the CPU kernels did not build"
-    if not cpu_kernels.int8_gemm_is_fast():
+    if not cpu_kernels.k_quant_int8_gemm_is_fast():
         print("this CPU lacks AVX-512 VNNI: the GEMM runs its portable form", flush=True)
     print(f"{'type':6} {'rows':>4} {'n x k':>11} " + " ".join(f"{way + ' ms':>10} {'G/s':>6}" for way in WAYS)
           + f" {'speedup':>7}")

@@ -369,17 +369,17 @@ def test_a_prompt_on_the_k_quant_int8_gemm_answers_as_on_the_matvec_kernel(kquan
     from decoders.programs.keys import Block
     from runtime import cpu_kernels
 
-    if not cpu_kernels.int8_gemm_is_fast():
-        pytest.skip("the int8 GEMM needs AVX-512 VNNI, which this CPU lacks")
+    if not cpu_kernels.k_quant_int8_gemm_is_fast():
+        pytest.skip("the K-quants' int8 GEMM needs AVX-512 VNNI, which this CPU lacks")
     path = kquant_file("k_quants_q5_0", k_quants_and_q5_0)
     gemm = int8_model(path)
     prefill = {i.custom_call_target for c in gemm.programs.build(Block(64, 128)).module.computations
                for i in c.instructions}
     assert {"pyhlo_gemm_q4_k_x8", "pyhlo_gemm_q5_k_x8", "pyhlo_gemm_gguf_rows_x8"} <= prefill
     assert not {"pyhlo_matvec_q4_k_x8", "pyhlo_matvec_q5_k_x8", "pyhlo_matvec_gguf_rows_x8"} & prefill
-    monkeypatch.setattr(cpu_kernels, "int8_gemm_is_fast", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "k_quant_int8_gemm_is_fast", lambda: False)
     matvec = int8_model(path)
-    assert not matvec.lowering.int8_gemm
+    assert not matvec.lowering.k_quant_int8_gemm
     prompt = np.arange(5, 30)[None]
     tokens, logits = gemm.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
     expected, expected_logits = matvec.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[],

@@ -40,6 +40,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define PYHLO_GEMM_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PYHLO_GEMM_AVX2 1
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -52,7 +55,13 @@ enum Form { kQ8_0, kQ4_0, kQ4_1, kS8 };
 constexpr int64_t kBlock = 32;
 constexpr int kLanes = 16;               // int32 lanes of a vector: weight rows side by side
 constexpr int kPanelRows = 2 * kLanes;   // weight rows of a panel (two vectors)
+#if defined(PYHLO_GEMM_AVX2) && defined(PYHLO_AVX2_TILE_ROWS)
+constexpr int kTileRows = PYHLO_AVX2_TILE_ROWS;
+#elif defined(PYHLO_GEMM_AVX2)
+constexpr int kTileRows = 2;             // activation rows of a tile (AVX2: 16 vector registers)
+#else
 constexpr int kTileRows = 4;             // activation rows of a tile
+#endif
 constexpr int kQuads = kBlock / 4;       // groups of 4 values in a block
 
 using pyhlo_kernels::half_to_f32;
@@ -158,6 +167,35 @@ void pack(const Problem& p, int64_t n0, Panel& panel) {
                           _mm512_sub_epi32(_mm512_setzero_si512(), sum));
     }
   }
+#elif defined(PYHLO_GEMM_AVX2)
+  // 8 rows at a time, their blocks transposed in registers as above (8 groups of 4 values of
+  // 8 rows); x enters signed (tile() below), so the sums need no bias.
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const int64_t stride = bytes_per_value(p.form) ? p.k : p.k / 2;
+  std::fill(panel.bias.begin(), panel.bias.end(), 0);
+  for (int group = 0; group < kPanelRows / 8; ++group) {
+    const int64_t first = n0 + group * 8;
+    const int64_t real = std::clamp<int64_t>(p.n - first, 0, 8);
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i v[8];
+      for (int r = 0; r < 8; ++r) {
+        const char* row = static_cast<const char*>(p.w) + (first + r) * stride;
+        if (r >= real) {
+          v[r] = _mm256_setzero_si256();
+        } else if (bytes_per_value(p.form)) {
+          v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
+        } else {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * (kBlock / 2)));
+          v[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
+          if (p.form == kQ4_0) v[r] = _mm256_sub_epi8(v[r], _mm256_set1_epi8(8));
+        }
+      }
+      pyhlo_kernels::transpose_8x8_epi32(v);
+      int8_t* out = panel.values.data() + b * kQuads * kPanelRows * 4 + group * 8 * 4;
+      for (int quad = 0; quad < kQuads; ++quad)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + quad * kPanelRows * 4), v[quad]);
+    }
+  }
 #else
   for (int64_t b = 0; b < nb; ++b)
     for (int r = 0; r < kPanelRows; ++r) {
@@ -218,6 +256,90 @@ void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
   }
   pyhlo_kernels::store_tile<R>(p.y, p.n, n0, m0, acc);
 }
+#elif defined(PYHLO_GEMM_AVX2)
+// AVX2 has no vpdpbusd: vpmaddubsw multiplies unsigned by signed bytes into pairs summed in
+// saturating int16, and vpmaddwd against ones widens them to int32. A pair of x + 128 and a
+// byte weight could pass int16's range, so x enters signed and the unsigned operand is |w|,
+// with x given w's sign (vpsignb): a pair stays within 2 * 128 * 127. The nibble forms' weights
+// (|w| <= 15) let a block's 8 groups add up in int16 (8 * 2 * 15 * 127 fits), widened once.
+// A pass covers kPassVectors of the panel's 4 vectors of 8 rows, R activation rows.
+constexpr int kPassVectors = 2;
+
+template <int R, bool ByteWeights>
+void tile_pass(const Problem& p, const Panel& panel, int64_t n0, int64_t m0, int v0) {
+  constexpr int V = kPassVectors;
+  const int64_t nb = p.nb, k = p.k;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[V][R];
+  #pragma GCC unroll 16
+  for (int v = 0; v < V; ++v)
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[v][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* wb = panel.values.data() + b * kQuads * kPanelRows * 4 + v0 * 32;
+    __m256i sum[V][R];
+    #pragma GCC unroll 16
+    for (int v = 0; v < V; ++v)
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) sum[v][r] = _mm256_setzero_si256();
+    for (int quad = 0; quad < kQuads; ++quad) {
+      __m256i w[V], magnitude[V];
+      #pragma GCC unroll 16
+      for (int v = 0; v < V; ++v) {
+        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quad * kPanelRows * 4 + v * 32));
+        magnitude[v] = _mm256_abs_epi8(w[v]);
+      }
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, p.xq + (m0 + r) * k + b * kBlock + quad * 4, sizeof(four));
+        const __m256i x = _mm256_set1_epi32(four ^ int32_t(0x80808080u));   // q + 128 -> q
+        #pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) {
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude[v], _mm256_sign_epi8(x, w[v]));
+          sum[v][r] = ByteWeights ? _mm256_add_epi32(sum[v][r], _mm256_madd_epi16(pairs, ones))
+                                  : _mm256_add_epi16(sum[v][r], pairs);
+        }
+      }
+    }
+    #pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) {
+      const __m256 d = _mm256_loadu_ps(panel.d.data() + b * kPanelRows + (v0 + v) * 8);
+      const __m256 min = _mm256_loadu_ps(panel.min.data() + b * kPanelRows + (v0 + v) * 8);
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m256i total = ByteWeights ? sum[v][r] : _mm256_madd_epi16(sum[v][r], ones);
+        const __m256 dx = _mm256_set1_ps(p.xd[(m0 + r) * nb + b]);
+        acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[v][r]);
+        if (p.form == kQ4_1) acc[v][r] = _mm256_fmadd_ps(min, _mm256_set1_ps(p.xsum[(m0 + r) * nb + b]), acc[v][r]);
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int v = 0; v < V; ++v) {
+    const int64_t first = n0 + (v0 + v) * 8;
+    const int64_t real = std::clamp<int64_t>(p.n - first, 0, 8);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      float* out = p.y + (m0 + r) * p.n + first;
+      if (real == 8) {
+        _mm256_storeu_ps(out, acc[v][r]);
+      } else if (real > 0) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[v][r]);
+        std::memcpy(out, lanes, real * sizeof(float));
+      }
+    }
+  }
+}
+
+template <int R>
+void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
+  for (int v0 = 0; v0 < kPanelRows / 8 && n0 + v0 * 8 < p.n; v0 += kPassVectors) {
+    if (bytes_per_value(p.form)) tile_pass<R, true>(p, panel, n0, m0, v0);
+    else tile_pass<R, false>(p, panel, n0, m0, v0);
+  }
+}
 #else
 template <int R>
 void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
@@ -276,6 +398,34 @@ void round_activations(const float* x, int64_t m, int64_t k, uint8_t* xq, float*
     const __m512i shift = _mm512_set1_epi32(128);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(_mm512_add_epi32(qa, shift)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(qc, shift)));
+#elif defined(PYHLO_GEMM_AVX2)
+    __m256 v[4];
+    __m256 amax8 = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+    amax4 = _mm_max_ss(amax4, _mm_movehdup_ps(amax4));
+    const float amax = _mm_cvtss_f32(amax4);
+    const float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
+    __m256i q[4], total8 = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {   // |x * inverse| <= 127 up to rounding: the clamp of the portable form
+      q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)));
+      q[i] = _mm256_min_epi32(_mm256_set1_epi32(127), _mm256_max_epi32(_mm256_set1_epi32(-127), q[i]));
+      total8 = _mm256_add_epi32(total8, q[i]);
+    }
+    // Packing works within 128-bit lanes: the permute puts the 8 groups of 4 back in order.
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_xor_si256(bytes, _mm256_set1_epi8(char(0x80))));
+    __m128i total4 = _mm_add_epi32(_mm256_castsi256_si128(total8), _mm256_extracti128_si256(total8, 1));
+    total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, 0x4E));
+    total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, 0xB1));
+    const int32_t total = _mm_cvtsi128_si32(total4);
 #else
     float amax = 0;
     for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
@@ -319,6 +469,27 @@ void widen_block(const Problem& p, int64_t n, int64_t b, float* out) {
   const __m512 m = _mm512_set1_ps(half_to_f32(p.mins[n * p.nb + b]));
   _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(low)), m));
   _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(high)), m));
+#elif defined(PYHLO_WIDENED_AVX2)
+  // The same products, 8 at a time.
+  const __m256 scale = _mm256_set1_ps(d);
+  if (p.form == kQ8_0) {
+    const int8_t* q = static_cast<const int8_t*>(p.w) + n * p.k + b * kBlock;
+    for (int e = 0; e < 4; ++e) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * e));
+      _mm256_storeu_ps(out + 8 * e, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
+    }
+    return;
+  }
+  const uint8_t* q = static_cast<const uint8_t*>(p.w) + n * (p.k / 2) + b * (kBlock / 2);
+  const __m256 m = _mm256_set1_ps(p.form == kQ4_1 ? half_to_f32(p.mins[n * p.nb + b]) : 0.0f);
+  const __m256i centre = _mm256_set1_epi32(p.form == kQ4_0 ? 8 : 0), nibble = _mm256_set1_epi32(0xF);
+  for (int e = 0; e < 2; ++e) {   // bytes 8e .. 8e + 7: values 8e .. 8e + 7 (low), 16 + 8e .. (high)
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * e)));
+    const __m256i low = _mm256_sub_epi32(_mm256_and_si256(bytes, nibble), centre);
+    const __m256i high = _mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), centre);
+    _mm256_storeu_ps(out + 8 * e, _mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(low)), m));
+    _mm256_storeu_ps(out + 16 + 8 * e, _mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(high)), m));
+  }
 #else
   for (int j = 0; j < kBlock; ++j) {
     const int8_t v = packed_weight(p, n, b, j);
@@ -440,8 +611,8 @@ PYHLO_GEMM_HANDLER(PyhloGemmQ4_0, (GemmBlocks<kQ4_0, true>), PYHLO_THREE_ARGS);
 PYHLO_GEMM_HANDLER(PyhloGemmQ4_1, GemmQ4_1<true>, PYHLO_THREE_ARGS.Arg<ffi::AnyBuffer>());
 PYHLO_GEMM_HANDLER(PyhloGemmS8, GemmS8<true>, PYHLO_THREE_ARGS);
 
-// Whether this build has the AVX-512 VNNI form (1) or only the portable one (0), which is
-// correct but slower than XLA's dot: the lowering takes the kernel only in the first case.
+// Whether this build has the AVX-512 VNNI form (1) or not (0). The K-quants' int8 GEMM
+// (gemm_kquants.cc) has no other fast form: the lowering takes it only in the first case.
 extern "C" int PyhloGemmBlocksVnni() {
 #ifdef PYHLO_GEMM_VNNI
   return 1;
@@ -450,7 +621,18 @@ extern "C" int PyhloGemmBlocksVnni() {
 #endif
 }
 
-// Whether this build has the exact GEMMs' AVX-512 form (1) or only the portable one (0), which
-// is correct but slower than XLA's dot: the lowering takes the exact GEMMs (here and
-// matvec_gguf.cc's) only in the first case.
-extern "C" int PyhloGemmExactAvx512() { return pyhlo_kernels::widened_gemm_is_fast() ? 1 : 0; }
+// Whether this build's int8 GEMMs here have a vector form, VNNI or AVX2 (1), or only the
+// portable one (0), which is correct but slower than XLA's dot: the lowering takes them only
+// in the first case.
+extern "C" int PyhloGemmBlocksFast() {
+#if defined(PYHLO_GEMM_VNNI) || defined(PYHLO_GEMM_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Whether this build has the exact GEMMs' vector form, AVX-512 or AVX2 (1), or only the
+// portable one (0), which is correct but slower than XLA's dot: the lowering takes the exact
+// GEMMs (here and matvec_gguf.cc's) only in the first case.
+extern "C" int PyhloGemmExactFast() { return pyhlo_kernels::widened_gemm_is_fast() ? 1 : 0; }

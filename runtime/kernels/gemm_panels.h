@@ -1,6 +1,6 @@
 // What the GEMM kernels (gemm_blocks.cc, gemm_kquants.cc) share: the split of a product into
-// panels of weight rows between the caller and XLA's intra-op thread pool, and the transpose
-// that packs 16 weight rows side by side for vpdpbusd.
+// panels of weight rows between the caller and XLA's intra-op thread pool, and the transposes
+// that pack weight rows side by side (16 for vpdpbusd, 8 for AVX2's vpmaddubsw).
 #pragma once
 
 #include <algorithm>
@@ -53,6 +53,29 @@ void share_panels(xla::ffi::ThreadPool& pool, int64_t panels, Make make, Run run
 #endif
   }
 }
+
+#if defined(__AVX2__)
+// Eight rows of 8 32-bit values transposed in place: afterwards v[q] holds value q of every
+// row (row r in lane r).
+inline void transpose_8x8_epi32(__m256i v[8]) {
+  __m256i pairs[8], quads[8];
+  for (int i = 0; i < 4; ++i) {
+    pairs[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);       // values 0 1 | 4 5 of rows 2i, 2i+1
+    pairs[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);   // values 2 3 | 6 7
+  }
+  for (int half = 0; half < 2; ++half) {   // rows 0-3, then rows 4-7
+    const __m256i* t = pairs + 4 * half;
+    quads[4 * half + 0] = _mm256_unpacklo_epi64(t[0], t[2]);   // value 0 | 4 of four rows
+    quads[4 * half + 1] = _mm256_unpackhi_epi64(t[0], t[2]);   // value 1 | 5
+    quads[4 * half + 2] = _mm256_unpacklo_epi64(t[1], t[3]);   // value 2 | 6
+    quads[4 * half + 3] = _mm256_unpackhi_epi64(t[1], t[3]);   // value 3 | 7
+  }
+  for (int q = 0; q < 4; ++q) {
+    v[q] = _mm256_permute2x128_si256(quads[q], quads[4 + q], 0x20);
+    v[q + 4] = _mm256_permute2x128_si256(quads[q], quads[4 + q], 0x31);
+  }
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // The 16 bytes at `at` of 16 rows as 4 vectors, vector q holding bytes 4q..4q+3 of every row
