@@ -526,18 +526,19 @@ void row_s8(const Problem& p, const int8_t* w, int64_t n, int64_t m0) {
 
 // GGUF blocks: 32 values widened to two vectors of 16 f32, multiplied by x, the partial
 // sum scaled by the block's d; two accumulators (even and odd blocks) keep the chains short.
+// They stay in registers: blocks go in pairs rather than by a run-time index into the two
+// (which kept them in memory, a store and a load on every block's chain).
 template <int G>
 void row_blocks(const Problem& p, int64_t n, int64_t m0) {
   const int64_t k = p.k, nb = k / kBlock;
   const uint16_t* scales = p.block_scale + n * nb;
-  __m512 acc[2][G];
-  for (int u = 0; u < 2; ++u)
-    for (int g = 0; g < G; ++g) acc[u][g] = _mm512_setzero_ps();
+  __m512 even[G], odd[G];
+  #pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm512_setzero_ps();
   const __m512i low_nibble = _mm512_set1_epi32(0xF);
   const char* stream = static_cast<const char*>(p.w) + n * (p.form == kQ8_0 ? k : k / 2);
   const int64_t per_block = p.form == kQ8_0 ? kBlock : kBlock / 2;
-  for (int64_t b = 0; b < nb; ++b) {
-    if ((b & 1) == 0) _mm_prefetch(stream + b * per_block + kPrefetchAhead, _MM_HINT_T0);
+  auto step = [&](int64_t b, __m512 (&acc)[G]) {
     __m512 lo, hi;
     if (p.form == kQ8_0) {
       const int8_t* q = static_cast<const int8_t*>(p.w) + n * k + b * kBlock;
@@ -550,14 +551,26 @@ void row_blocks(const Problem& p, int64_t n, int64_t m0) {
       hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
     }
     const __m512 d = _mm512_set1_ps(_cvtsh_ss(scales[b]));
+    #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const float* x = p.x + (m0 + g) * k + b * kBlock;
       const __m512 part = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
-      acc[b & 1][g] = _mm512_fmadd_ps(part, d, acc[b & 1][g]);
+      acc[g] = _mm512_fmadd_ps(part, d, acc[g]);
     }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    _mm_prefetch(stream + b * per_block + kPrefetchAhead, _MM_HINT_T0);
+    step(b, even);
+    step(b + 1, odd);
   }
+  if (b < nb) {
+    _mm_prefetch(stream + b * per_block + kPrefetchAhead, _MM_HINT_T0);
+    step(b, even);
+  }
+  #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][g], acc[1][g]));
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[g], odd[g]));
     if (p.form != kQ8_0) sum += block_offset(p, n, m0 + g);
     p.y[(m0 + g) * p.n + n] = sum;
   }
@@ -600,11 +613,13 @@ template <int G>
 void row_blocks(const Problem& p, int64_t n, int64_t m0) {
   const int64_t k = p.k, nb = k / kBlock;
   const uint16_t* scales = p.block_scale + n * nb;
-  __m256 acc[2][G];
-  for (int u = 0; u < 2; ++u)
-    for (int g = 0; g < G; ++g) acc[u][g] = _mm256_setzero_ps();
   const __m128i low_nibble = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
+  // The sums stay in registers: blocks go in pairs rather than by a run-time index into the
+  // two accumulators (which kept them in memory, a store and a load on every block's chain).
+  __m256 even[G], odd[G];
+  #pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) even[g] = odd[g] = _mm256_setzero_ps();
+  auto step = [&](int64_t b, __m256 (&acc)[G]) {
     __m256 v[4];
     if (p.form == kQ8_0) {
       const int8_t* q = static_cast<const int8_t*>(p.w) + n * k + b * kBlock;
@@ -625,17 +640,25 @@ void row_blocks(const Problem& p, int64_t n, int64_t m0) {
       v[3] = widen8(_mm_srli_si128(high, 8), false);
     }
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(scales[b]));
+    #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const float* x = p.x + (m0 + g) * k + b * kBlock;
       __m256 part = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
       part = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(x + 8), part);
       part = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(x + 16), part);
       part = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), part);
-      acc[b & 1][g] = _mm256_fmadd_ps(part, d, acc[b & 1][g]);
+      acc[g] = _mm256_fmadd_ps(part, d, acc[g]);
     }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, even);
+    step(b + 1, odd);
   }
+  if (b < nb) step(b, even);
+  #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
-    float sum = sum8(_mm256_add_ps(acc[0][g], acc[1][g]));
+    float sum = sum8(_mm256_add_ps(even[g], odd[g]));
     if (p.form != kQ8_0) sum += block_offset(p, n, m0 + g);
     p.y[(m0 + g) * p.n + n] = sum;
   }
