@@ -22,8 +22,9 @@
 // weights, which the panel keeps. A block's sums are then scaled by d_w * d_x into f32.
 //
 // Panels are split between the caller and XLA's intra-op thread pool (gemm_panels.h). Paths: AVX-512 VNNI
-// where the CPU has it; elsewhere a portable form on the same packed panels, correct but not
-// fast (the lowering takes this kernel only where it measures faster than XLA's dot).
+// where the CPU has it; AVX2 on the same panels packed 8 rows to a vector (vpmaddubsw, tile()
+// below); elsewhere a portable form, correct but not fast (the lowering takes these kernels
+// only where they have a vector form: PyhloGemmBlocksFast, PyhloGemmExactFast).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -55,9 +56,7 @@ enum Form { kQ8_0, kQ4_0, kQ4_1, kS8 };
 constexpr int64_t kBlock = 32;
 constexpr int kLanes = 16;               // int32 lanes of a vector: weight rows side by side
 constexpr int kPanelRows = 2 * kLanes;   // weight rows of a panel (two vectors)
-#if defined(PYHLO_GEMM_AVX2) && defined(PYHLO_AVX2_TILE_ROWS)
-constexpr int kTileRows = PYHLO_AVX2_TILE_ROWS;
-#elif defined(PYHLO_GEMM_AVX2)
+#if defined(PYHLO_GEMM_AVX2)
 constexpr int kTileRows = 2;             // activation rows of a tile (AVX2: 16 vector registers)
 #else
 constexpr int kTileRows = 4;             // activation rows of a tile
@@ -169,20 +168,21 @@ void pack(const Problem& p, int64_t n0, Panel& panel) {
   }
 #elif defined(PYHLO_GEMM_AVX2)
   // 8 rows at a time, their blocks transposed in registers as above (8 groups of 4 values of
-  // 8 rows); x enters signed (tile() below), so the sums need no bias.
+  // 8 rows); x enters signed (tile() below), so the sums need no bias (panel.bias stays unused).
   const __m128i nibble = _mm_set1_epi8(0x0F);
   const int64_t stride = bytes_per_value(p.form) ? p.k : p.k / 2;
-  std::fill(panel.bias.begin(), panel.bias.end(), 0);
   for (int group = 0; group < kPanelRows / 8; ++group) {
     const int64_t first = n0 + group * 8;
     const int64_t real = std::clamp<int64_t>(p.n - first, 0, 8);
     for (int64_t b = 0; b < nb; ++b) {
       __m256i v[8];
       for (int r = 0; r < 8; ++r) {
-        const char* row = static_cast<const char*>(p.w) + (first + r) * stride;
         if (r >= real) {
           v[r] = _mm256_setzero_si256();
-        } else if (bytes_per_value(p.form)) {
+          continue;
+        }
+        const char* row = static_cast<const char*>(p.w) + (first + r) * stride;
+        if (bytes_per_value(p.form)) {
           v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
         } else {
           const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * (kBlock / 2)));

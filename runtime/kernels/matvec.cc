@@ -339,8 +339,8 @@ void row_blocks_x8(const Problem& p, int64_t n, int64_t m0) {
 // ones. The Q4 forms' nibbles (0..15) are the unsigned side as they are; Q8_0's weights are
 // signed, so the unsigned side is |w| and x takes w's sign (vpsignb): a pair stays within
 // int16 either way (2 * 128 * 127). Each block's int32 sums are scaled by d_w * d_x.
-template <int G>
-void row_blocks_x8(const Problem& p, int64_t n, int64_t m0) {
+template <int G, bool ByteWeights>
+void row_blocks_x8_avx2(const Problem& p, int64_t n, int64_t m0) {
   const int64_t k = p.k, nb = k / kBlock;
   const uint16_t* scales = p.block_scale + n * nb;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -349,30 +349,35 @@ void row_blocks_x8(const Problem& p, int64_t n, int64_t m0) {
   #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i magnitude, w;
-    if (p.form == kQ8_0) {
+    __m256i magnitude, w = _mm256_setzero_si256();   // w: the signs x takes (Q8_0)
+    if constexpr (ByteWeights) {
       w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(p.w) + n * k + b * kBlock));
       magnitude = _mm256_abs_epi8(w);
     } else {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
           static_cast<const uint8_t*>(p.w) + n * (k / 2) + b * (kBlock / 2)));
       magnitude = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
-      w = _mm256_set1_epi8(1);   // positive: vpsignb leaves x as it is
     }
     const float d = half_to_f32(scales[b]);
     #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x_q8 + (m0 + g) * p.x_stride + b * kBlock));
-      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w)), ones);
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, ByteWeights ? _mm256_sign_epi8(x, w) : x), ones);
       acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * p.x_q8_scale[(m0 + g) * nb + b]), acc[g]);
     }
   }
   #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
     float sum = sum8(acc[g]);
-    if (p.form != kQ8_0) sum += block_offset(p, n, m0 + g);
+    if constexpr (!ByteWeights) sum += block_offset(p, n, m0 + g);
     p.y[(m0 + g) * p.n + n] = sum;
   }
+}
+
+template <int G>
+void row_blocks_x8(const Problem& p, int64_t n, int64_t m0) {
+  if (p.form == kQ8_0) return row_blocks_x8_avx2<G, true>(p, n, m0);
+  row_blocks_x8_avx2<G, false>(p, n, m0);   // Q4_0, Q4_1
 }
 #else
 template <int G>
