@@ -198,10 +198,10 @@ def int8_gemm_is_fast() -> bool:
 
 
 def k_quant_int8_gemm_is_fast() -> bool:
-    """Whether the K-quants' int8 GEMM kernels (GEMM_GGUF_X8_TARGETS) run in their AVX-512 VNNI
-    form on this machine. Elsewhere (AVX2 included) they have a portable form, slower than the
-    matrix-vector kernel, which the lowering takes instead."""
-    return register() and bool(_loaded[-1].PyhloGemmBlocksVnni())
+    """Whether the K-quants' int8 GEMM kernels (GEMM_GGUF_X8_TARGETS) run in a vector form on
+    this machine: AVX-512 VNNI, or AVX2's vpmaddubsw. Elsewhere they have a portable form, slower
+    than the matrix-vector kernel, which the lowering takes instead."""
+    return register() and bool(_loaded[-1].PyhloGemmKQuantsFast())
 
 
 def exact_gemm_is_fast() -> bool:

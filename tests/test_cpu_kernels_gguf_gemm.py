@@ -1,8 +1,8 @@
 """The int8 GEMM of K-quant weights kept as a GGUF file stores them (the pyhlo_gemm_<form>_x8
 targets, a prefill's products; pyhlo_gemm_gguf_rows_x8 for rows of mixed K-quants) equals numpy
 on the gguf package's dequantization of the same blocks with the activations rounded as
-llama.cpp's Q8_K, and the int8-activation matrix-vector kernel on the same operands; in its
-AVX-512 VNNI form where the host has it, and its portable form."""
+llama.cpp's Q8_K, and the int8-activation matrix-vector kernel on the same operands; in the
+form the host builds (AVX-512 VNNI, AVX2), and built without AVX-512 and without AVX2."""
 from __future__ import annotations
 
 import numpy as np
@@ -130,18 +130,19 @@ def test_the_gemm_refuses_forms_and_shapes_it_cannot_run():
     assert set(cpu_kernels.GEMM_GGUF_X8_TARGETS) == set(linalg.GGUF_GEMM_X8_KERNEL_TYPES)
 
 
-def test_the_portable_form_of_the_gemm_matches_numpy():
-    """The kernels built without AVX-512 (on this host, the portable form of the GEMM) pass
-    this file's checks."""
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2"], ids=["avx2", "portable"])
+def test_the_avx2_and_portable_forms_of_the_gemm_match_numpy(flags):
+    """The kernels built without AVX-512 (the AVX2 form of the GEMM, on an x86 host with AVX2)
+    and without AVX2 as well (its portable form) pass this file's checks."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYHLO_KERNEL_FLAGS="-mno-avx512f", PYTHONPATH=python_path(here.parent))
+    env = dict(os.environ, PYHLO_KERNEL_FLAGS=flags, PYTHONPATH=python_path(here.parent))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           str(here / "test_cpu_kernels_gguf_gemm.py"), "-k", "not portable"],
+                           str(here / "test_cpu_kernels_gguf_gemm.py"), "-k", "not avx2_and_portable"],
                           env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout

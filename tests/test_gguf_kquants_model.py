@@ -361,7 +361,7 @@ def test_smollm2_in_q4_k_m_types_keeps_them_as_stored_and_answers_the_widened_to
 
 @pytest.mark.cpu_only
 def test_a_prompt_on_the_k_quant_int8_gemm_answers_as_on_the_matvec_kernel(kquant_file, monkeypatch):
-    """Where the int8 GEMM has its fast form (AVX-512 VNNI), a prompt's K-quant products (Q4_K,
+    """Where the int8 GEMM has a fast form (AVX-512 VNNI, AVX2), a prompt's K-quant products (Q4_K,
     Q5_K, rows of mixed Q4_K and Q6_K) run it, with the same integer sums as the int8
     matrix-vector kernel that runs them without it: the logits of the prompt and of the decode
     steps after it (which read the keys and values it wrote) equal the kernel's up to f32
@@ -370,7 +370,7 @@ def test_a_prompt_on_the_k_quant_int8_gemm_answers_as_on_the_matvec_kernel(kquan
     from runtime import cpu_kernels
 
     if not cpu_kernels.k_quant_int8_gemm_is_fast():
-        pytest.skip("the K-quants' int8 GEMM needs AVX-512 VNNI, which this CPU lacks")
+        pytest.skip("the K-quants' int8 GEMM needs AVX-512 VNNI or AVX2, which this CPU lacks")
     path = kquant_file("k_quants_q5_0", k_quants_and_q5_0)
     gemm = int8_model(path)
     prefill = {i.custom_call_target for c in gemm.programs.build(Block(64, 128)).module.computations

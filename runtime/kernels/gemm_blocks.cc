@@ -611,16 +611,6 @@ PYHLO_GEMM_HANDLER(PyhloGemmQ4_0, (GemmBlocks<kQ4_0, true>), PYHLO_THREE_ARGS);
 PYHLO_GEMM_HANDLER(PyhloGemmQ4_1, GemmQ4_1<true>, PYHLO_THREE_ARGS.Arg<ffi::AnyBuffer>());
 PYHLO_GEMM_HANDLER(PyhloGemmS8, GemmS8<true>, PYHLO_THREE_ARGS);
 
-// Whether this build has the AVX-512 VNNI form (1) or not (0). The K-quants' int8 GEMM
-// (gemm_kquants.cc) has no other fast form: the lowering takes it only in the first case.
-extern "C" int PyhloGemmBlocksVnni() {
-#ifdef PYHLO_GEMM_VNNI
-  return 1;
-#else
-  return 0;
-#endif
-}
-
 // Whether this build's int8 GEMMs here have a vector form, VNNI or AVX2 (1), or only the
 // portable one (0), which is correct but slower than XLA's dot: the lowering takes them only
 // in the first case.
