@@ -336,6 +336,7 @@ void dot_f32(const SuperBlock* w, int64_t blocks, const float* const* x, const f
     _mm512_store_ps(step, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
                                                _mm256_load_si256(reinterpret_cast<const __m256i*>(s.scale))))));
     const __m512i centre = _mm512_set1_epi32(s.centre);
+    #pragma GCC unroll 16   // acc[g][j & 1] a fixed register, not a run-time index into memory
     for (int j = 0; j < 16; ++j) {
       const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(
           _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(s.q + 16 * j))), centre));
@@ -351,30 +352,49 @@ void dot_f32(const SuperBlock* w, int64_t blocks, const float* const* x, const f
   }
   for (int g = 0; g < G; ++g) out[g] += _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
 #elif defined(PYHLO_KQ_AVX2)
+  // 16 values a group: their bytes in both halves of a vector, placed in 32-bit lanes by
+  // vpshufb (in-lane; vpmovzxbd crosses halves, one a cycle on a Zen 3 host), q - centre in
+  // integers, times the group's d * scale. The loop over groups is unrolled so that each sum
+  // is a register (a run-time index kept them in memory: a store on every multiply-add).
+  const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
   __m256 acc[G][2];
+  #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const SuperBlock& s = w[b];
     alignas(32) float step[16];
+    #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half)
       _mm256_store_ps(step + 8 * half, _mm256_mul_ps(_mm256_set1_ps(s.d), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
                                            _mm_load_si128(reinterpret_cast<const __m128i*>(s.scale + 8 * half))))));
     const __m256i centre = _mm256_set1_epi32(s.centre);
-    for (int j = 0; j < 32; ++j) {
-      const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.q + 8 * j))), centre));
-      const __m256 v = _mm256_mul_ps(q, _mm256_set1_ps(step[j / 2]));
-      for (int g = 0; g < G; ++g)
-        acc[g][j & 1] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x[g] + b * kSuperValues + 8 * j), acc[g][j & 1]);
+    #pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      const __m256i bytes = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(s.q + 16 * j)));
+      const __m256 scale = _mm256_broadcast_ss(step + j);
+      const __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_shuffle_epi8(bytes, first), centre)), scale);
+      const __m256 v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_shuffle_epi8(bytes, second), centre)), scale);
+      #pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const float* xj = x[g] + b * kSuperValues + 16 * j;
+        acc[g][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(xj), acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xj + 8), acc[g][1]);
+      }
     }
-    if (!s.centre)
+    if (!s.centre) {
+      #pragma GCC unroll 2
       for (int half = 0; half < 2; ++half) {
         const __m256 offsets = _mm256_mul_ps(_mm256_set1_ps(s.dlow), _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
                                                  _mm_load_si128(reinterpret_cast<const __m128i*>(s.low + 8 * half)))));
+        #pragma GCC unroll 8
         for (int g = 0; g < G; ++g)
           acc[g][half] = _mm256_fmadd_ps(offsets, _mm256_loadu_ps(x_sums[g] + 16 * b + 8 * half), acc[g][half]);
       }
+    }
   }
+  #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) out[g] += sum8(_mm256_add_ps(acc[g][0], acc[g][1]));
 #else
   for (int64_t b = 0; b < blocks; ++b) {
@@ -762,6 +782,135 @@ void dot_q8_k_rows_of(const uint8_t* w, int64_t blocks, Q8KRows x, int64_t rows,
   }
 }
 #endif
+
+#ifdef PYHLO_KQ_AVX2
+// The exact product (dot_f32's arithmetic: (d * scale) * (q - centre) times x in f32, plus
+// (dlow * low) times the sums of each 16 x where the form is not centred) of a weight row of
+// F's super-blocks as the file stores them, decoded in registers (weights_avx2) rather than
+// unpacked into a SuperBlock and read back: on a Zen 3 host a 1.7 B Q4_K_M decode step spent
+// a third of its time unpacking. Each vector of 32 values is split into four of 8 f32: its
+// halves put in both halves of a vector (vpermq), bytes to 32-bit lanes by vpshufb.
+template <KQuant F, int G>
+void dot_f32_row(const uint8_t* w, int64_t blocks, const float* const* x, const float* const* x_sums, float* out) {
+  constexpr bool q6 = F == KQuant::kQ6_K;
+  constexpr int64_t bytes = F == KQuant::kQ4_K ? 144 : F == KQuant::kQ5_K ? 176 : 210;
+  const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
+  constexpr int U = G == 1 ? 4 : 2;   // sums per activation row: chains of multiply-adds that do not wait on each other
+  __m256 acc[G][U];
+  #pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+    #pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) acc[g][u] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * bytes;
+    prefetch_ahead(block, bytes);
+    // step[j]: d * scale of the j-th 16 values; Q6_K's centre 32 enters as -32 * step (exact:
+    // a power of two), so one multiply-add gives (q - 32) * step rounded once.
+    alignas(32) float step[16], offset[16];
+    if constexpr (q6) {
+      const __m256 d = _mm256_set1_ps(f16_at(block + 208));
+      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+      #pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const __m256 st = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8 * half))));
+        _mm256_store_ps(step + 8 * half, st);
+        _mm256_store_ps(offset + 8 * half, _mm256_mul_ps(st, _mm256_set1_ps(-32.f)));
+      }
+    } else {
+      const __m256 d = _mm256_set1_ps(f16_at(block)), dlow = _mm256_set1_ps(-f16_at(block + 2));
+      const __m128i packed = k4_scales_in_register(block + 4);   // 8 scales, 8 minimums
+      const __m128i scales = _mm_unpacklo_epi8(packed, packed), lows = _mm_unpackhi_epi8(packed, packed);
+      #pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        _mm256_store_ps(step + 8 * half,
+                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales, 8 * half)))));
+        const __m256 low = _mm256_mul_ps(dlow, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lows, 8 * half))));
+        #pragma GCC unroll 8
+        for (int g = 0; g < G; ++g)
+          acc[g][half] = _mm256_fmadd_ps(low, _mm256_loadu_ps(x_sums[g] + 16 * b + 8 * half), acc[g][half]);
+      }
+    }
+    #pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m256i q = weights_avx2<F>(block, i);   // values 32 i .. 32 i + 31
+      const __m256i head = _mm256_permute4x64_epi64(q, 0x44), tail = _mm256_permute4x64_epi64(q, 0xEE);
+      const __m256i picked[4] = {_mm256_shuffle_epi8(head, first), _mm256_shuffle_epi8(head, second),
+                                 _mm256_shuffle_epi8(tail, first), _mm256_shuffle_epi8(tail, second)};
+      __m256 v[4];
+      #pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256 scale = _mm256_broadcast_ss(step + 2 * i + j / 2);
+        v[j] = q6 ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(picked[j]), scale, _mm256_broadcast_ss(offset + 2 * i + j / 2))
+                  : _mm256_mul_ps(_mm256_cvtepi32_ps(picked[j]), scale);
+      }
+      #pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const float* xi = x[g] + b * kSuperValues + 32 * i;
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[g][j % U] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(xi + 8 * j), acc[g][j % U]);
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    __m256 sum = acc[g][0];
+    #pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) sum = _mm256_add_ps(sum, acc[g][u]);
+    out[g] += sum8(sum);
+  }
+}
+
+template <KQuant F>
+void dot_f32_rows_of(const uint8_t* w, int64_t blocks, const float* x, const float* x_sums, int64_t k, int64_t rows,
+                     float* out) {
+  constexpr int kMost = 4;
+  for (int64_t m0 = 0; m0 < rows; m0 += kMost) {
+    const float* xs[kMost];
+    const float* sums[kMost];
+    const int group = int(std::min<int64_t>(kMost, rows - m0));
+    for (int g = 0; g < group; ++g) {
+      xs[g] = x + (m0 + g) * k;
+      sums[g] = x_sums + (m0 + g) * (k / 16);
+    }
+    switch (group) {
+      case 4: dot_f32_row<F, 4>(w, blocks, xs, sums, out + m0); break;
+      case 3: dot_f32_row<F, 3>(w, blocks, xs, sums, out + m0); break;
+      case 2: dot_f32_row<F, 2>(w, blocks, xs, sums, out + m0); break;
+      default: dot_f32_row<F, 1>(w, blocks, xs, sums, out + m0); break;
+    }
+  }
+}
+#endif
+
+// The forms dot_f32_rows multiplies in registers on this build (the others: unpack(), then
+// dot_f32()).
+inline bool has_exact_row_kernel(KQuant form) {
+#ifdef PYHLO_KQ_AVX2
+  return form == KQuant::kQ4_K || form == KQuant::kQ5_K || form == KQuant::kQ6_K;
+#else
+  (void)form;
+  return false;
+#endif
+}
+
+// out[m] += the exact product of the weight row w (`blocks` super-blocks of `form`, the file's
+// bytes) with activation row m of x ([rows, k]; x_sums [rows, k / 16]: the sums of each 16),
+// for every m < rows; only for a form has_exact_row_kernel() names.
+inline void dot_f32_rows(KQuant form, const uint8_t* w, int64_t blocks, const float* x, const float* x_sums,
+                         int64_t k, int64_t rows, float* out) {
+#ifdef PYHLO_KQ_AVX2
+  switch (form) {
+    case KQuant::kQ4_K: return dot_f32_rows_of<KQuant::kQ4_K>(w, blocks, x, x_sums, k, rows, out);
+    case KQuant::kQ5_K: return dot_f32_rows_of<KQuant::kQ5_K>(w, blocks, x, x_sums, k, rows, out);
+    case KQuant::kQ6_K: return dot_f32_rows_of<KQuant::kQ6_K>(w, blocks, x, x_sums, k, rows, out);
+    default: break;
+  }
+#else
+  (void)form, (void)w, (void)blocks, (void)x, (void)x_sums, (void)k, (void)rows, (void)out;
+#endif
+}
 
 // The forms dot_q8_k_rows multiplies in registers on this build (the others: unpack(), then
 // dot_q8_k()).

@@ -379,6 +379,12 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
       for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
       continue;
     }
+    if (!integer && is_k_quant(form) && pyhlo_kernels::has_exact_row_kernel(k_quant(form))) {
+      pyhlo_kernels::dot_f32_rows(k_quant(form), row, p.k / pyhlo_kernels::kSuperValues, p.x, p.x_sums, p.k, p.m,
+                                  sums.data());
+      for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
+      continue;
+    }
     for (int64_t start = 0; start < p.k; start += kPieceValues) {
       const int64_t length = std::min(kPieceValues, p.k - start), first = start / layout.values;
       const int64_t blocks = length / layout.values;
