@@ -123,6 +123,15 @@ def test_report_says_what_s8_means_when_it_ran():
     assert bench_report.AMP_NOTES["s8"] not in bench_report.report_markdown(report)
 
 
+def test_the_gguf_note_names_the_file_that_ran():
+    report = {"workload": {"model": "smollm2-1.7b-0123.q4_k_m.gguf", "prompt_tokens": 4, "new_tokens": 2,
+                           "n_positions": 8, "repeats": 1, "threads": 1, "amps": ["gguf"]},
+              "machine": {}, "results": [_row("pyhlo", "gguf", 1, 90.0, 40.0)]}
+    text = bench_report.report_markdown(report)
+    assert "weights as stored (smollm2-1.7b-0123.q4_k_m.gguf, in the types it was written in)" in text
+    assert "SmolLM2-135M" not in text
+
+
 def test_disagreeing_tokens_are_noted():
     rows = []
     for batch, same in ((1, 128), (4, 7)):

@@ -55,10 +55,9 @@ AMP_NOTES = {
           "quantization of the layers' Linear modules, activations quantized per product); vs compares "
           "engines at the same precision. The three round differently, so their greedy tokens part from "
           "pyhlo's sooner than in f32.",
-    "gguf": "gguf: the GGUF file's own weights as stored (SmolLM2-135M-Instruct.Q4_1.gguf: Q4_1 layer "
-            "matrices, Q8_0 embedding / LM head, f32 norms); pyhlo runs the blocks as stored, dequantized "
-            "inside its kernels, llama.cpp reads the same file (and quantizes the activations to 8 bits for "
-            "its products).",
+    "gguf": "gguf: the GGUF file's own weights as stored ({model}, in the types it was written in); pyhlo "
+            "runs the blocks as stored, dequantized inside its kernels, llama.cpp reads the same file (and "
+            "quantizes the activations to 8 bits for its products).",
     "gguf-x8": "gguf-x8: the same file, with pyhlo's kernels rounding the activations of the block products "
                "to int8 per 32 values (K-quants per 256) and multiplying integers "
                "(NeuronConfig(int8_activations=True)), as "
@@ -385,7 +384,7 @@ def report_markdown(report: dict) -> str:
     ]
     for amp in w.get("amps", []):
         if amp in AMP_NOTES:
-            out += ["", AMP_NOTES[amp]]
+            out += ["", AMP_NOTES[amp].format(model=w.get("model", "the model's file"))]
     compiled = compile_table(report["results"])
     if compiled:
         out += ["", "## to_neuron() time (from_pretrained + to_neuron)", "",
