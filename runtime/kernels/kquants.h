@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "byte_lanes.h"
 #include "half.h"
 #include "vector_sum.h"
 
@@ -353,12 +354,10 @@ void dot_f32(const SuperBlock* w, int64_t blocks, const float* const* x, const f
   for (int g = 0; g < G; ++g) out[g] += _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
 #elif defined(PYHLO_KQ_AVX2)
   // 16 values a group: their bytes in both halves of a vector, placed in 32-bit lanes by
-  // vpshufb (in-lane; vpmovzxbd crosses halves, one a cycle on a Zen 3 host), q - centre in
+  // vpshufb (byte_lanes.h), q - centre in
   // integers, times the group's d * scale. The loop over groups is unrolled so that each sum
   // is a register (a run-time index kept them in memory: a store on every multiply-add).
-  const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
-  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
+  const __m256i first = byte_lanes(0), second = byte_lanes(8);
   __m256 acc[G][2];
   #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
@@ -372,7 +371,7 @@ void dot_f32(const SuperBlock* w, int64_t blocks, const float* const* x, const f
     const __m256i centre = _mm256_set1_epi32(s.centre);
     #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {
-      const __m256i bytes = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(s.q + 16 * j)));
+      const __m256i bytes = both_halves(s.q + 16 * j);
       const __m256 scale = _mm256_broadcast_ss(step + j);
       const __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_shuffle_epi8(bytes, first), centre)), scale);
       const __m256 v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_shuffle_epi8(bytes, second), centre)), scale);
@@ -794,9 +793,7 @@ template <KQuant F, int G>
 void dot_f32_row(const uint8_t* w, int64_t blocks, const float* const* x, const float* const* x_sums, float* out) {
   constexpr bool q6 = F == KQuant::kQ6_K;
   constexpr int64_t bytes = F == KQuant::kQ4_K ? 144 : F == KQuant::kQ5_K ? 176 : 210;
-  const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
-  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
+  const __m256i first = byte_lanes(0), second = byte_lanes(8);
   constexpr int U = G == 1 ? 4 : 2;   // sums per activation row: chains of multiply-adds that do not wait on each other
   __m256 acc[G][U];
   #pragma GCC unroll 8

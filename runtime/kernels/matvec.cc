@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "block_operands.h"
+#include "byte_lanes.h"
 #include "half.h"
 #include "row_chunks.h"
 #include "vector_sum.h"
@@ -610,22 +611,13 @@ inline float to_f32(uint16_t v) {
 // GGUF blocks on AVX2: each block's 32 values widened to f32 weights, w = d * q + m (Q4_0:
 // m = -8 d; Q8_0: no m), the dequantized weight itself, then multiplied into x with one sum
 // per 8 values of a block (two per activation row where G > 1), so that no sum waits on
-// another. Bytes reach their 32-bit lanes by vpshufb from 16 bytes held in both halves of a
-// vector (vpmovzxbd crosses the halves: one a cycle on a Zen 3 host, against two vpshufb;
-// with the row's d and m widened 8 at a time first, a Q4_1 block took 3.0-3.7 ns against
-// 5.0-5.3, one thread, in cache or not). Q8_0's signed bytes go to the top byte of each lane
-// and an arithmetic shift brings them down.
-inline __m256 lanes_f32(__m256i both_halves, __m256i pick) {
-  return _mm256_cvtepi32_ps(_mm256_shuffle_epi8(both_halves, pick));
-}
-
-inline __m256 signed_lanes_f32(__m256i both_halves, __m256i pick_top) {
-  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_shuffle_epi8(both_halves, pick_top), 24));
-}
-
-inline __m256i both_halves(const void* at) {
-  return _mm256_broadcastsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(at)));
-}
+// another. Bytes reach their 32-bit lanes by vpshufb (byte_lanes.h; with the row's d and m
+// widened 8 at a time first, a Q4_1 block took 3.0-3.7 ns against 5.0-5.3, one thread, in
+// cache or not). Q8_0's signed bytes go to the top byte of each lane and an arithmetic shift
+// brings them down.
+using pyhlo_kernels::both_halves;
+using pyhlo_kernels::lanes_f32;
+using pyhlo_kernels::signed_lanes_f32;
 
 // The row's f16 values in [first, first + count) widened into out (count <= kRowSpan).
 inline void widen_halves(const uint16_t* halves, int64_t count, float* out) {
@@ -644,12 +636,8 @@ void row_blocks_avx2(const Problem& p, int64_t n, int64_t m0) {
   constexpr int U = G == 1 ? 4 : 2;   // sums per activation row
   const int64_t k = p.k, nb = k / kBlock;
   const __m256i low_nibble = _mm256_set1_epi8(0x0F);
-  // Bytes 0-3 to lanes 0-3 and 4-7 to lanes 4-7 (first), 8-15 likewise (second); the
-  // top-byte forms put them in each lane's byte 3.
-  const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
-  const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
-  const __m256i first_top = _mm256_slli_epi32(first, 24), second_top = _mm256_slli_epi32(second, 24);
+  const __m256i first = pyhlo_kernels::byte_lanes(0), second = pyhlo_kernels::byte_lanes(8);
+  const __m256i first_top = pyhlo_kernels::top_byte_lanes(0), second_top = pyhlo_kernels::top_byte_lanes(8);
   __m256 acc[U][G];
   #pragma GCC unroll 8
   for (int u = 0; u < U; ++u)
