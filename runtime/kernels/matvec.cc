@@ -340,36 +340,61 @@ void row_blocks_x8(const Problem& p, int64_t n, int64_t m0) {
 // ones. The Q4 forms' nibbles (0..15) are the unsigned side as they are; Q8_0's weights are
 // signed, so the unsigned side is |w| and x takes w's sign (vpsignb): a pair stays within
 // int16 either way (2 * 128 * 127). Each block's int32 sums are scaled by d_w * d_x.
+// Eight blocks at a time: their 8 scale products d_w * d_x in one vector multiply (each block
+// then broadcasts its own from memory), two sums a row so that consecutive blocks' multiply-adds
+// do not wait on each other, and the bytes asked for 1 KB ahead. One 8192 x 2048 Q4_0 product
+// from memory on two Zen 3 cores: 990-1,030 -> 535-620 us (one block at a time, one sum, no
+// prefetch, before); asking 16 KB ahead into the second-level cache, as the VNNI path does,
+// measured 650-750 here. 1.7 B Q4_0 decode 75 -> 44-49 ms a step (fastest of four).
 template <int G, bool ByteWeights>
 void row_blocks_x8_avx2(const Problem& p, int64_t n, int64_t m0) {
   const int64_t k = p.k, nb = k / kBlock;
   const uint16_t* scales = p.block_scale + n * nb;
+  const char* stream = static_cast<const char*>(p.w) + n * (ByteWeights ? k : k / 2);
+  constexpr int64_t kBlockBytes = ByteWeights ? kBlock : kBlock / 2;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  __m256 acc[G];
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[G][2];
   #pragma GCC unroll 8
-  for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+  // One block's integer sums for every activation row, scaled by d (a row's d_w * d_x).
+  auto step = [&](int64_t b, int half, auto&& d_of) {
     __m256i magnitude, w = _mm256_setzero_si256();   // w: the signs x takes (Q8_0)
     if constexpr (ByteWeights) {
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(p.w) + n * k + b * kBlock));
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stream + b * kBlockBytes));
       magnitude = _mm256_abs_epi8(w);
     } else {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-          static_cast<const uint8_t*>(p.w) + n * (k / 2) + b * (kBlock / 2)));
-      magnitude = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(stream + b * kBlockBytes));
+      magnitude = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), nibble);
     }
-    const float d = half_to_f32(scales[b]);
     #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x_q8 + (m0 + g) * p.x_stride + b * kBlock));
       const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, ByteWeights ? _mm256_sign_epi8(x, w) : x), ones);
-      acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * p.x_q8_scale[(m0 + g) * nb + b]), acc[g]);
+      acc[g][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d_of(g), acc[g][half]);
     }
+  };
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    #pragma GCC unroll 4
+    for (int64_t line = 0; line < 8 * kBlockBytes; line += 64)
+      _mm_prefetch(stream + b * kBlockBytes + line + kPrefetchAhead, _MM_HINT_T0);
+    alignas(32) float d[G][8];
+    const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b)));
+    #pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+      _mm256_store_ps(d[g], _mm256_mul_ps(d_w, _mm256_loadu_ps(p.x_q8_scale + (m0 + g) * nb + b)));
+    #pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      step(b + j, j & 1, [&](int g) { return _mm256_broadcast_ss(&d[g][j]); });
+  }
+  for (; b < nb; ++b) {
+    const float d_w = half_to_f32(scales[b]);
+    step(b, 0, [&](int g) { return _mm256_set1_ps(d_w * p.x_q8_scale[(m0 + g) * nb + b]); });
   }
   #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
-    float sum = sum8(acc[g]);
+    float sum = sum8(_mm256_add_ps(acc[g][0], acc[g][1]));
     if constexpr (!ByteWeights) sum += block_offset(p, n, m0 + g);
     p.y[(m0 + g) * p.n + n] = sum;
   }
