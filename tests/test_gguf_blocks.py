@@ -148,6 +148,30 @@ def test_int8_activations_need_block_weights_and_the_kernels(block_file, tiny_ll
                                          neuron_config=NeuronConfig(int8_activations=True, cpu_kernels=False))
 
 
+@pytest.mark.cpu_only
+def test_exact_block_weights_tell_once_of_int8_activations(block_file, monkeypatch, caplog):
+    """Exact arithmetic stays the default for block weights; the first model that could round
+    its activations says how (once a process), and a model that rounds them says nothing."""
+    from decoders import platform_choice
+
+    monkeypatch.setattr(platform_choice, "_hinted", False)
+    caplog.set_level("INFO", logger="pyhlo.progress")
+
+    def load(**config):
+        caplog.clear()
+        model = LlamaForSampling.from_pretrained(block_file("q4_0"), n_positions=128,
+                                                 neuron_config=NeuronConfig(cpu_kernels=True, **config))
+        return model, [r.getMessage() for r in caplog.records if r.name == "pyhlo.progress"]
+
+    rounded, said = load(int8_activations=True)
+    assert rounded.lowering.int8_activations and platform_choice.EXACT_BLOCKS_HINT not in said
+    exact, said = load()
+    assert not exact.lowering.int8_activations and exact.lowering.gguf_blocks
+    assert said.count(platform_choice.EXACT_BLOCKS_HINT) == 1
+    assert "int8_activations=True" in platform_choice.EXACT_BLOCKS_HINT
+    assert platform_choice.EXACT_BLOCKS_HINT not in load()[1]
+
+
 def first_divergence(tokens: np.ndarray, expected: np.ndarray) -> int | None:
     differ = np.nonzero(tokens != expected)[0]
     return int(differ[0]) if len(differ) else None
