@@ -345,35 +345,46 @@ void row_blocks_x8(const Problem& p, int64_t n, int64_t m0) {
 // do not wait on each other, and the bytes asked for 1 KB ahead. One 8192 x 2048 Q4_0 product
 // from memory on two Zen 3 cores: 990-1,030 -> 535-620 us (one block at a time, one sum, no
 // prefetch, before); asking 16 KB ahead into the second-level cache, as the VNNI path does,
-// measured 650-750 here. 1.7 B Q4_0 decode 75 -> 44-49 ms a step (fastest of four).
+// measured 650-750 here. The even and odd blocks' sums are named arrays, with no lambda holding
+// them: GCC kept a lambda's captured sums in memory at four rows and took each block's scale
+// address from the stack (1.7 B Q4_0 decode, fastest of two runs each: 55-64 -> 44 ms a step;
+// 135 M at batch 4 21-22 -> 17-19). 1.7 B Q4_0 decode with int8 activations, all told: 75 -> 44.
+
+// A block's weights as the unsigned side of vpmaddubsw, and (Q8_0) the signs x takes.
+template <bool ByteWeights>
+inline __m256i x8_magnitude(const char* block, __m256i* signs) {
+  if constexpr (ByteWeights) {
+    *signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+    return _mm256_abs_epi8(*signs);
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
+  }
+}
+
+// The 8 int32 sums of a block's 32 products with its 32 int8 activations (x at `x`).
+template <bool ByteWeights>
+inline __m256 x8_block_sums(__m256i magnitude, __m256i signs, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i pairs = _mm256_maddubs_epi16(magnitude, ByteWeights ? _mm256_sign_epi8(xv, signs) : xv);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
 template <int G, bool ByteWeights>
 void row_blocks_x8_avx2(const Problem& p, int64_t n, int64_t m0) {
   const int64_t k = p.k, nb = k / kBlock;
   const uint16_t* scales = p.block_scale + n * nb;
   const char* stream = static_cast<const char*>(p.w) + n * (ByteWeights ? k : k / 2);
   constexpr int64_t kBlockBytes = ByteWeights ? kBlock : kBlock / 2;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  __m256 acc[G][2];
+  const int8_t* xq[G];
+  const float* xd[G];
+  __m256 even[G], odd[G];   // the even blocks' sums and the odd ones'
   #pragma GCC unroll 8
-  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
-  // One block's integer sums for every activation row, scaled by d (a row's d_w * d_x).
-  auto step = [&](int64_t b, int half, auto&& d_of) {
-    __m256i magnitude, w = _mm256_setzero_si256();   // w: the signs x takes (Q8_0)
-    if constexpr (ByteWeights) {
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stream + b * kBlockBytes));
-      magnitude = _mm256_abs_epi8(w);
-    } else {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(stream + b * kBlockBytes));
-      magnitude = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), nibble);
-    }
-    #pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x_q8 + (m0 + g) * p.x_stride + b * kBlock));
-      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, ByteWeights ? _mm256_sign_epi8(x, w) : x), ones);
-      acc[g][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d_of(g), acc[g][half]);
-    }
-  };
+  for (int g = 0; g < G; ++g) {
+    xq[g] = p.x_q8 + (m0 + g) * p.x_stride;
+    xd[g] = p.x_q8_scale + (m0 + g) * nb;
+    even[g] = odd[g] = _mm256_setzero_ps();
+  }
   int64_t b = 0;
   for (; b + 8 <= nb; b += 8) {
     #pragma GCC unroll 4
@@ -382,19 +393,33 @@ void row_blocks_x8_avx2(const Problem& p, int64_t n, int64_t m0) {
     alignas(32) float d[G][8];
     const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b)));
     #pragma GCC unroll 8
-    for (int g = 0; g < G; ++g)
-      _mm256_store_ps(d[g], _mm256_mul_ps(d_w, _mm256_loadu_ps(p.x_q8_scale + (m0 + g) * nb + b)));
-    #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j)
-      step(b + j, j & 1, [&](int g) { return _mm256_broadcast_ss(&d[g][j]); });
+    for (int g = 0; g < G; ++g) _mm256_store_ps(d[g], _mm256_mul_ps(d_w, _mm256_loadu_ps(xd[g] + b)));
+    #pragma GCC unroll 4
+    for (int j = 0; j < 8; j += 2) {
+      __m256i signs0 = _mm256_setzero_si256(), signs1 = _mm256_setzero_si256();
+      const __m256i w0 = x8_magnitude<ByteWeights>(stream + (b + j) * kBlockBytes, &signs0);
+      const __m256i w1 = x8_magnitude<ByteWeights>(stream + (b + j + 1) * kBlockBytes, &signs1);
+      #pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const int8_t* x = xq[g] + (b + j) * kBlock;
+        even[g] = _mm256_fmadd_ps(x8_block_sums<ByteWeights>(w0, signs0, x), _mm256_broadcast_ss(&d[g][j]), even[g]);
+        odd[g] = _mm256_fmadd_ps(x8_block_sums<ByteWeights>(w1, signs1, x + kBlock), _mm256_broadcast_ss(&d[g][j + 1]),
+                                 odd[g]);
+      }
+    }
   }
   for (; b < nb; ++b) {
+    __m256i signs = _mm256_setzero_si256();
+    const __m256i w = x8_magnitude<ByteWeights>(stream + b * kBlockBytes, &signs);
     const float d_w = half_to_f32(scales[b]);
-    step(b, 0, [&](int g) { return _mm256_set1_ps(d_w * p.x_q8_scale[(m0 + g) * nb + b]); });
+    #pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+      even[g] = _mm256_fmadd_ps(x8_block_sums<ByteWeights>(w, signs, xq[g] + b * kBlock), _mm256_set1_ps(d_w * xd[g][b]),
+                                even[g]);
   }
   #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
-    float sum = sum8(_mm256_add_ps(acc[g][0], acc[g][1]));
+    float sum = sum8(_mm256_add_ps(even[g], odd[g]));
     if constexpr (!ByteWeights) sum += block_offset(p, n, m0 + g);
     p.y[(m0 + g) * p.n + n] = sum;
   }
