@@ -23,7 +23,7 @@ EXACT_BLOCKS_HINT = (
     "GGUF block weights run in exact arithmetic (each block widened to f32, the file's function as "
     "HF transformers computes it). int8 activations (NeuronConfig(int8_activations=True); "
     "--int8-activations on the command line) take llama.cpp's arithmetic and pyhlo's integer kernels: "
-    "measured on an AVX2 CPU (AMD Zen 3) they decoded 1.7 B Q4_0 and Q4_K_M files 2-3x faster (the "
+    "measured on an AVX2 CPU (AMD Zen 3) they decoded 1.7 B Q4_0 and Q4_K_M files about 2x faster (the "
     "README's performance section).")
 _hinted = False
 
