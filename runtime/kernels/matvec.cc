@@ -335,21 +335,6 @@ void row_blocks_x8(const Problem& p, int64_t n, int64_t m0) {
   }
 }
 #elif defined(PYHLO_AVX2)
-// AVX2 (no vpdpbusd), x in its natural order: a block's 32 weights against its 32 int8
-// activations by vpmaddubsw (unsigned by signed bytes into int16 pairs) and vpmaddwd against
-// ones. The Q4 forms' nibbles (0..15) are the unsigned side as they are; Q8_0's weights are
-// signed, so the unsigned side is |w| and x takes w's sign (vpsignb): a pair stays within
-// int16 either way (2 * 128 * 127). Each block's int32 sums are scaled by d_w * d_x.
-// Eight blocks at a time: their 8 scale products d_w * d_x in one vector multiply (each block
-// then broadcasts its own from memory), two sums a row so that consecutive blocks' multiply-adds
-// do not wait on each other, and the bytes asked for 1 KB ahead. One 8192 x 2048 Q4_0 product
-// from memory on two Zen 3 cores: 990-1,030 -> 535-620 us (one block at a time, one sum, no
-// prefetch, before); asking 16 KB ahead into the second-level cache, as the VNNI path does,
-// measured 650-750 here. The even and odd blocks' sums are named arrays, with no lambda holding
-// them: GCC kept a lambda's captured sums in memory at four rows and took each block's scale
-// address from the stack (1.7 B Q4_0 decode, fastest of two runs each: 55-64 -> 44 ms a step;
-// 135 M at batch 4 21-22 -> 17-19). 1.7 B Q4_0 decode with int8 activations, all told: 75 -> 44.
-
 // A block's weights as the unsigned side of vpmaddubsw, and (Q8_0) the signs x takes.
 template <bool ByteWeights>
 inline __m256i x8_magnitude(const char* block, __m256i* signs) {
@@ -370,6 +355,20 @@ inline __m256 x8_block_sums(__m256i magnitude, __m256i signs, const int8_t* x) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+// AVX2 (no vpdpbusd), x in its natural order: a block's 32 weights against its 32 int8
+// activations by vpmaddubsw (unsigned by signed bytes into int16 pairs) and vpmaddwd against
+// ones. The Q4 forms' nibbles (0..15) are the unsigned side as they are; Q8_0's weights are
+// signed, so the unsigned side is |w| and x takes w's sign (vpsignb): a pair stays within
+// int16 either way (2 * 128 * 127). Each block's int32 sums are scaled by d_w * d_x.
+// Eight blocks at a time: their 8 scale products d_w * d_x in one vector multiply (each block
+// then broadcasts its own from memory), two sums a row so that consecutive blocks' multiply-adds
+// do not wait on each other, and the bytes asked for 1 KB ahead. One 8192 x 2048 Q4_0 product
+// from memory on two Zen 3 cores: 990-1,030 -> 535-620 us (one block at a time, one sum, no
+// prefetch, before); asking 16 KB ahead into the second-level cache, as the VNNI path does,
+// measured 650-750 here. The even and odd blocks' sums are named arrays, with no lambda holding
+// them: GCC kept a lambda's captured sums in memory at four rows and took each block's scale
+// address from the stack (1.7 B Q4_0 decode, fastest of two runs each: 55-64 -> 44 ms a step;
+// 135 M at batch 4 21-22 -> 17-19). 1.7 B Q4_0 decode with int8 activations, all told: 75 -> 44.
 template <int G, bool ByteWeights>
 void row_blocks_x8_avx2(const Problem& p, int64_t n, int64_t m0) {
   const int64_t k = p.k, nb = k / kBlock;
