@@ -706,8 +706,8 @@ def test_pyhlo_serve_compiles_short_prompt_chunks_unless_told(monkeypatch):
         raise Stop
 
     monkeypatch.setattr("decoders.NeuronAutoModelForCausalLM.from_pretrained", from_pretrained)
-    for argv, chunks in ((("--n-positions", "1024"), [16, 32, 64, 128, 256, 512]),
-                         (("--n-positions", "128"), [16, 32, 64]),
+    for argv, chunks in ((("--n-positions", "1024"), [8, 16, 32, 64, 128, 256, 512]),
+                         (("--n-positions", "128"), [8, 16, 32, 64]),
                          (("--n-positions", "1024", "--context-length-estimate", "64,256"), [64, 256])):
         with pytest.raises(Stop):
             serve.build_engine(serve_args("some-model-dir", *argv))
