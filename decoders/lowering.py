@@ -53,6 +53,7 @@ from pyhlo.ops.linalg import (
     GGUF_GEMM_X8_KERNEL_TYPES,
     GGUF_ROWS_X8_KERNEL_TYPES,
     GGUF_X8_KERNEL_TYPES,
+    gemm_bf16_kernel,
     gemm_blocks_kernel,
     gemm_blocks_x8_kernel,
     gemm_gguf_rows_x8_kernel,
@@ -252,6 +253,11 @@ class CpuKernelLowering(XlaLowering):
     # cache) instead of weights widened in the program or the matrix-vector kernel. True where
     # they have their fast form (runtime.cpu_kernels.exact_gemm_is_fast()).
     exact_gemm: bool = False
+    # Products of bf16 weights past the kernel rows (prefill) take the bf16 GEMM kernel (the
+    # same panels, widened from bf16) instead of XLA's dot. True where that is the faster one:
+    # its fast form runs and the CPU has no bf16 dot instructions for XLA's
+    # (runtime.cpu_kernels.bf16_gemm_is_fast()).
+    bf16_gemm: bool = False
 
     name = "xla-cpu-kernels"
 
@@ -319,6 +325,8 @@ class CpuKernelLowering(XlaLowering):
                     return matvec_gguf_rows_kernel(ew.convert(x, "f32"), weight, ggml_types(quant), gemm=True)
                 return matvec_gguf_kernel(ew.convert(x, "f32"), weight, form.ggml_type, gemm=True)
             return None
+        if weight.dtype == "bf16" and rows_in > last and self.bf16_gemm:
+            return gemm_bf16_kernel(ew.convert(x, "f32"), weight)
         if weight.dtype == "s8" and rows_in > last:
             if rounded and weight.dims[1] % 32 == 0:
                 return gemm_s8_x8_kernel(ew.convert(x, "f32"), weight, scale)

@@ -5,8 +5,8 @@
         ...emit custom-calls "pyhlo_matvec", "pyhlo_matvec_s8", "pyhlo_matvec_q8_0" (_q4_0, _q4_1),
         "pyhlo_matvec_q4_k" (_q5_k, _q6_k, _q5_0 ...: GGUF blocks as the file stores them;
         "pyhlo_matvec_q4_k_x8" ...: the K-quants with int8 activations),
-        "pyhlo_gemm_q8_0" (_q4_0, _q4_1, "pyhlo_gemm_s8": prefill products of weights widened in a
-        cache-sized panel),
+        "pyhlo_gemm_q8_0" (_q4_0, _q4_1, "pyhlo_gemm_s8", "pyhlo_gemm_bf16": prefill products of
+        weights widened in a cache-sized panel),
         "pyhlo_gemm_q8_0_x8" (_q4_0_x8, _q4_1_x8: prefill products with int8 activations;
         "pyhlo_gemm_s8_x8": the same for int8 weights with a scale per row),
         "pyhlo_gemm_q4_k_x8" (_q2_k_x8 ... _q6_k_x8, _gguf_rows_x8: the same for K-quants as the file
@@ -47,6 +47,8 @@ MATVEC_BLOCK_X8_TARGETS = {form: f"pyhlo_matvec_{form}_x8" for form in ("q8_0", 
 GEMM_BLOCK_TARGETS = {form: f"pyhlo_gemm_{form}" for form in ("q8_0", "q4_0", "q4_1")}
 # The same for int8 weights with one f32 scale per row.
 GEMM_S8_TARGET = "pyhlo_gemm_s8"
+# The same for bf16 weights (runtime/kernels/gemm_bf16.cc).
+GEMM_BF16_TARGET = "pyhlo_gemm_bf16"
 # Prefill products of the same forms, x rounded to int8 as the _x8 targets do: a tiled integer GEMM.
 GEMM_BLOCK_X8_TARGETS = {form: f"pyhlo_gemm_{form}_x8" for form in ("q8_0", "q4_0", "q4_1")}
 # The same for int8 weights with one f32 scale per row (pyhlo_matvec_s8's operands).
@@ -87,14 +89,14 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            **{target: f"PyhloMatvec{ggml_type}" for ggml_type, target in MATVEC_GGUF_TARGETS.items()},
            **{target: f"PyhloMatvec{ggml_type}X8" for ggml_type, target in MATVEC_GGUF_X8_TARGETS.items()},
            GEMM_GGUF_ROWS_X8_TARGET: "PyhloGemmGgufRowsX8", GEMM_S8_X8_TARGET: "PyhloGemmS8X8",
-           GEMM_S8_TARGET: "PyhloGemmS8",
+           GEMM_S8_TARGET: "PyhloGemmS8", GEMM_BF16_TARGET: "PyhloGemmBf16",
            **{target: f"PyhloGemm{ggml_type}" for ggml_type, target in GEMM_GGUF_TARGETS.items()},
            GEMM_GGUF_ROWS_TARGET: "PyhloGemmGgufRows",
            MATVEC_GGUF_ROWS_TARGET: "PyhloMatvecGgufRows",
            MATVEC_GGUF_ROWS_X8_TARGET: "PyhloMatvecGgufRowsX8"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("matvec.cc", "matvec_gguf.cc", "gemm_blocks.cc", "gemm_kquants.cc",
-                         "decode_attention.cc", "rotary.cc")]
+                         "gemm_bf16.cc", "decode_attention.cc", "rotary.cc")]
 # Included by the sources: part of what the library's cache name hashes.
 _HEADERS = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("half.h", "vector_sum.h", "byte_lanes.h", "kquants.h", "q8_blocks.h",
@@ -211,6 +213,13 @@ def exact_gemm_is_fast() -> bool:
     Elsewhere they have a portable form, correct but slower than XLA's dot, which the lowering
     does not take."""
     return register() and bool(_loaded[-1].PyhloGemmExactFast())
+
+
+def bf16_gemm_is_fast() -> bool:
+    """Whether the bf16 GEMM kernel (GEMM_BF16_TARGET) is the faster way to a bf16 prefill
+    product on this machine: its vector form (AVX-512, or AVX2 with FMA) runs, and the CPU has
+    no bf16 dot instructions (AVX512_BF16) that XLA's own dot takes."""
+    return register() and bool(_loaded[-1].PyhloGemmBf16Fast())
 
 
 def referenced_by(data: bytes) -> bool:

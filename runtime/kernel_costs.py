@@ -103,6 +103,7 @@ COST_RULES: dict[str, CostRule] = {
     cpu_kernels.GEMM_GGUF_ROWS_X8_TARGET: matvec_cost,
     cpu_kernels.GEMM_S8_X8_TARGET: matvec_cost,
     cpu_kernels.GEMM_S8_TARGET: matvec_cost,
+    cpu_kernels.GEMM_BF16_TARGET: matvec_cost,
     **{target: matvec_cost for target in cpu_kernels.MATVEC_GGUF_TARGETS.values()},
     **{target: matvec_cost for target in cpu_kernels.MATVEC_GGUF_X8_TARGETS.values()},
     cpu_kernels.MATVEC_GGUF_ROWS_TARGET: matvec_cost,

@@ -47,6 +47,36 @@ def test_matvec_kernel_matches_numpy(rows, k, n, dtype, x_in_bf16, seed):
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
+# The bf16 prefill GEMM: numpy on the widened weights, to f32 rounding; rows past the tiles, weight
+# rows past the panels, k past the panels' chunks of 1024 values and odd tails; a bf16 model's
+# activations (exactly bf16) and others.
+@settings(max_examples=30, deadline=None)
+@given(lead=st.sampled_from([(1,), (5,), (13,), (128,), (3, 7)]), n=st.sampled_from([1, 15, 17, 33, 100]),
+       k=st.sampled_from([1, 7, 64, 100, 1030, 2100]), x_in_bf16=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_bf16_gemm_kernel_matches_numpy(lead, n, k, x_in_bf16, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((*lead, k)).astype(BF16 if x_in_bf16 else np.float32).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(BF16)
+
+    def program(scribe):
+        return linalg.gemm_bf16_kernel(scribe.f32[x.shape].Parameter(parameter_number=0),
+                                       scribe.bf16[w.shape].Parameter(parameter_number=1))
+
+    (out,) = run_fn(program, x, w)
+    widened = w.astype(np.float64)
+    bound = np.abs(x).astype(np.float64) @ np.abs(widened).T       # the size of the sum's terms
+    assert out.shape == (*lead, n) and out.dtype == np.float32
+    assert (np.abs(out - x.astype(np.float64) @ widened.T) <= 1e-5 * bound + 1e-30).all()
+
+
+def test_bf16_gemm_kernel_rejects_operands_it_cannot_run():
+    with pytest.raises(HloShapeError, match="bf16 w"):
+        run_fn(lambda scribe: linalg.gemm_bf16_kernel(scribe.f32[2, 8].Parameter(parameter_number=0),
+                                                      scribe.f32[3, 8].Parameter(parameter_number=1)),
+               np.zeros((2, 8), np.float32), np.zeros((3, 8), np.float32))
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 8), k=st.integers(1, 200), n=st.integers(1, 300), seed=st.integers(0, 2**32 - 1))
 def test_int8_matvec_kernel_matches_numpy(rows, k, n, seed):
@@ -332,6 +362,31 @@ def test_decode_block_calls_the_kernels_and_prefill_only_the_rotary_tables(tiny_
     with pytest.raises(ValueError, match="weight_layout='in_out'"):
         LlamaForSampling.from_pretrained(path, n_positions=128,
                                          neuron_config=NeuronConfig(cpu_kernels=True, weight_layout="in_out"))
+
+
+def test_a_bf16_prompt_takes_the_bf16_gemm_where_it_is_the_fast_one(tiny_llama, monkeypatch):
+    """amp bf16: a prompt's products take pyhlo_gemm_bf16 where bf16_gemm_is_fast() (no bf16 dot
+    instructions for XLA's), XLA's dot otherwise; both give the same greedy tokens and logits
+    within bf16 rounding (only the order of the f32 sums differs)."""
+    import torch
+
+    from decoders import LlamaForSampling
+    from decoders.programs.keys import Block
+
+    _, path = tiny_llama("gqa_tied_llama3", "safetensors")
+    shape = dict(batch_size=1, n_positions=64, context_length_estimate=[16], amp="bf16")
+    runs = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(cpu_kernels, "bf16_gemm_is_fast", lambda kernel=kernel: kernel)
+        model = LlamaForSampling.from_pretrained(path, **shape).to_neuron()
+        prefill = model.programs.build(Block(16, 16)).module.SerializeToString()
+        assert (cpu_kernels.GEMM_BF16_TARGET.encode() in prefill) == kernel
+        runs[kernel] = model.sample(torch.arange(5, 17)[None], sequence_length=30, top_k=1, eos_token_id=[],
+                                    output_scores=True)
+    (tokens, scores), (expected_tokens, expected_scores) = runs[True], runs[False]
+    assert torch.equal(tokens, expected_tokens)
+    first, expected_first = np.asarray(scores[0], np.float32), np.asarray(expected_scores[0], np.float32)
+    np.testing.assert_allclose(first, expected_first, rtol=0, atol=0.05 * np.abs(expected_first).max())
 
 
 def test_a_program_calling_the_kernel_fails_clearly_when_kernels_are_off(monkeypatch):

@@ -36,6 +36,18 @@ def test_matvec_of_two_rows_by_a_bf16_matrix():
                                      bytes_accessed=1536 * 576 * 2 + 2 * 576 * 4 + 2 * 1536 * 4)
 
 
+def test_bf16_prefill_gemm_counts_as_a_product():
+    def program(scribe):
+        x = scribe.f32[128, 576].Parameter(parameter_number=0)
+        w = scribe.bf16[1536, 576].Parameter(parameter_number=1)
+        return linalg.gemm_bf16_kernel(x, w)
+
+    costs = module_kernel_costs(compile_py_func(program))
+    assert costs.calls == {cpu_kernels.GEMM_BF16_TARGET: 1} and costs.uncounted == {}
+    assert costs.total == KernelCost(flops=2 * 128 * 576 * 1536,
+                                     bytes_accessed=1536 * 576 * 2 + 128 * 576 * 4 + 128 * 1536 * 4)
+
+
 @settings(max_examples=30, deadline=None)
 @given(rows=st.lists(st.integers(1, 5), min_size=1, max_size=3), k=st.integers(1, 300), n=st.integers(1, 300),
        dtype=st.sampled_from(["f32", "bf16", "s8"]))

@@ -114,6 +114,18 @@ def gemm_s8_kernel(x: HloValue, w: HloValue, scale: HloValue) -> HloValue:
     return ffi_call(x.scribe.f32[(*x.dims[:-1], w.dims[0])], [x, w, scale], "pyhlo_gemm_s8")
 
 
+def gemm_bf16_kernel(x: HloValue, w: HloValue) -> HloValue:
+    """x[..., k] (f32) @ w[n, k].T -> f32[..., n] for many activation rows (a prefill) of bf16
+    weights, exact: each weight widened to f32 as convert() widens it, each thread widening a
+    panel of weight rows in its cache once for all activation rows (runtime/kernels/gemm_bf16.cc).
+    The kernel must be registered with the backend (runtime.cpu_kernels.register()) before a
+    program using it is compiled."""
+    if x.dtype != "f32" or w.dtype != "bf16" or len(w.dims) != 2 or x.dims[-1] != w.dims[1]:
+        raise HloShapeError(f"gemm_bf16_kernel: need f32 x[..., k] and bf16 w[n, k]; got "
+                            f"{x.dtype}{list(x.dims)} and {w.dtype}{list(w.dims)}")
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], w.dims[0])], [x, w], "pyhlo_gemm_bf16")
+
+
 def gemm_s8_x8_kernel(x: HloValue, w: HloValue, scale: HloValue) -> HloValue:
     """x[..., k] (f32) @ w[n, k].T * scale -> f32[..., n] for many activation rows (a prefill) of
     int8 weights with one f32 scale per row (matvec_kernel's s8 operands): x rounded to int8 per
