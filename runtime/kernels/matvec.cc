@@ -745,6 +745,58 @@ void row_blocks(const Problem& p, int64_t n, int64_t m0) {
   if (p.form == kQ8_0) return row_blocks_avx2<G, true>(p, n, m0);
   row_blocks_avx2<G, false>(p, n, m0);   // Q4_0, Q4_1
 }
+
+// f32, bf16 and int8 weights on AVX2: 8 values a vector (bf16 widened by a zero-extend and a
+// shift, int8 by a sign-extend and a conversion), four sums a row at G = 1 and two at G > 1 so
+// that no multiply-add waits on the last, the weights asked for kPrefetchAhead bytes ahead (the
+// portable loop, as the compiler vectorizes it, asks for none: SmolLM2-1.7B's shape in
+// bf16, decode on AMD Zen 3, 148-177 -> 125-134 ms a step, alternating runs).
+inline __m256 widened8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 widened8(const uint16_t* w) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 widened8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+template <int G, typename W>
+void row_wide_avx2(const Problem& p, const W* w, int64_t n, int64_t m0) {
+  constexpr int U = G == 1 ? 4 : 2;                       // sums per activation row
+  constexpr int64_t kStep = 8 * U;                        // values a pass
+  constexpr int64_t kStepBytes = kStep * int64_t(sizeof(W));
+  const int64_t k = p.k;
+  const W* row = w + n * k;
+  __m256 acc[U][G];
+  #pragma GCC unroll 8
+  for (int u = 0; u < U; ++u)
+    #pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) acc[u][g] = _mm256_setzero_ps();
+  int64_t k0 = 0;
+  for (; k0 + kStep <= k; k0 += kStep) {
+    const char* bytes = reinterpret_cast<const char*>(row + k0);
+    #pragma GCC unroll 4
+    for (int64_t line = 0; line < kStepBytes; line += 64) _mm_prefetch(bytes + line + kPrefetchAhead, _MM_HINT_T0);
+    #pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m256 weights = widened8(row + k0 + 8 * u);
+      #pragma GCC unroll 8
+      for (int g = 0; g < G; ++g)
+        acc[u][g] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(p.x + (m0 + g) * k + k0 + 8 * u), acc[u][g]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) {
+    __m256 total = acc[0][g];
+    #pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[u][g]);
+    float sum = sum8(total);
+    for (int64_t j = k0; j < k; ++j) sum += to_f32(row[j]) * p.x[(m0 + g) * k + j];
+    if constexpr (std::is_same_v<W, int8_t>) sum *= p.scale[n];
+    p.y[(m0 + g) * p.n + n] = sum;
+  }
+}
+
 #else
 // GGUF blocks, portable form: each block widened to f32, its sum scaled by d.
 template <int G>
@@ -776,11 +828,15 @@ void row_blocks(const Problem& p, int64_t n, int64_t m0) {
 
 #endif  // PYHLO_AVX2
 
-// Portable form: 16 independent partial sums, which compilers vectorize.
+// f32, bf16 and int8 weights: AVX2's form above; elsewhere (no AVX2, no AVX-512) the portable
+// form, 16 independent partial sums, which compilers vectorize.
 template <int G, typename W>
 void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
   if (p.x_q8 != nullptr) return row_blocks_x8<G>(p, n, m0);
   if (p.form != kNone) return row_blocks<G>(p, n, m0);
+#ifdef PYHLO_AVX2
+  row_wide_avx2<G>(p, w, n, m0);
+#else
   const int64_t k = p.k;
   const W* weights = w + n * k;
   for (int g = 0; g < G; ++g) {
@@ -795,6 +851,7 @@ void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
     if constexpr (std::is_same_v<W, int8_t>) sum *= p.scale[n];
     p.y[(m0 + g) * p.n + n] = sum;
   }
+#endif
 }
 #endif
 
