@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import threading
 import warnings
 from typing import Any, Sequence
 
@@ -213,6 +214,24 @@ def _pick_devices(platform: str, num_replicas: int, device_ids: Sequence[int] | 
     return [by_id[i] for i in device_ids]
 
 
+_first_device_list = threading.Lock()
+_device_list_iterated = False
+
+
+def _device_list(chosen: list) -> Any:
+    """xc.DeviceList over `chosen`. jaxlib makes the list's iterator type on the first iteration
+    in a process; two threads compiling at once then failed once with "iter() returned
+    non-iterator of type 'ifrt_device_iterator'" (jaxlib 0.10.2, a bench's parallel bucket
+    compiles), so the first list is iterated here, under a lock, before any reaches the compiler."""
+    global _device_list_iterated
+    device_list = xc.DeviceList(tuple(chosen))
+    if not _device_list_iterated:
+        with _first_device_list:
+            list(device_list)
+            _device_list_iterated = True
+    return device_list
+
+
 def compile(hlo_module_bytes: bytes, platform: str = "cpu", num_replicas: int = 1,
             device_ids: Sequence[int] | None = None) -> LoadedExecutable:
     """Compile serialized HloModuleProto bytes into an executable loaded on the devices."""
@@ -222,7 +241,7 @@ def compile(hlo_module_bytes: bytes, platform: str = "cpu", num_replicas: int = 
     options = _compile_options(num_replicas, [d.id for d in chosen], platform)
     # Every process compiles for all replicas' devices (its client knows the others'); at
     # run time it runs only its own.
-    return get_client(platform).compile_and_load(stablehlo, xc.DeviceList(tuple(chosen)), options)
+    return get_client(platform).compile_and_load(stablehlo, _device_list(chosen), options)
 
 
 def serialize_executable(exe: LoadedExecutable) -> bytes:
@@ -235,7 +254,7 @@ def deserialize_executable(platform: str, data: bytes, num_replicas: int = 1,
     """Load an executable written by serialize_executable onto the devices."""
     chosen = _pick_devices(platform, num_replicas, device_ids)
     options = _compile_options(num_replicas, [d.id for d in chosen], platform)
-    return get_client(platform).deserialize_executable(data, xc.DeviceList(tuple(chosen)), options)
+    return get_client(platform).deserialize_executable(data, _device_list(chosen), options)
 
 
 def execute(exe: LoadedExecutable, args: Sequence[Buffer]) -> list[Buffer]:
