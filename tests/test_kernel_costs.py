@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,28 +25,20 @@ def test_every_registered_kernel_is_counted():
     assert set(COST_RULES) == set(cpu_kernels.TARGETS)
 
 
-def test_matvec_of_two_rows_by_a_bf16_matrix():
+# The decode's matrix-vector product (2 rows) and a prompt's bf16 GEMM (128 rows).
+@pytest.mark.parametrize("kernel, target, rows", [
+    (linalg.matvec_kernel, cpu_kernels.MATVEC_TARGET, 2),
+    (linalg.gemm_bf16_kernel, cpu_kernels.GEMM_BF16_TARGET, 128)])
+def test_rows_by_a_bf16_matrix(kernel, target, rows):
     def program(scribe):
-        x = scribe.f32[2, 576].Parameter(parameter_number=0)
+        x = scribe.f32[rows, 576].Parameter(parameter_number=0)
         w = scribe.bf16[1536, 576].Parameter(parameter_number=1)
-        return linalg.matvec_kernel(x, w)
+        return kernel(x, w)
 
     costs = module_kernel_costs(compile_py_func(program))
-    assert costs.calls == {cpu_kernels.MATVEC_TARGET: 1} and costs.uncounted == {}
-    assert costs.total == KernelCost(flops=2 * 2 * 576 * 1536,
-                                     bytes_accessed=1536 * 576 * 2 + 2 * 576 * 4 + 2 * 1536 * 4)
-
-
-def test_bf16_prefill_gemm_counts_as_a_product():
-    def program(scribe):
-        x = scribe.f32[128, 576].Parameter(parameter_number=0)
-        w = scribe.bf16[1536, 576].Parameter(parameter_number=1)
-        return linalg.gemm_bf16_kernel(x, w)
-
-    costs = module_kernel_costs(compile_py_func(program))
-    assert costs.calls == {cpu_kernels.GEMM_BF16_TARGET: 1} and costs.uncounted == {}
-    assert costs.total == KernelCost(flops=2 * 128 * 576 * 1536,
-                                     bytes_accessed=1536 * 576 * 2 + 128 * 576 * 4 + 128 * 1536 * 4)
+    assert costs.calls == {target: 1} and costs.uncounted == {}
+    assert costs.total == KernelCost(flops=2 * rows * 576 * 1536,
+                                     bytes_accessed=1536 * 576 * 2 + rows * 576 * 4 + rows * 1536 * 4)
 
 
 @settings(max_examples=30, deadline=None)
