@@ -219,10 +219,10 @@ _device_list_iterated = False
 
 
 def _device_list(chosen: list) -> Any:
-    """xc.DeviceList over `chosen`. jaxlib makes the list's iterator type on the first iteration
-    in a process; two threads compiling at once then failed once with "iter() returned
-    non-iterator of type 'ifrt_device_iterator'" (jaxlib 0.10.2, a bench's parallel bucket
-    compiles), so the first list is iterated here, under a lock, before any reaches the compiler."""
+    """xc.DeviceList over `chosen`. Two threads compiling at once in a fresh process failed once
+    with "iter() returned non-iterator of type 'ifrt_device_iterator'" (jaxlib 0.10.2, a bench's
+    parallel bucket compiles): the list's iterator, made on first use, seen half-made. So the
+    first list of a process is iterated here, under a lock, before any reaches the compiler."""
     global _device_list_iterated
     device_list = xc.DeviceList(tuple(chosen))
     if not _device_list_iterated:
