@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "half.h"
 #include "row_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -37,12 +38,7 @@ namespace {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const int8_t* p, int64_t i) { return float(p[i]); }
-inline float load(const uint16_t* p, int64_t i) {
-  uint32_t bits = uint32_t(p[i]) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+inline float load(const uint16_t* p, int64_t i) { return pyhlo_kernels::bf16_to_f32(p[i]); }
 
 // sum_e a[e] * b[e] with 16 independent partial sums, which compilers vectorize.
 template <typename T>

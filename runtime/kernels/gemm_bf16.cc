@@ -10,8 +10,8 @@
 // (widened_panels.h). Where the CPU has AVX512_BF16, XLA's dot takes vdpbf16ps and this kernel
 // is not the fast one (PyhloGemmBf16Fast says so, and the lowering keeps XLA's dot).
 #include <cstdint>
-#include <cstring>
 
+#include "half.h"
 #include "widened_panels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -24,15 +24,9 @@ void widen_bf16(const uint16_t* w, int64_t k, int64_t n, int64_t k0, int64_t kc,
   const uint16_t* row = w + n * k + k0;
   int64_t j = 0;
 #if defined(__AVX2__)
-  for (; j + 8 <= kc; j += 8) {
-    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), _mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-  }
+  for (; j + 8 <= kc; j += 8) _mm256_storeu_ps(out + j, pyhlo_kernels::bf16x8_to_f32(row + j));
 #endif
-  for (; j < kc; ++j) {
-    const uint32_t bits = uint32_t(row[j]) << 16;
-    std::memcpy(out + j, &bits, sizeof(float));
-  }
+  for (; j < kc; ++j) out[j] = pyhlo_kernels::bf16_to_f32(row[j]);
 }
 
 ffi::Error GemmBf16(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {

@@ -649,12 +649,7 @@ void row(const Problem& p, const W* w, int64_t n, int64_t m0) {
 #else
 inline float to_f32(float v) { return v; }
 inline float to_f32(int8_t v) { return float(v); }
-inline float to_f32(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+inline float to_f32(uint16_t v) { return pyhlo_kernels::bf16_to_f32(v); }
 
 #ifdef PYHLO_AVX2
 // GGUF blocks on AVX2: each block's 32 values widened to f32 weights, w = d * q + m (Q4_0:
@@ -752,10 +747,7 @@ void row_blocks(const Problem& p, int64_t n, int64_t m0) {
 // portable loop, as the compiler vectorizes it, asks for none: SmolLM2-1.7B's shape in
 // bf16, decode on AMD Zen 3, 148-177 -> 125-134 ms a step, alternating runs).
 inline __m256 widened8(const float* w) { return _mm256_loadu_ps(w); }
-inline __m256 widened8(const uint16_t* w) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
+inline __m256 widened8(const uint16_t* w) { return pyhlo_kernels::bf16x8_to_f32(w); }
 inline __m256 widened8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
@@ -941,10 +933,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, cons
     p.x = nullptr;
     if (p.x_bf16 == nullptr) {   // the widening paths read x as f32
       x_wide.resize(p.m * p.k);
-      for (int64_t i = 0; i < p.m * p.k; ++i) {
-        const uint32_t bits = uint32_t(xb[i]) << 16;
-        std::memcpy(&x_wide[i], &bits, sizeof(bits));
-      }
+      for (int64_t i = 0; i < p.m * p.k; ++i) x_wide[i] = pyhlo_kernels::bf16_to_f32(xb[i]);
       p.x = x_wide.data();
     }
   }
