@@ -954,6 +954,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, cons
     if (exact) p.x_bf16 = x_bf16.data();
   }
 #endif
+#ifdef PYHLO_AVX512
+  // Only the AVX-512 form of bf16 weights (row_bf16) reads x de-interleaved.
   if (p.w_is_bf16 && p.x_bf16 == nullptr) {
     const int64_t half = (p.k + 1) / 2;
     x_even.assign(p.m * half, 0.0f);
@@ -964,6 +966,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& w, cons
     p.x_even = x_even.data();
     p.x_odd = x_odd.data();
   }
+#endif
 
   return Dispatch(pool, p);
 }
