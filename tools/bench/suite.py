@@ -65,15 +65,22 @@ PARTS: tuple[Part, ...] = (
     *(Part(f"135m-{kind}", f"{SMALL} shape", kind.upper(),
            ("--random-model", "smollm2-135m", "--gguf-type", kind, *_BLOCKS, *_SMALL))
       for kind in ("q8_0", "q4_0", "q4_k_m")),
-    Part("1.7b-bf16", LARGE, "bf16", ("--amp", "bf16", "--engines", "pyhlo,hf,llamacpp", *_LARGE)),
-    # HF's f32 copy beside pyhlo's and llama.cpp's (6.8 GB each) would not fit 24 GiB: HF runs bf16.
-    Part("1.7b-f32", LARGE, "f32", ("--amp", "f32", "--engines", "pyhlo,llamacpp", *_LARGE)),
+    # The dense 1.7 B rows read the random weights' BF16 GGUF file (llama.cpp reads GGUF files only;
+    # pyhlo widens it to f32 for the f32 row, and llama.cpp gets an F32 file written from it). HF's
+    # f32 copy beside pyhlo's and llama.cpp's (6.8 GB each) would not fit 24 GiB: HF runs bf16.
+    Part("1.7b-bf16", LARGE, "bf16",
+         ("--gguf-type", "bf16", "--amp", "bf16", "--engines", "pyhlo,hf,llamacpp", *_LARGE)),
+    Part("1.7b-f32", LARGE, "f32", ("--gguf-type", "bf16", "--amp", "f32", "--engines", "pyhlo,llamacpp",
+                                    *_LARGE)),
     *(Part(f"1.7b-{kind}", LARGE, kind.upper(), ("--gguf-type", kind, *_BLOCKS, *_LARGE))
       for kind in ("q8_0", "q4_0", "q4_k_m")),
     Part("135m-prefill-1024", SMALL, "f32 / bf16 / Q4_1 (its file)",
          ("--amp", "f32,bf16,gguf-x8", "--engines", "pyhlo,hf,llamacpp", *_LONG_SMALL), table="prefill"),
+    # HF's bf16 prompt runs at about 5 tokens/s at 1.7 B on a CPU without bf16 dot instructions
+    # (7 minutes a 1,024-token row): its long-prompt rows are the 135 M ones.
     Part("1.7b-prefill-1024-bf16", LARGE, "bf16",
-         ("--amp", "bf16", "--engines", "pyhlo,hf,llamacpp", *_LONG_LARGE), table="prefill"),
+         ("--gguf-type", "bf16", "--amp", "bf16", "--engines", "pyhlo,llamacpp", *_LONG_LARGE),
+         table="prefill"),
     Part("1.7b-prefill-1024-q4_0", LARGE, "Q4_0", ("--gguf-type", "q4_0", *_BLOCKS, *_LONG_LARGE),
          table="prefill"),
     Part("serve", SMALL, "Q4_1 (its file; vLLM: dequantized to f32)",
