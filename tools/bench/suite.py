@@ -296,34 +296,31 @@ def _goal(met: bool | None) -> str:
     return "–" if met is None else ("met" if met else "**missed**")
 
 
+def _phase(r: dict, phase: str) -> str:
+    """A row's cells for "decode" or "prefill": the three rates, then pyhlo's ratio to each peer."""
+    return (f"{_num(r[f'{phase}_pyhlo'])} / {_num(r[f'{phase}_llamacpp'])} / {_num(r[f'{phase}_hf'])} | "
+            f"{_times(ratio(r[f'{phase}_pyhlo'], r[f'{phase}_llamacpp']))} | "
+            f"{_times(ratio(r[f'{phase}_pyhlo'], r[f'{phase}_hf']))}")
+
+
+def _table(head: str, rows: list[dict], cells) -> str:
+    lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
+    lines += [f"| {r['model']} | {r['weights']} | {r['mode']} | {r['batch']} | {cells(r)} |" for r in rows]
+    return "\n".join(lines)
+
+
 def decode_table(rows: list[dict]) -> str:
     head = ("| model | weights | pyhlo | batch | decode tok/s pyhlo / llama.cpp / HF | vs llama.cpp | "
             "vs HF | roofline | goal | prefill tok/s pyhlo / llama.cpp / HF | vs llama.cpp | vs HF | goal |")
-    lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['weights']} | {r['mode']} | {r['batch']} | "
-            f"{_num(r['decode_pyhlo'])} / {_num(r['decode_llamacpp'])} / {_num(r['decode_hf'])} | "
-            f"{_times(ratio(r['decode_pyhlo'], r['decode_llamacpp']))} | "
-            f"{_times(ratio(r['decode_pyhlo'], r['decode_hf']))} | "
-            f"{_share(r['roofline'])} | {_goal(decode_goal_met(r))} | "
-            f"{_num(r['prefill_pyhlo'])} / {_num(r['prefill_llamacpp'])} / {_num(r['prefill_hf'])} | "
-            f"{_times(ratio(r['prefill_pyhlo'], r['prefill_llamacpp']))} | "
-            f"{_times(ratio(r['prefill_pyhlo'], r['prefill_hf']))} | {_goal(prefill_goal_met(r))} |")
-    return "\n".join(lines)
+    return _table(head, rows, lambda r: f"{_phase(r, 'decode')} | {_share(r['roofline'])} | "
+                                        f"{_goal(decode_goal_met(r))} | {_phase(r, 'prefill')} | "
+                                        f"{_goal(prefill_goal_met(r))}")
 
 
 def prefill_table(rows: list[dict]) -> str:
     head = ("| model | weights | pyhlo | batch | prefill tok/s pyhlo / llama.cpp / HF | vs llama.cpp | "
             "vs HF | goal |")
-    lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['weights']} | {r['mode']} | {r['batch']} | "
-            f"{_num(r['prefill_pyhlo'])} / {_num(r['prefill_llamacpp'])} / {_num(r['prefill_hf'])} | "
-            f"{_times(ratio(r['prefill_pyhlo'], r['prefill_llamacpp']))} | "
-            f"{_times(ratio(r['prefill_pyhlo'], r['prefill_hf']))} | {_goal(prefill_goal_met(r))} |")
-    return "\n".join(lines)
+    return _table(head, rows, lambda r: f"{_phase(r, 'prefill')} | {_goal(prefill_goal_met(r))}")
 
 
 def serving_goals(rows: list[dict]) -> list[dict]:
