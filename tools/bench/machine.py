@@ -32,19 +32,34 @@ def _version(package: str) -> str | None:
         return None
 
 
-def machine_info() -> dict:
-    import psutil
-
-    cpu, flags = platform.processor() or "?", set()
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (none where there is no such file)."""
+    fields: dict[str, str] = {}
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu in ("?", platform.processor()):
-                cpu = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    return fields
+
+
+def cpu_name() -> str:
+    """The CPU's model name with its family and model numbers (hosts that all say "AMD EPYC" differ
+    there: family 25 model 1 is Zen 3, family 25 model 17 Zen 4, family 26 Zen 5)."""
+    fields = _cpuinfo()
+    name = fields.get("model name") or platform.processor() or "?"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name
+
+
+def machine_info() -> dict:
+    import psutil
+
+    fields = _cpuinfo()
+    cpu = fields.get("model name") or platform.processor() or "?"
+    flags = set(fields.get("flags", "").split())
     versions = {"python": platform.python_version()}
     for package in ("numpy", "jaxlib", "torch", "transformers", "llama-cpp-python"):
         version = _version(package)

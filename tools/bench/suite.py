@@ -17,7 +17,7 @@ same file.
 
 A run is resumable: run the same command again with the same --out and the parts already measured
 are kept, provided the code (its git commit) and the CPU are the same; otherwise give a new --out.
-`--suite-parts` runs some parts only. On 2 cores the whole suite takes about 90 minutes.
+`--suite-parts` runs some parts only. On 2 cores the whole suite took 65 minutes.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from tools.bench import serve
-from tools.bench.machine import machine_info
+from tools.bench.machine import cpu_name
 from tools.bench.settings import csv
 from tools.bench.stats import median_of
 
@@ -145,22 +145,6 @@ def code_version() -> str:
             return "unknown"
 
 
-def cpu_name() -> str:
-    """The CPU's model name with its family and model numbers (hosts that all say "AMD EPYC" differ
-    there: family 25 model 1 is Zen 3, family 25 model 17 Zen 4, family 26 Zen 5)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    name = fields.get("model name") or machine_info()["cpu"]
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']} model {fields['model']})"
-    return name
-
-
 def open_run(out: pathlib.Path) -> dict:
     """The run's state in out/suite.json: a new one, or the one there if it is of the same code on the
     same CPU (a resumed run); a run of other code or another CPU is an error, never mixed in."""
@@ -243,7 +227,8 @@ def engine_rows(part: Part, report: dict) -> list[dict]:
     by_key = {(r["engine"], r["amp"], r["batch"]): r for r in results}
     rows = []
     for ours in (r for r in results if r["engine"] == "pyhlo"):
-        beside = {e: by_key.get((e, ours["amp"], ours["batch"])) for e in ("pyhlo", "llamacpp", "hf")}
+        peers = {e: by_key.get((e, ours["amp"], ours["batch"])) for e in ("llamacpp", "hf")}
+        beside = {"pyhlo": ours, **peers}
         rows.append({"model": part.model, "weights": _weights(part, ours["amp"]), "mode": MODES[ours["amp"]],
                      "batch": ours["batch"], "roofline": ours.get("roofline_fraction"),
                      **{f"decode_{e}": _rate(r, "decode_tokens_per_s") for e, r in beside.items()},
