@@ -113,6 +113,7 @@ def cpu_kernel_lowering(neuron_config: NeuronConfig, backend: Any, dtype: str, t
                                                 and cpu_kernels.k_quant_int8_gemm_is_fast()),
                              exact_gemm=cpu_kernels.exact_gemm_is_fast(),
                              bf16_gemm=cpu_kernels.bf16_gemm_is_fast(),
+                             prefill_attention_by_kernel=cpu_kernels.prefill_attention_is_fast(),
                              tp_degree=tp_degree, kv_sharding=kv_sharding, quant=neuron_config.quant,
                              gguf_blocks=gguf_blocks, kv_cache_quant=neuron_config.kv_cache_quant,
                              kv_cache_dtype=neuron_config.kv_cache_dtype,

@@ -11,7 +11,7 @@
         "pyhlo_gemm_s8_x8": the same for int8 weights with a scale per row),
         "pyhlo_gemm_q4_k_x8" (_q2_k_x8 ... _q6_k_x8, _gguf_rows_x8: the same for K-quants as the file
         stores them),
-        "pyhlo_decode_attention", "pyhlo_rotary_cos_sin" in CPU programs...
+        "pyhlo_decode_attention", "pyhlo_prefill_attention", "pyhlo_rotary_cos_sin" in CPU programs...
 
 The sources live in runtime/kernels/. They are compiled with the machine's C++ compiler
 (`CXX`, else g++, else c++) against the XLA FFI headers that ship with jaxlib, for this
@@ -37,6 +37,8 @@ import warnings
 MATVEC_TARGET = "pyhlo_matvec"
 MATVEC_S8_TARGET = "pyhlo_matvec_s8"
 DECODE_ATTENTION_TARGET = "pyhlo_decode_attention"
+# Several new tokens a line (a prompt or a chunk of one) over its cache, causally.
+PREFILL_ATTENTION_TARGET = "pyhlo_prefill_attention"
 ROTARY_COS_SIN_TARGET = "pyhlo_rotary_cos_sin"
 # GGUF block forms: "q8_0", "q4_0", "q4_1" -> the kernel's target
 MATVEC_BLOCK_TARGETS = {form: f"pyhlo_matvec_{form}" for form in ("q8_0", "q4_0", "q4_1")}
@@ -79,7 +81,8 @@ MATVEC_GGUF_ROWS_TARGET = "pyhlo_matvec_gguf_rows"
 MATVEC_GGUF_ROWS_X8_TARGET = "pyhlo_matvec_gguf_rows_x8"
 # custom-call target -> the handler symbol the library exports
 TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
-           DECODE_ATTENTION_TARGET: "PyhloDecodeAttention", ROTARY_COS_SIN_TARGET: "PyhloRotaryCosSin",
+           DECODE_ATTENTION_TARGET: "PyhloDecodeAttention",
+           PREFILL_ATTENTION_TARGET: "PyhloPrefillAttention", ROTARY_COS_SIN_TARGET: "PyhloRotaryCosSin",
            **{target: f"PyhloMatvec{form.capitalize()}" for form, target in MATVEC_BLOCK_TARGETS.items()},
            **{target: f"PyhloMatvec{form.capitalize()}X8"
               for form, target in MATVEC_BLOCK_X8_TARGETS.items()},
@@ -96,7 +99,7 @@ TARGETS = {MATVEC_TARGET: "PyhloMatvec", MATVEC_S8_TARGET: "PyhloMatvecS8",
            MATVEC_GGUF_ROWS_X8_TARGET: "PyhloMatvecGgufRowsX8"}
 _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("matvec.cc", "matvec_gguf.cc", "gemm_blocks.cc", "gemm_kquants.cc",
-                         "gemm_bf16.cc", "decode_attention.cc", "rotary.cc")]
+                         "gemm_bf16.cc", "decode_attention.cc", "prefill_attention.cc", "rotary.cc")]
 # Included by the sources: part of what the library's cache name hashes.
 _HEADERS = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("half.h", "vector_sum.h", "byte_lanes.h", "kquants.h", "q8_blocks.h",
@@ -220,6 +223,13 @@ def bf16_gemm_is_fast() -> bool:
     product on this machine: its vector form (AVX-512, or AVX2 with FMA) runs, and the CPU has
     no bf16 dot instructions (AVX512_BF16) that XLA's own dot takes."""
     return register() and bool(_loaded[-1].PyhloGemmBf16Fast())
+
+
+def prefill_attention_is_fast() -> bool:
+    """Whether the prefill attention kernel (PREFILL_ATTENTION_TARGET) runs its vector tiles on
+    this machine (AVX2 with FMA). Elsewhere it has a portable form, correct but not faster than
+    the program's own attention, which the lowering keeps."""
+    return register() and bool(_loaded[-1].PyhloPrefillAttentionFast())
 
 
 def referenced_by(data: bytes) -> bool:

@@ -84,6 +84,17 @@ def decode_attention_cost(operands: Sequence[hlo_pb2.ShapeProto], result: hlo_pb
                       bytes_accessed=_moved(operands, result), upper_bound=True)
 
 
+def prefill_attention_cost(operands: Sequence[hlo_pb2.ShapeProto], result: hlo_pb2.ShapeProto) -> KernelCost:
+    """q f32[b, h, n, d] over caches k, v [B, kvh, S, d (+ 4)]: counted as decode_attention_cost
+    counts one query, for each of the n (every slot of S seen: an upper bound; a causal prompt
+    sees about half of them)."""
+    q, k = operands[0], operands[1]
+    b, h, n, d = q.dimensions
+    slots = k.dimensions[2]
+    return KernelCost(flops=4 * b * h * n * slots * d, transcendentals=b * h * n * slots,
+                      bytes_accessed=_moved(operands, result), upper_bound=True)
+
+
 def rotary_cos_sin_cost(operands: Sequence[hlo_pb2.ShapeProto], result: hlo_pb2.ShapeProto) -> KernelCost:
     """cos and sin of P positions times E frequencies: P * E products, 2 P E transcendentals."""
     count = math.prod(result.dimensions) // 2
@@ -112,6 +123,7 @@ COST_RULES: dict[str, CostRule] = {
     cpu_kernels.MATVEC_GGUF_ROWS_X8_TARGET: matvec_cost,
     cpu_kernels.ROTARY_COS_SIN_TARGET: rotary_cos_sin_cost,
     cpu_kernels.DECODE_ATTENTION_TARGET: decode_attention_cost,
+    cpu_kernels.PREFILL_ATTENTION_TARGET: prefill_attention_cost,
 }
 
 

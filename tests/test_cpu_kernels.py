@@ -337,7 +337,7 @@ def test_rotary_table_kernel_takes_s32_positions():
         run_fn(program, np.zeros((1, 3), np.float32))
 
 
-def test_decode_block_calls_the_kernels_and_prefill_only_the_rotary_tables(tiny_llama):
+def test_decode_block_calls_the_kernels_and_prefill_its_rotary_tables_and_attention(tiny_llama):
     from decoders import LlamaForSampling, NeuronConfig
     from decoders.lowering import CpuKernelLowering
     from decoders.programs.keys import Block
@@ -350,9 +350,10 @@ def test_decode_block_calls_the_kernels_and_prefill_only_the_rotary_tables(tiny_
     assert all(target.encode() in decode
                for target in (cpu_kernels.MATVEC_TARGET, cpu_kernels.DECODE_ATTENTION_TARGET,
                               cpu_kernels.ROTARY_COS_SIN_TARGET))
-    # Prefill's products and attention are XLA's own; its rotary tables come from the kernel.
-    assert [target for target in cpu_kernels.TARGETS if target.encode() in prefill] == \
-        [cpu_kernels.ROTARY_COS_SIN_TARGET]
+    # Prefill's products are XLA's own; its rotary tables and attention come from the kernels.
+    attention = [cpu_kernels.PREFILL_ATTENTION_TARGET] if cpu_kernels.prefill_attention_is_fast() else []
+    assert {target for target in cpu_kernels.TARGETS if target.encode() in prefill} == \
+        {cpu_kernels.ROTARY_COS_SIN_TARGET, *attention}
 
     off = LlamaForSampling.from_pretrained(path, n_positions=128,
                                            neuron_config=NeuronConfig(cpu_kernels=False))

@@ -334,12 +334,16 @@ class Attention:
         cache_k = self._write(cache_k, self._to_cache(k), step)
         cache_v = self._write(cache_v, self._to_cache(v), step)
         context = None
-        if step.n_tokens == 1 and self.plain:
+        if self.plain:
             # Continuous batching's programs for some of the lines read each row's own line.
             slots = step.line_slots()
-            context = values.lowering.decode_attention(q, cache_k, cache_v, slots,
-                                                       self.window_pad(slots, step.pad), self.scale,
-                                                       step.lines)
+            if step.n_tokens == 1:
+                context = values.lowering.decode_attention(q, cache_k, cache_v, slots,
+                                                           self.window_pad(slots, step.pad), self.scale,
+                                                           step.lines)
+            else:
+                context = values.lowering.prefill_attention(q, cache_k, cache_v, slots, step.pad, self.scale,
+                                                            step.lines, self.window)
         if context is None:
             context = self._attend(q, cache_k, cache_v, step, values.lowering.attention_in_conditional)
         return context, cache_k, cache_v

@@ -156,3 +156,39 @@ def decode_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValu
             f"lines {None if lines is None else (lines.dtype, list(lines.dims))}")
     factor = constant(q.scribe, "f32", float(scale))
     return ffi_call(q.shape, [q, k, v, slot, pad, factor, lines], "pyhlo_decode_attention")
+
+
+def prefill_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValue, pad: HloValue,
+                             scale: float, lines: HloValue | None = None,
+                             window: int | None = None) -> HloValue:
+    """n new tokens per row over its cache line, causally, by a CPU kernel called through XLA's
+    typed FFI; the same result as attention() with the causal, padding and window masks: query j
+    of row i, at slot slot[i] + j, sees the slots pad[i] <= t <= slot[i] + j (and, with a window,
+    slot[i] + j - t < window). A query that sees no slot gets zeros.
+
+    q f32[b, h, n, d]; k, v as decode_attention_kernel takes them, [B, kvh, S, d] (packed s8
+    rows [B, kvh, S, d + 4]); slot s32[b], each row's first new slot; pad s32[b]; lines s32[b]
+    (None: row i reads line i, B = b). Returns f32[b, h, n, d]. The kernel reads only the slots
+    some query sees and skips the rest. It must be registered with the backend
+    (runtime.cpu_kernels.register()) before compiling.
+    """
+    b, h, n, d = q.dims
+    row = d + 4 if k.dtype == "s8" else d
+    if lines is None and len(k.dims) == 4 and k.dims[0] == b:
+        lines = iota(q.scribe, "s32", (b,), 0)
+    if (q.dtype != "f32" or len(k.dims) != 4 or k.dims[3] != row
+            or h % k.dims[1] or v.dims != k.dims or v.dtype != k.dtype
+            or k.dtype not in ("f32", "bf16", "u16", "s8")
+            or slot.dtype != "s32" or slot.dims != (b,) or pad.dtype != "s32" or pad.dims != (b,)
+            or lines is None or lines.dtype != "s32" or lines.dims != (b,)
+            or (window is not None and window < 1)):
+        raise HloShapeError(
+            f"prefill_attention_kernel: need f32 q[b, h, n, d], f32/bf16/u16 k and v [B, kvh, S, d] "
+            f"(or packed s8 rows [B, kvh, S, d + 4]), s32 slot[b], pad[b] and lines[b] (or B = b), and a "
+            f"window of at least 1 slot or None; got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, "
+            f"v {v.dtype}{list(v.dims)}, slot {slot.dtype}{list(slot.dims)}, "
+            f"pad {pad.dtype}{list(pad.dims)}, "
+            f"lines {None if lines is None else (lines.dtype, list(lines.dims))}, window {window}")
+    factor = constant(q.scribe, "f32", float(scale))
+    span = constant(q.scribe, "s32", int(window or 0))
+    return ffi_call(q.shape, [q, k, v, slot, pad, factor, lines, span], "pyhlo_prefill_attention")
