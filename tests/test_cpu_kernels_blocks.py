@@ -230,7 +230,7 @@ KERNEL_FORMS = {"avx2": "-mno-avx512f", "portable": "-mno-avx2 -mno-avx512f"}
 @pytest.mark.parametrize("form", sorted(KERNEL_FORMS))
 def test_every_instruction_set_form_of_the_kernels_matches_numpy(form):
     """The kernels built without AVX-512 (the AVX2 forms, on a host with AVX2) and without
-    AVX2 (the portable forms) pass this file's and the decode-attention kernel's checks."""
+    AVX2 (the portable forms) pass this file's and the attention kernels' checks."""
     import os
     import subprocess
     import sys
@@ -240,6 +240,7 @@ def test_every_instruction_set_form_of_the_kernels_matches_numpy(form):
     env = dict(os.environ, PYHLO_KERNEL_FLAGS=KERNEL_FORMS[form], PYTHONPATH=python_path(here.parent))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                            str(here / "test_cpu_kernels_blocks.py"), str(here / "test_cpu_kernels.py"),
+                           str(here / "test_prefill_attention.py"),
                            "-k", "(match or packed or large_head) and not instruction_set"],
                           env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -138,8 +138,9 @@ def test_prefill_attention_kernel_rejects_operands_it_cannot_run():
                                         scribe.s32[1].Parameter(parameter_number=4), 0.5)
 
     with pytest.raises(HloShapeError, match=r"q f32\[1, 4, 3, 8\], k f32\[1, 3, 4, 8\]"):
-        run_fn(program, *(np.zeros(shape, np.float32) for shape in [(1, 4, 3, 8), (1, 3, 4, 8), (1, 3, 4, 8)]),
-               np.zeros(1, np.int32), np.zeros(1, np.int32))
+        shapes = [(1, 4, 3, 8), (1, 3, 4, 8), (1, 3, 4, 8)]
+        run_fn(program, *(np.zeros(shape, np.float32) for shape in shapes), np.zeros(1, np.int32),
+               np.zeros(1, np.int32))
 
 
 def test_a_prompt_takes_the_kernel_where_it_is_fast(tiny_llama, monkeypatch):
