@@ -103,8 +103,8 @@ _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
 # Included by the sources: part of what the library's cache name hashes.
 _HEADERS = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("half.h", "vector_sum.h", "byte_lanes.h", "kquants.h", "q8_blocks.h",
-                         "block_operands.h", "gemm_panels.h", "row_chunks.h", "mixed_rows.h",
-                         "widened_panels.h")]
+                         "block_operands.h", "attention_operands.h", "gemm_panels.h", "row_chunks.h",
+                         "mixed_rows.h", "widened_panels.h")]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 

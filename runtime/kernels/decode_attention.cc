@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_operands.h"
 #include "half.h"
 #include "row_chunks.h"
 #include "xla/ffi/api/ffi.h"
@@ -220,27 +221,12 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
                            ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> pad,
                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> lines,
                            ffi::Result<ffi::AnyBuffer> out) {
+  ffi::Error checked = pyhlo_kernels::check_attention_operands("pyhlo_decode_attention", q, k, v, slot, pad, lines,
+                                                                out->element_type(), /*queries=*/1);
+  if (checked.failure()) return checked;
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
-  if (q.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("pyhlo_decode_attention: q and the result must be f32");
   const auto type = k.element_type();
-  if (type != v.element_type() ||
-      (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::U16 &&
-       type != ffi::DataType::S8))
-    return ffi::Error::InvalidArgument(
-        "pyhlo_decode_attention: k and v must both be f32, bf16 (or its bits as u16) or packed s8 rows");
-  const int64_t packed = type == ffi::DataType::S8 ? int64_t(sizeof(float)) : 0;
-  if (qd.size() != 4 || kd.size() != 4 || qd[2] != 1 || qd[3] + packed != kd[3] ||
-      kd[1] == 0 || qd[1] % kd[1] != 0 || v.element_count() != k.element_count() ||
-      pad.element_count() != static_cast<size_t>(qd[0]) || slot.element_count() != static_cast<size_t>(qd[0]) ||
-      lines.element_count() != static_cast<size_t>(qd[0]))
-    return ffi::Error::InvalidArgument(
-        "pyhlo_decode_attention: need q[b, h, 1, d], k and v [B, kvh, S, d] (d + 4 for packed s8 "
-        "rows) with h a multiple of kvh, slot[b], pad[b] and lines[b]");
-  for (int64_t i = 0; i < qd[0]; ++i)
-    if (lines.typed_data()[i] < 0 || lines.typed_data()[i] >= kd[0])
-      return ffi::Error::InvalidArgument("pyhlo_decode_attention: a row's cache line is not one of the caches'");
   const int64_t b = qd[0], h = qd[1], d = qd[3], kvh = kd[1], s = kd[2], stride = kd[3];
   const float* qp = static_cast<const float*>(q.untyped_data());
   float* op = static_cast<float*>(out->untyped_data());
