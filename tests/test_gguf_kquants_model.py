@@ -371,6 +371,13 @@ def test_a_prompt_on_the_k_quant_int8_gemm_answers_as_on_the_matvec_kernel(kquan
 
     if not cpu_kernels.k_quant_int8_gemm_is_fast():
         pytest.skip("the K-quants' int8 GEMM needs AVX-512 VNNI or AVX2, which this CPU lacks")
+    # Both models take the program's own attention. The two products' sums differ in f32 order
+    # (about 1e-7), and after attention the context is rounded to int8 again: a difference that
+    # small can move one value across a rounding step, and in this random model that moved the
+    # logits by 1.6 % with the prefill attention kernel (which matches the program's attention
+    # to 1.3e-6 on this file in exact mode), where the program's attention happened to move none.
+    # What this test compares is the products, so attention is held to one form.
+    monkeypatch.setattr(cpu_kernels, "prefill_attention_is_fast", lambda: False)
     path = kquant_file("k_quants_q5_0", k_quants_and_q5_0)
     gemm = int8_model(path)
     prefill = {i.custom_call_target for c in gemm.programs.build(Block(64, 128)).module.computations
