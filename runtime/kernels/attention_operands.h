@@ -2,14 +2,32 @@
 // in one place: f32 queries q[b, h, n, d] and an f32 result; caches k and v [B, kvh, S, d] of
 // f32 or bf16 (or its bits, u16), or packed int8 rows [B, kvh, S, d + 4] (d values, then the
 // row's f32 scale), h a multiple of kvh; each row's slot[b], pad[b] and cache line lines[b].
+// And how a cache row reads: value i (load) times the row's factor (row_scale).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <string>
+
+#include "half.h"
 
 #include "xla/ffi/api/ffi.h"
 
 namespace pyhlo_kernels {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const int8_t* p, int64_t i) { return float(p[i]); }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+
+// The factor a stored row's values are multiplied by: 1, or a packed int8 row's own scale,
+// which follows its d values.
+inline float row_scale(const float*, int64_t) { return 1.0f; }
+inline float row_scale(const uint16_t*, int64_t) { return 1.0f; }
+inline float row_scale(const int8_t* row, int64_t d) {
+  float out;
+  std::memcpy(&out, row + d, sizeof(out));
+  return out;
+}
 
 // Success, or an error that names `kernel` and what does not fit. `queries`: the query tokens a
 // row must have (0: any number).

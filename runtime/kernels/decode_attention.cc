@@ -37,9 +37,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const int8_t* p, int64_t i) { return float(p[i]); }
-inline float load(const uint16_t* p, int64_t i) { return pyhlo_kernels::bf16_to_f32(p[i]); }
+using pyhlo_kernels::load;
+using pyhlo_kernels::row_scale;
 
 // sum_e a[e] * b[e] with 16 independent partial sums, which compilers vectorize.
 template <typename T>
@@ -52,16 +51,6 @@ inline float dot(const float* a, const T* b, int64_t n) {
   for (; e < n; ++e) sum += a[e] * load(b, e);
   for (int j = 0; j < 16; ++j) sum += part[j];
   return sum;
-}
-
-// The factor a stored row's values are multiplied by: 1, or a packed int8 row's own scale,
-// which follows its d values.
-inline float row_scale(const float*, int64_t) { return 1.0f; }
-inline float row_scale(const uint16_t*, int64_t) { return 1.0f; }
-inline float row_scale(const int8_t* row, int64_t d) {
-  float out;
-  std::memcpy(&out, row + d, sizeof(out));
-  return out;
 }
 
 // The cache slots line i attends to: first..last (none where first > last).

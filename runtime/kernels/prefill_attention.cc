@@ -48,14 +48,10 @@ constexpr int kTileRows = 6;         // query rows of a tile
 constexpr int64_t kQueryRows = 48;   // query rows (tokens times the group's heads) a job aims at
 
 // A cache row's d values as f32 (a packed int8 row times its scale).
-inline void widen_row(const float* row, int64_t d, float* out) { std::memcpy(out, row, d * sizeof(float)); }
-inline void widen_row(const uint16_t* row, int64_t d, float* out) {
-  for (int64_t e = 0; e < d; ++e) out[e] = pyhlo_kernels::bf16_to_f32(row[e]);
-}
-inline void widen_row(const int8_t* row, int64_t d, float* out) {
-  float scale;
-  std::memcpy(&scale, row + d, sizeof(scale));
-  for (int64_t e = 0; e < d; ++e) out[e] = float(row[e]) * scale;
+template <typename T>
+void widen_row(const T* row, int64_t d, float* out) {
+  const float factor = pyhlo_kernels::row_scale(row, d);
+  for (int64_t e = 0; e < d; ++e) out[e] = pyhlo_kernels::load(row, e) * factor;
 }
 
 // The operands and the shapes every job reads.
@@ -106,71 +102,41 @@ void lay_out(const Problem<T>& p, int64_t pair) {
   }
 }
 
-// scores[r][0 .. 15] = rows[r] . the block's 16 keys, for R rows of d values.
+// out[r * out_stride + c] = sum_j a[r * a_stride + j] * b[j * b_stride + c] for R rows, j < len
+// and c < columns: the scores of R query rows against a block of 16 turned keys (a the rows, b
+// the block, len d), and their weighted values, 16 of the d values at a time (a the weights, b
+// the value rows, len the slots). 16 columns take the AVX2 tile, its sums in registers.
 template <int R>
-void score_tile(const float* rows, const float* block, int64_t d, float* scores, int64_t score_stride) {
+void tile_product(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t len,
+                  int64_t columns, float* out, int64_t out_stride) {
 #ifdef PYHLO_PREFILL_AVX2
-  __m256 acc[2][R];
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-  for (int64_t e = 0; e < d; ++e) {
-    const __m256 k0 = _mm256_loadu_ps(block + e * kSlotBlock);
-    const __m256 k1 = _mm256_loadu_ps(block + e * kSlotBlock + 8);
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_broadcast_ss(rows + r * d + e);
-      acc[0][r] = _mm256_fmadd_ps(x, k0, acc[0][r]);
-      acc[1][r] = _mm256_fmadd_ps(x, k1, acc[1][r]);
-    }
-  }
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(scores + r * score_stride, acc[0][r]);
-    _mm256_storeu_ps(scores + r * score_stride + 8, acc[1][r]);
-  }
-#else
-  for (int r = 0; r < R; ++r)
-    for (int64_t t = 0; t < kSlotBlock; ++t) {
-      float sum = 0.0f;
-      for (int64_t e = 0; e < d; ++e) sum += rows[r * d + e] * block[e * kSlotBlock + t];
-      scores[r * score_stride + t] = sum;
-    }
-#endif
-}
-
-// out[r][0 .. width - 1] = sum_t weights[r][t] * values[t][0 .. width - 1] over n_slots slots,
-// for R rows; width 16, or 8 at the end of a row of d values.
-template <int R>
-void value_tile(const float* weights, int64_t weight_stride, const float* values, int64_t d, int64_t n_slots,
-                int64_t width, float* out) {
-#ifdef PYHLO_PREFILL_AVX2
-  if (width == 16) {
+  if (columns == 16) {
     __m256 acc[2][R];
     #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n_slots; ++t) {
-      const __m256 v0 = _mm256_loadu_ps(values + t * d);
-      const __m256 v1 = _mm256_loadu_ps(values + t * d + 8);
+    for (int64_t j = 0; j < len; ++j) {
+      const __m256 b0 = _mm256_loadu_ps(b + j * b_stride);
+      const __m256 b1 = _mm256_loadu_ps(b + j * b_stride + 8);
       #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m256 w = _mm256_broadcast_ss(weights + r * weight_stride + t);
-        acc[0][r] = _mm256_fmadd_ps(w, v0, acc[0][r]);
-        acc[1][r] = _mm256_fmadd_ps(w, v1, acc[1][r]);
+        const __m256 x = _mm256_broadcast_ss(a + r * a_stride + j);
+        acc[0][r] = _mm256_fmadd_ps(x, b0, acc[0][r]);
+        acc[1][r] = _mm256_fmadd_ps(x, b1, acc[1][r]);
       }
     }
     #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(out + r * d, acc[0][r]);
-      _mm256_storeu_ps(out + r * d + 8, acc[1][r]);
+      _mm256_storeu_ps(out + r * out_stride, acc[0][r]);
+      _mm256_storeu_ps(out + r * out_stride + 8, acc[1][r]);
     }
     return;
   }
 #endif
   for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < width; ++c) {
+    for (int64_t c = 0; c < columns; ++c) {
       float sum = 0.0f;
-      for (int64_t t = 0; t < n_slots; ++t) sum += weights[r * weight_stride + t] * values[t * d + c];
-      out[r * d + c] = sum;
+      for (int64_t j = 0; j < len; ++j) sum += a[r * a_stride + j] * b[j * b_stride + c];
+      out[r * out_stride + c] = sum;
     }
 }
 
@@ -242,9 +208,9 @@ void by_tiles(int64_t n_rows, const Tile& tile) {
     tail_tiles<kTileRows - 1>(n_rows - r0, [&](auto rows) { tile(rows, r0); });
 }
 
-// Per thread: the job's query rows, scores and outputs.
+// Per thread: the job's query rows, scores, outputs and each row's 1 / (sum of its weights).
 struct Scratch {
-  std::vector<float> rows, scores, out;
+  std::vector<float> rows, scores, out, inverse;
 };
 
 // Row i's kv head c, query tokens j0 .. j1 - 1 of every head of its group.
@@ -260,6 +226,7 @@ void attend_block(const Problem<T>& p, int64_t job, Scratch& scratch) {
   scratch.rows.resize(n_rows * d);
   scratch.scores.resize(n_rows * std::max<int64_t>(stride, 1));
   scratch.out.resize(n_rows * d);
+  scratch.inverse.resize(n_rows);
   float* rows = scratch.rows.data();
   for (int64_t g = 0; g < p.group; ++g)   // row g * tokens + (j - j0): head c * group + g, token j
     for (int64_t j = j0; j < j1; ++j) {
@@ -273,11 +240,11 @@ void attend_block(const Problem<T>& p, int64_t job, Scratch& scratch) {
   for (int64_t block = 0; block < stride / kSlotBlock; ++block) {
     const float* turned = keys + (lo / kSlotBlock + block) * d * kSlotBlock;
     by_tiles(n_rows, [&](auto tile_rows, int64_t r0) {
-      score_tile<decltype(tile_rows)::value>(rows + r0 * d, turned, d, scores + r0 * stride + block * kSlotBlock,
-                                             stride);
+      tile_product<decltype(tile_rows)::value>(rows + r0 * d, d, turned, kSlotBlock, d, kSlotBlock,
+                                               scores + r0 * stride + block * kSlotBlock, stride);
     });
   }
-  std::vector<float> inverse(n_rows);
+  float* inverse = scratch.inverse.data();
   for (int64_t r = 0; r < n_rows; ++r) {
     const int64_t j = j0 + r % tokens;
     const int64_t first = p.first_slot(i, j) - lo, last = p.last_slot(i, j) - lo;
@@ -292,17 +259,8 @@ void attend_block(const Problem<T>& p, int64_t job, Scratch& scratch) {
   for (int64_t c0 = 0; c0 < d; c0 += 16) {
     const int64_t columns = std::min<int64_t>(16, d - c0);
     by_tiles(n_rows, [&](auto tile_rows, int64_t r0) {
-      if (columns == 16 || columns == 8) {
-        value_tile<decltype(tile_rows)::value>(scores + r0 * stride, stride, values + lo * d + c0, d, width, columns,
-                                               out + r0 * d + c0);
-      } else {   // d not a multiple of 8: the generic loops
-        for (int64_t r = r0; r < r0 + decltype(tile_rows)::value; ++r)
-          for (int64_t e = c0; e < c0 + columns; ++e) {
-            float sum = 0.0f;
-            for (int64_t t = 0; t < width; ++t) sum += scores[r * stride + t] * values[(lo + t) * d + e];
-            out[r * d + e] = sum;
-          }
-      }
+      tile_product<decltype(tile_rows)::value>(scores + r0 * stride, stride, values + lo * d + c0, d, width,
+                                               columns, out + r0 * d + c0, d);
     });
   }
   for (int64_t g = 0; g < p.group; ++g)
