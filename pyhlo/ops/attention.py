@@ -126,6 +126,29 @@ def combine_attention_parts(out: HloValue, top: HloValue, total: HloValue,
     return divide(out, broadcast(total, out.dims, [0, 1, 2]))
 
 
+def _cache_operands(kernel: str, queries: str, q: HloValue, k: HloValue, v: HloValue, slot: HloValue,
+                    pad: HloValue, lines: HloValue | None) -> HloValue:
+    """The attention kernels' operands checked (q f32[b, h, `queries`, d] with "n" any number;
+    caches and rows as decode_attention_kernel takes them); each row's cache line, iota where
+    `lines` is None and the caches have one line a row."""
+    b, h, nq, d = q.dims
+    row = d + 4 if k.dtype == "s8" else d
+    if lines is None and len(k.dims) == 4 and k.dims[0] == b:
+        lines = iota(q.scribe, "s32", (b,), 0)
+    if (q.dtype != "f32" or (queries != "n" and nq != int(queries)) or len(k.dims) != 4 or k.dims[3] != row
+            or h % k.dims[1] or v.dims != k.dims or v.dtype != k.dtype
+            or k.dtype not in ("f32", "bf16", "u16", "s8")
+            or slot.dtype != "s32" or slot.dims != (b,) or pad.dtype != "s32" or pad.dims != (b,)
+            or lines is None or lines.dtype != "s32" or lines.dims != (b,)):
+        raise HloShapeError(
+            f"{kernel}: need f32 q[b, h, {queries}, d], f32/bf16/u16 k and v [B, kvh, S, d] "
+            f"(or packed s8 rows [B, kvh, S, d + 4]), s32 slot[b], pad[b] and lines[b] (or B = b); "
+            f"got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, v {v.dtype}{list(v.dims)}, "
+            f"slot {slot.dtype}{list(slot.dims)}, pad {pad.dtype}{list(pad.dims)}, "
+            f"lines {None if lines is None else (lines.dtype, list(lines.dims))}")
+    return lines
+
+
 def decode_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValue, pad: HloValue,
                             scale: float, lines: HloValue | None = None) -> HloValue:
     """One query token per row over the cache slots pad[i] <= t <= slot[i] of its cache line,
@@ -139,21 +162,7 @@ def decode_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloValu
     The kernel reads the cache in place: no slice of it is copied. It must be registered
     with the backend (runtime.cpu_kernels.register()) before compiling.
     """
-    b, h, nq, d = q.dims
-    row = d + 4 if k.dtype == "s8" else d
-    if lines is None and len(k.dims) == 4 and k.dims[0] == b:
-        lines = iota(q.scribe, "s32", (b,), 0)
-    if (q.dtype != "f32" or nq != 1 or len(k.dims) != 4 or k.dims[3] != row
-            or h % k.dims[1] or v.dims != k.dims or v.dtype != k.dtype
-            or k.dtype not in ("f32", "bf16", "u16", "s8")
-            or slot.dtype != "s32" or slot.dims != (b,) or pad.dtype != "s32" or pad.dims != (b,)
-            or lines is None or lines.dtype != "s32" or lines.dims != (b,)):
-        raise HloShapeError(
-            f"decode_attention_kernel: need f32 q[b, h, 1, d], f32/bf16/u16 k and v [B, kvh, S, d] "
-            f"(or packed s8 rows [B, kvh, S, d + 4]), s32 slot[b], pad[b] and lines[b] (or B = b); "
-            f"got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, v {v.dtype}{list(v.dims)}, "
-            f"slot {slot.dtype}{list(slot.dims)}, pad {pad.dtype}{list(pad.dims)}, "
-            f"lines {None if lines is None else (lines.dtype, list(lines.dims))}")
+    lines = _cache_operands("decode_attention_kernel", "1", q, k, v, slot, pad, lines)
     factor = constant(q.scribe, "f32", float(scale))
     return ffi_call(q.shape, [q, k, v, slot, pad, factor, lines], "pyhlo_decode_attention")
 
@@ -172,23 +181,9 @@ def prefill_attention_kernel(q: HloValue, k: HloValue, v: HloValue, slot: HloVal
     some query sees and skips the rest. It must be registered with the backend
     (runtime.cpu_kernels.register()) before compiling.
     """
-    b, h, n, d = q.dims
-    row = d + 4 if k.dtype == "s8" else d
-    if lines is None and len(k.dims) == 4 and k.dims[0] == b:
-        lines = iota(q.scribe, "s32", (b,), 0)
-    if (q.dtype != "f32" or len(k.dims) != 4 or k.dims[3] != row
-            or h % k.dims[1] or v.dims != k.dims or v.dtype != k.dtype
-            or k.dtype not in ("f32", "bf16", "u16", "s8")
-            or slot.dtype != "s32" or slot.dims != (b,) or pad.dtype != "s32" or pad.dims != (b,)
-            or lines is None or lines.dtype != "s32" or lines.dims != (b,)
-            or (window is not None and window < 1)):
-        raise HloShapeError(
-            f"prefill_attention_kernel: need f32 q[b, h, n, d], f32/bf16/u16 k and v [B, kvh, S, d] "
-            f"(or packed s8 rows [B, kvh, S, d + 4]), s32 slot[b], pad[b] and lines[b] (or B = b), and a "
-            f"window of at least 1 slot or None; got q {q.dtype}{list(q.dims)}, k {k.dtype}{list(k.dims)}, "
-            f"v {v.dtype}{list(v.dims)}, slot {slot.dtype}{list(slot.dims)}, "
-            f"pad {pad.dtype}{list(pad.dims)}, "
-            f"lines {None if lines is None else (lines.dtype, list(lines.dims))}, window {window}")
+    if window is not None and window < 1:
+        raise HloShapeError(f"prefill_attention_kernel: a window of at least 1 slot or None; got {window}")
+    lines = _cache_operands("prefill_attention_kernel", "n", q, k, v, slot, pad, lines)
     factor = constant(q.scribe, "f32", float(scale))
     span = constant(q.scribe, "s32", int(window or 0))
     return ffi_call(q.shape, [q, k, v, slot, pad, factor, lines, span], "pyhlo_prefill_attention")
