@@ -50,7 +50,9 @@ from pyhlo.ops.collectives import all_reduce_sum
 from pyhlo.ops.gguf_blocks import dequantize_gguf, dequantize_gguf_rows
 from pyhlo.ops.linalg import (
     BLOCK_KERNEL_FORMS,
+    GGUF_GEMM32_X8_KERNEL_TYPES,
     GGUF_GEMM_X8_KERNEL_TYPES,
+    GGUF_ROWS32_GEMM_X8_KERNEL_TYPES,
     GGUF_ROWS_X8_KERNEL_TYPES,
     GGUF_X8_KERNEL_TYPES,
     gemm_bf16_kernel,
@@ -248,7 +250,9 @@ class CpuKernelLowering(XlaLowering):
     kernel_rows: tuple[tuple[str, tuple[int, int]], ...] = tuple(DEFAULT_KERNEL_ROWS.items())
     # With int8_activations: products of Q8_0 / Q4_0 / Q4_1 block weights past the kernel rows
     # (prefill) take the tiled int8 GEMM kernel instead of weights widened to f32 in the
-    # program. True where the kernels have a fast form (runtime.cpu_kernels.int8_gemm_is_fast()).
+    # program; those of Q5_0 / Q5_1 / IQ4_NL kept as the file's bytes (and rows of mixed such
+    # forms) take it instead of the matrix-vector kernel. True where the kernels have a fast
+    # form (runtime.cpu_kernels.int8_gemm_is_fast()).
     # The same for int8 weights (`quant`) with k a multiple of 32 (the rounding's blocks).
     int8_gemm: bool = False
     # With int8 activations: K-quant products of K_QUANT_GEMM_FIRST_ROWS or more rows take their
@@ -327,12 +331,14 @@ class CpuKernelLowering(XlaLowering):
             form = block_form(quant)
             if (self.int8_activations and self.k_quant_int8_gemm and has_k_quant_gemm(quant)
                     and rows_in >= K_QUANT_GEMM_FIRST_ROWS):
-                return k_quant_gemm(ew.convert(x, "f32"), weight, quant)
+                return gguf_int8_gemm(ew.convert(x, "f32"), weight, quant)
             if rows_in <= last:
                 return None
             if not form.as_file and (rounded or exact):
                 gemm = gemm_blocks_x8_kernel if rounded else gemm_blocks_kernel
                 return gemm(ew.convert(x, "f32"), weight, scale, mins)
+            if rounded and has_block32_gemm(quant):
+                return gguf_int8_gemm(ew.convert(x, "f32"), weight, quant)
             if form.as_file and exact:
                 if quant.startswith(ROWS):
                     return matvec_gguf_rows_kernel(ew.convert(x, "f32"), weight, ggml_types(quant), gemm=True)
@@ -398,8 +404,20 @@ def has_k_quant_gemm(form: str) -> bool:
     return block_form(form).as_file and set(ggml_types(form)) <= set(GGUF_GEMM_X8_KERNEL_TYPES)
 
 
-def k_quant_gemm(x: HloValue, weight: HloValue, form: str) -> HloValue:
-    """x @ weight.T on the int8 GEMM of a form has_k_quant_gemm() accepts."""
+def has_block32_gemm(form: str) -> bool:
+    """Whether a GGUF block weight kept as the file's bytes is of forms of 32-value blocks with an
+    int8 GEMM (the block forms' tiled GEMM): Q5_0, Q5_1 or IQ4_NL, or rows of mixed such forms
+    and Q8_0 / Q4_0 / Q4_1."""
+    types = set(ggml_types(form))
+    if not block_form(form).as_file:
+        return False
+    if form.startswith(ROWS):
+        return types <= set(GGUF_ROWS32_GEMM_X8_KERNEL_TYPES)
+    return types <= set(GGUF_GEMM32_X8_KERNEL_TYPES)
+
+
+def gguf_int8_gemm(x: HloValue, weight: HloValue, form: str) -> HloValue:
+    """x @ weight.T on the int8 GEMM of a form has_k_quant_gemm() or has_block32_gemm() accepts."""
     if form.startswith(ROWS):
         return gemm_gguf_rows_x8_kernel(x, weight, ggml_types(form))
     return gemm_gguf_x8_kernel(x, weight, BLOCK_FORMS[form].ggml_type)

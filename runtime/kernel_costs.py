@@ -112,6 +112,8 @@ COST_RULES: dict[str, CostRule] = {
     **{target: matvec_cost for target in cpu_kernels.GEMM_BLOCK_X8_TARGETS.values()},
     **{target: matvec_cost for target in cpu_kernels.GEMM_GGUF_X8_TARGETS.values()},
     cpu_kernels.GEMM_GGUF_ROWS_X8_TARGET: matvec_cost,
+    **{target: matvec_cost for target in cpu_kernels.GEMM_GGUF32_X8_TARGETS.values()},
+    cpu_kernels.GEMM_GGUF_ROWS32_X8_TARGET: matvec_cost,
     cpu_kernels.GEMM_S8_X8_TARGET: matvec_cost,
     cpu_kernels.GEMM_S8_TARGET: matvec_cost,
     cpu_kernels.GEMM_BF16_TARGET: matvec_cost,

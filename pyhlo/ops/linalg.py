@@ -234,18 +234,25 @@ def _gguf_operands_fit(x: HloValue, data: HloValue, ggml_type: str, types: tuple
 
 # K-quants with an int8 GEMM for products of many activation rows (gemm_gguf_x8_kernel).
 GGUF_GEMM_X8_KERNEL_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Forms of 32-value blocks kept as the file's bytes with one (the block forms' int8 GEMM).
+GGUF_GEMM32_X8_KERNEL_TYPES = ("Q5_0", "Q5_1", "IQ4_NL")
+# The row forms the int8 GEMM of rows of mixed 32-value block forms takes (Q8_0, Q4_0 and Q4_1
+# as the file's bytes too).
+GGUF_ROWS32_GEMM_X8_KERNEL_TYPES = GGUF_GEMM32_X8_KERNEL_TYPES + ("Q8_0", "Q4_0", "Q4_1")
 
 
 def gemm_gguf_x8_kernel(x: HloValue, data: HloValue, ggml_type: str) -> HloValue:
-    """matvec_gguf_kernel(..., int8_activations=True) for many activation rows (a prefill) of a
-    K-quant weight (GGUF_GEMM_X8_KERNEL_TYPES): the same operands, the same rounding of x (per
-    256 values, as llama.cpp's Q8_K), the same integer sums per super-block as a tiled integer
-    GEMM (runtime/kernels/gemm_kquants.cc); only the order of the f32 sums differs. The kernel
-    must be registered with the backend (runtime.cpu_kernels.register()) before a program
+    """matvec_gguf_kernel(..., int8_activations=True) for many activation rows (a prefill): the
+    same operands, the same rounding of x (per 256 values as llama.cpp's Q8_K for the K-quants,
+    GGUF_GEMM_X8_KERNEL_TYPES, on runtime/kernels/gemm_kquants.cc; per 32 as its Q8_1 for Q5_0,
+    Q5_1 and IQ4_NL, GGUF_GEMM32_X8_KERNEL_TYPES, on runtime/kernels/gemm_blocks.cc), the same
+    integer sums per block, as a tiled integer GEMM; only the order of the f32 sums differs. The
+    kernel must be registered with the backend (runtime.cpu_kernels.register()) before a program
     using it is compiled."""
-    if not _gguf_operands_fit(x, data, ggml_type, GGUF_GEMM_X8_KERNEL_TYPES):
-        raise HloShapeError(f"gemm_gguf_x8_kernel: needs f32 x[..., k] and u8 w[n, k / 256 * bytes] of "
-                            f"one of {', '.join(GGUF_GEMM_X8_KERNEL_TYPES)}; got {ggml_type} with "
+    types = GGUF_GEMM_X8_KERNEL_TYPES + GGUF_GEMM32_X8_KERNEL_TYPES
+    if not _gguf_operands_fit(x, data, ggml_type, types):
+        raise HloShapeError(f"gemm_gguf_x8_kernel: needs f32 x[..., k] and u8 w[n, k / values * bytes] of "
+                            f"whole blocks of one of {', '.join(types)}; got {ggml_type} with "
                             f"{x.dtype}{list(x.dims)} and {data.dtype}{list(data.dims)}")
     shape = x.scribe.f32[(*x.dims[:-1], data.dims[0])]
     return ffi_call(shape, [x, data], f"pyhlo_gemm_{ggml_type.lower()}_x8")
@@ -253,22 +260,30 @@ def gemm_gguf_x8_kernel(x: HloValue, data: HloValue, ggml_type: str) -> HloValue
 
 def gemm_gguf_rows_x8_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...]) -> HloValue:
     """matvec_gguf_rows_kernel(..., int8_activations=True) for many activation rows (a prefill) of a
-    weight whose rows come in several K-quant forms (`ggml_types`, of GGUF_GEMM_X8_KERNEL_TYPES;
-    llama.cpp's Q4_K_M mixes Q4_K and Q6_K so): the same operands and rounding of x, each row
-    multiplied as its form is, as the tiled integer GEMM of gemm_gguf_x8_kernel. The kernel
-    checks each row's code and offset when it runs."""
+    weight whose rows come in several forms (`ggml_types`), each row multiplied as its form is, as
+    the tiled integer GEMMs of gemm_gguf_x8_kernel: K-quants alone (GGUF_GEMM_X8_KERNEL_TYPES;
+    llama.cpp's Q4_K_M mixes Q4_K and Q6_K so), or forms of 32-value blocks alone
+    (GGUF_ROWS32_GEMM_X8_KERNEL_TYPES; its Q4_K_M of a small model mixes Q5_0 and Q8_0). The
+    kernel checks each row's code and offset when it runs."""
     from pyhlo.ops.gguf_blocks import mixed_rows_width
 
     k = x.dims[-1] if x.dims else -1
-    if not ggml_types or not set(ggml_types) <= set(GGUF_GEMM_X8_KERNEL_TYPES):
-        raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)}: the GEMM takes only "
-                            f"{', '.join(GGUF_GEMM_X8_KERNEL_TYPES)} (others: matvec_gguf_rows_kernel)")
-    width = mixed_rows_width(ggml_types, k)
-    if x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2 or data.dims[1] != width or k % 256:
+    kinds = {"K-quants": (GGUF_GEMM_X8_KERNEL_TYPES, 256, "pyhlo_gemm_gguf_rows_x8"),
+             "32-value blocks": (GGUF_ROWS32_GEMM_X8_KERNEL_TYPES, 32, "pyhlo_gemm_gguf_rows32_x8")}
+    kind = next((kind for kind, (types, _, _) in kinds.items() if ggml_types and set(ggml_types) <= set(types)),
+                None)
+    if kind is None:
+        raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)}: the GEMM takes rows of "
+                            f"{', '.join(GGUF_GEMM_X8_KERNEL_TYPES)} alone or of "
+                            f"{', '.join(GGUF_ROWS32_GEMM_X8_KERNEL_TYPES)} alone (others: "
+                            "matvec_gguf_rows_kernel)")
+    _, values, target = kinds[kind]
+    width = mixed_rows_width(ggml_types, k) if k > 0 and k % values == 0 else None
+    if x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2 or width is None or data.dims[1] != width:
         raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)} need f32 x[..., k] "
-                            f"(k a multiple of 256) and u8 w[n, {width}]; got {x.dtype}{list(x.dims)} and "
+                            f"(k a multiple of {values}) and u8 w[n, widest row + 5]; got {x.dtype}{list(x.dims)} and "
                             f"{data.dtype}{list(data.dims)}")
-    return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], "pyhlo_gemm_gguf_rows_x8")
+    return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], target)
 
 
 def matvec_gguf_rows_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str, ...],

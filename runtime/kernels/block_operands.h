@@ -11,8 +11,6 @@
 
 namespace pyhlo_kernels {
 
-constexpr int64_t kBlockValues = 32;
-
 // What the operands must be, for the error a kernel returns when they are not.
 inline std::string block_operands_needed(const char* kernels) {
   return std::string(kernels) +
@@ -32,8 +30,8 @@ inline bool block_operands_fit(bool q8, xla::ffi::AnyBuffer& x, xla::ffi::AnyBuf
       w.element_type() != (q8 ? ffi::DataType::S8 : ffi::DataType::U8) || w_dims.size() != 2)
     return false;
   const int64_t k = x_dims[x_dims.size() - 1];
-  return k == w_dims[1] * per_byte && k % kBlockValues == 0 && scales.element_type() == ffi::DataType::F16 &&
-         scales.element_count() == static_cast<size_t>(w_dims[0] * (k / kBlockValues)) &&
+  return k == w_dims[1] * per_byte && k % 32 == 0 && scales.element_type() == ffi::DataType::F16 &&
+         scales.element_count() == static_cast<size_t>(w_dims[0] * (k / 32)) &&
          (mins == nullptr ||
           (mins->element_type() == ffi::DataType::F16 && mins->element_count() == scales.element_count()));
 }

@@ -5,6 +5,15 @@
 // pyhlo_gemm_s8_x8: the same for int8 weights with one f32 scale per row (pyhlo_matvec_s8's
 // operands: NeuronConfig.quant), packed as Q8_0 blocks whose scales are the row's.
 //
+// pyhlo_gemm_q5_0_x8, _q5_1_x8, _iq4_nl_x8: the same for the forms of 32-value blocks a GGUF
+// file's bytes keep (u8 w[N, K / 32 * bytes], as the pyhlo_matvec_<form>_x8 targets of
+// matvec_gguf.cc take them), x rounded as those targets round it for these forms (llama.cpp's
+// Q8_1: block32_forms.h, q8_blocks.h), so the result equals theirs up to the order of the f32
+// sums; pyhlo_gemm_gguf_rows32_x8 for a weight whose rows come in several of these forms and
+// Q8_0 / Q4_0 / Q4_1 (mixed_rows.h; llama.cpp's Q4_K_M gives attn_v Q8_0 in some layers, Q5_0
+// in others where rows are not whole super-blocks). Each panel's rows are first read into
+// block32_forms.h's integers, then packed as Q8_0's.
+//
 // pyhlo_gemm_q8_0, _q4_0, _q4_1, _s8 (no _x8): the exact products of the same operands, x kept
 // f32 and the weights widened to f32 as the program's own dequantization widens them (d * (q -
 // 8) for Q4_0, d * q + m for Q4_1, d * q for Q8_0, scale * q for S8) a panel at a time
@@ -33,9 +42,12 @@
 #include <string>
 #include <vector>
 
+#include "block32_forms.h"
 #include "block_operands.h"
 #include "gemm_panels.h"
 #include "half.h"
+#include "mixed_rows.h"
+#include "q8_blocks.h"
 #include "widened_panels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -52,7 +64,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-enum Form { kQ8_0, kQ4_0, kQ4_1, kS8 };
+// kFile: forms of 32-value blocks as a GGUF file's bytes (block32_forms.h), one or rows of several.
+enum Form { kQ8_0, kQ4_0, kQ4_1, kS8, kFile };
 constexpr int64_t kBlock = 32;
 constexpr int kLanes = 16;               // int32 lanes of a vector: weight rows side by side
 constexpr int kPanelRows = 2 * kLanes;   // weight rows of a panel (two vectors)
@@ -72,6 +85,15 @@ struct Problem {
   const uint16_t* scales;        // f16 [N, K/32] (not S8)
   const float* row_scales;       // f32 [N] (S8)
   const uint16_t* mins;          // f16 [N, K/32] (Q4_1)
+  const float* block_d;          // f32 [N, K/32]: each block's scale, in place of `scales` (kFile's panels)
+  const float* block_m;          // f32 [N, K/32]: each block's minimum, in place of `mins`
+  // kFile: the file's bytes, every row of form `code` (u8 [N, K / 32 * bytes]) or rows of mixed forms.
+  const uint8_t* file;
+  int code;
+  bool mixed;
+  pyhlo_kernels::MixedRows rows;
+  bool wide;                     // some weight |w| > 16: a quad's int16 pairs cannot add up over a block
+  bool with_min;                 // some rows have minimums (Q4_1, Q5_1)
   const uint8_t* xq;             // [M, K]: rounded x + 128
   const float* xd;               // [M, K/32]: the rounding's scales
   const float* xsum;             // [M, K/32]: d * sum of the rounded values (Q4_1)
@@ -85,9 +107,15 @@ struct Panel {
   std::vector<float> d;          // [nb][kPanelRows]
   std::vector<float> min;        // [nb][kPanelRows] (Q4_1)
 
-  explicit Panel(int64_t nb)
+  // kFile: the panel's rows as block32_forms.h's integers [kPanelRows][K], scales and minimums
+  // [kPanelRows][nb], packed from there as Q8_0's.
+  std::vector<int8_t> file_values;
+  std::vector<float> file_d, file_m;
+
+  Panel(int64_t nb, bool file)
       : values(nb * kQuads * kPanelRows * 4), bias(nb * kPanelRows), d(nb * kPanelRows),
-        min(nb * kPanelRows) {}
+        min(nb * kPanelRows), file_values(file ? kPanelRows * nb * kBlock : 0),
+        file_d(file ? kPanelRows * nb : 0), file_m(file ? kPanelRows * nb : 0) {}
 };
 
 // Whether the form keeps a weight in a byte (Q8_0, S8) rather than a nibble (Q4).
@@ -95,7 +123,29 @@ inline bool bytes_per_value(Form form) { return form == kQ8_0 || form == kS8; }
 
 // Scale of block b of row n.
 inline float block_scale(const Problem& p, int64_t n, int64_t b) {
+  if (p.block_d != nullptr) return p.block_d[n * p.nb + b];
   return p.form == kS8 ? p.row_scales[n] : half_to_f32(p.scales[n * p.nb + b]);
+}
+
+inline float block_min(const Problem& p, int64_t n, int64_t b) {
+  if (p.block_m != nullptr) return p.block_m[n * p.nb + b];
+  return p.mins != nullptr ? half_to_f32(p.mins[n * p.nb + b]) : 0.0f;
+}
+
+// Whether a tile sums each quad's int16 pairs into int32 at once (weights up to 128) rather
+// than over a whole block (nibble forms, Q5_0: 8 quads of 2 * 16 * 127 fit in int16).
+inline bool wide_weights(const Problem& p) { return p.form == kFile ? p.wide : bytes_per_value(p.form); }
+
+inline bool has_minimums(const Problem& p) { return p.form == kQ4_1 || (p.form == kFile && p.with_min); }
+
+// Weight row n of a kFile problem and its form's code.
+inline const uint8_t* file_row(const Problem& p, int64_t n, int* code) {
+  if (!p.mixed) {
+    *code = p.code;
+    return p.file + n * p.nb * pyhlo_kernels::block32_bytes(p.code);
+  }
+  *code = p.rows.code(n);
+  return p.rows.row(n);
 }
 
 // Weight j of block b of row n as the packed panel holds it.
@@ -106,14 +156,38 @@ inline int8_t packed_weight(const Problem& p, int64_t n, int64_t b, int j) {
   return int8_t(p.form == kQ4_0 ? q - 8 : q);
 }
 
+void pack(const Problem& p, int64_t n0, Panel& panel);
+
+// A kFile panel: its rows read into integers, then packed as Q8_0's (a problem of those rows alone).
+void pack_file(const Problem& p, int64_t n0, Panel& panel) {
+  const int64_t nb = p.nb, rows = std::min<int64_t>(kPanelRows, p.n - n0);
+  for (int64_t r = 0; r < rows; ++r) {
+    int code;
+    const uint8_t* row = file_row(p, n0 + r, &code);
+    const int bytes = pyhlo_kernels::block32_bytes(code);
+    for (int64_t b = 0; b < nb; ++b)
+      pyhlo_kernels::block32_to_int8(code, row + b * bytes, panel.file_values.data() + (r * nb + b) * kBlock,
+                                     panel.file_d.data() + r * nb + b, panel.file_m.data() + r * nb + b);
+    if (!pyhlo_kernels::block32_has_min(code)) std::fill_n(panel.file_m.data() + r * nb, nb, 0.0f);
+  }
+  Problem view = p;
+  view.form = kQ8_0;
+  view.n = rows;
+  view.w = panel.file_values.data();
+  view.block_d = panel.file_d.data();
+  view.block_m = panel.file_m.data();
+  pack(view, 0, panel);
+}
+
 void pack(const Problem& p, int64_t n0, Panel& panel) {
+  if (p.form == kFile) return pack_file(p, n0, panel);
   const int64_t nb = p.nb, rows = std::min<int64_t>(kPanelRows, p.n - n0);
   std::vector<float> row_d(nb), row_min(nb);
   for (int r = 0; r < kPanelRows; ++r) {
     const bool real = r < rows;
     for (int64_t b = 0; b < nb; ++b) {
       row_d[b] = real ? block_scale(p, n0 + r, b) : 0.0f;
-      row_min[b] = real && p.mins != nullptr ? half_to_f32(p.mins[(n0 + r) * nb + b]) : 0.0f;
+      row_min[b] = real ? block_min(p, n0 + r, b) : 0.0f;
     }
     for (int64_t b = 0; b < nb; ++b) {
       panel.d[b * kPanelRows + r] = row_d[b];
@@ -244,7 +318,7 @@ void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
       acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[0][r]), _mm512_mul_ps(d0, dx), acc[0][r]);
       acc[1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[1][r]), _mm512_mul_ps(d1, dx), acc[1][r]);
     }
-    if (p.form == kQ4_1) {
+    if (has_minimums(p)) {
       const __m512 min0 = _mm512_loadu_ps(panel.min.data() + b * kPanelRows);
       const __m512 min1 = _mm512_loadu_ps(panel.min.data() + b * kPanelRows + kLanes);
       for (int r = 0; r < R; ++r) {
@@ -311,7 +385,7 @@ void tile_pass(const Problem& p, const Panel& panel, int64_t n0, int64_t m0, int
         const __m256i total = ByteWeights ? sum[v][r] : _mm256_madd_epi16(sum[v][r], ones);
         const __m256 dx = _mm256_set1_ps(p.xd[(m0 + r) * nb + b]);
         acc[v][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[v][r]);
-        if (p.form == kQ4_1) acc[v][r] = _mm256_fmadd_ps(min, _mm256_set1_ps(p.xsum[(m0 + r) * nb + b]), acc[v][r]);
+        if (has_minimums(p)) acc[v][r] = _mm256_fmadd_ps(min, _mm256_set1_ps(p.xsum[(m0 + r) * nb + b]), acc[v][r]);
       }
     }
   }
@@ -336,7 +410,7 @@ void tile_pass(const Problem& p, const Panel& panel, int64_t n0, int64_t m0, int
 template <int R>
 void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
   for (int v0 = 0; v0 < kPanelRows / 8 && n0 + v0 * 8 < p.n; v0 += kPassVectors) {
-    if (bytes_per_value(p.form)) tile_pass<R, true>(p, panel, n0, m0, v0);
+    if (wide_weights(p)) tile_pass<R, true>(p, panel, n0, m0, v0);
     else tile_pass<R, false>(p, panel, n0, m0, v0);
   }
 }
@@ -356,7 +430,7 @@ void tile(const Problem& p, const Panel& panel, int64_t n0, int64_t m0) {
           for (int j = 0; j < 4; ++j)
             sum[c] += int32_t(x[quad * 4 + j]) * wb[(quad * kPanelRows + c) * 4 + j];
       const float dx = p.xd[(m0 + r) * nb + b];
-      const float xs = p.form == kQ4_1 ? p.xsum[(m0 + r) * nb + b] : 0.0f;
+      const float xs = has_minimums(p) ? p.xsum[(m0 + r) * nb + b] : 0.0f;
       for (int c = 0; c < kPanelRows; ++c)
         acc[r][c] += float(sum[c]) * (panel.d[b * kPanelRows + c] * dx) + panel.min[b * kPanelRows + c] * xs;
     }
@@ -520,12 +594,20 @@ void multiply(ffi::ThreadPool& pool, Problem& p, const float* x, bool exact) {
   if (p.m == 0 || p.n == 0) return;
   std::vector<uint8_t> xq(p.m * p.k);
   std::vector<float> xd(p.m * p.nb), xsum(p.m * p.nb);
-  round_activations(x, p.m, p.k, xq.data(), xd.data(), xsum.data());
+  if (p.form == kFile) {
+    // As the matrix-vector kernels round x for these forms (llama.cpp's Q8_1), kept as q + 128.
+    for (int64_t m = 0; m < p.m; ++m)
+      pyhlo_kernels::quantize_q8_1(x + m * p.k, p.k, reinterpret_cast<int8_t*>(xq.data()) + m * p.k,
+                                   xd.data() + m * p.nb, xsum.data() + m * p.nb);
+    for (uint8_t& q : xq) q ^= 0x80;
+  } else {
+    round_activations(x, p.m, p.k, xq.data(), xd.data(), xsum.data());
+  }
   p.xq = xq.data();
   p.xd = xd.data();
   p.xsum = xsum.data();
   pyhlo_kernels::share_panels(
-      pool, (p.n + kPanelRows - 1) / kPanelRows, [&p] { return Panel(p.nb); },
+      pool, (p.n + kPanelRows - 1) / kPanelRows, [&p] { return Panel(p.nb, p.form == kFile); },
       [&p](int64_t c, Panel& panel) { panel_product(p, panel, c * kPanelRows); });
 }
 
@@ -582,6 +664,55 @@ ffi::Error GemmS8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi:
   return ffi::Error::Success();
 }
 
+// The forms of 32-value blocks as a GGUF file's bytes: x f32[..., K] (K a multiple of 32), u8
+// w[N, K / 32 * bytes] of form Code, or (Code -1) rows of mixed forms (mixed_rows.h), every row's
+// code one of block32_forms.h's forms and its blocks within the rows' bytes (checked first: the
+// codes and offsets are two short runs of bytes at the end).
+template <int Code>
+ffi::Error GemmFileX8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  constexpr bool mixed = Code < 0;
+  const char* name = mixed ? "pyhlo_gemm_gguf_rows32_x8" : "pyhlo_gemm_q5_0/q5_1/iq4_nl_x8";
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  const int64_t k = x_dims.size() ? x_dims[x_dims.size() - 1] : 0;
+  if (x.element_type() != ffi::DataType::F32 || y->element_type() != ffi::DataType::F32 ||
+      w.element_type() != ffi::DataType::U8 || w_dims.size() != 2 || k % kBlock != 0 ||
+      (!mixed && w_dims[1] != k / kBlock * pyhlo_kernels::block32_bytes(Code)) ||
+      (mixed && w_dims[1] < pyhlo_kernels::kRowTail))
+    return ffi::Error::InvalidArgument(std::string(name) + ": need f32 x[..., K] (K a multiple of 32) and u8 " +
+                                       (mixed ? "w[N, widest row + 5]" : "w[N, K / 32 * bytes] of whole blocks"));
+  Problem p{};
+  p.form = kFile;
+  p.k = k;
+  p.nb = k / kBlock;
+  p.n = w_dims[0];
+  p.m = k == 0 ? 0 : static_cast<int64_t>(x.element_count()) / k;
+  p.file = static_cast<const uint8_t*>(w.untyped_data());
+  p.code = Code;
+  p.mixed = mixed;
+  p.wide = pyhlo_kernels::block32_largest(Code) > 16;
+  p.with_min = pyhlo_kernels::block32_has_min(Code);
+  p.y = static_cast<float*>(y->untyped_data());
+  if (y->element_count() != static_cast<size_t>(p.m * p.n))
+    return ffi::Error::InvalidArgument(std::string(name) + ": y must have x's rows and N columns");
+  if (mixed) {
+    p.rows = pyhlo_kernels::MixedRows(p.file, w_dims[0], w_dims[1]);
+    p.wide = p.with_min = false;
+    for (int64_t n = 0; n < p.n; ++n) {
+      const int code = p.rows.code(n), bytes = pyhlo_kernels::block32_bytes(code);
+      if (bytes == 0 || !p.rows.holds(n, p.nb * bytes))
+        return ffi::Error::InvalidArgument(
+            "pyhlo_gemm_gguf_rows32_x8: a row's code names no form of 32-value blocks (Q5_0, Q5_1, IQ4_NL, Q8_0, "
+            "Q4_0, Q4_1) whose blocks lie within the rows' bytes at the row's offset; lay rows out with "
+            "pyhlo.ops.gguf_blocks.pack_mixed_rows");
+      p.wide = p.wide || pyhlo_kernels::block32_largest(code) > 16;
+      p.with_min = p.with_min || pyhlo_kernels::block32_has_min(code);
+    }
+  }
+  multiply(pool, p, static_cast<const float*>(x.untyped_data()), false);
+  return ffi::Error::Success();
+}
+
 // Q8_0 / Q4_0 (x, values, scales) and Q4_1 (with mins), exact or with int8 activations.
 template <Form F, bool Exact>
 ffi::Error GemmBlocks(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
@@ -610,6 +741,11 @@ PYHLO_GEMM_HANDLER(PyhloGemmQ8_0, (GemmBlocks<kQ8_0, true>), PYHLO_THREE_ARGS);
 PYHLO_GEMM_HANDLER(PyhloGemmQ4_0, (GemmBlocks<kQ4_0, true>), PYHLO_THREE_ARGS);
 PYHLO_GEMM_HANDLER(PyhloGemmQ4_1, GemmQ4_1<true>, PYHLO_THREE_ARGS.Arg<ffi::AnyBuffer>());
 PYHLO_GEMM_HANDLER(PyhloGemmS8, GemmS8<true>, PYHLO_THREE_ARGS);
+#define PYHLO_TWO_ARGS .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+PYHLO_GEMM_HANDLER(PyhloGemmQ5_0X8, GemmFileX8<pyhlo_kernels::kB32Q5_0>, PYHLO_TWO_ARGS);
+PYHLO_GEMM_HANDLER(PyhloGemmQ5_1X8, GemmFileX8<pyhlo_kernels::kB32Q5_1>, PYHLO_TWO_ARGS);
+PYHLO_GEMM_HANDLER(PyhloGemmIQ4_NLX8, GemmFileX8<pyhlo_kernels::kB32IQ4_NL>, PYHLO_TWO_ARGS);
+PYHLO_GEMM_HANDLER(PyhloGemmGgufRows32X8, GemmFileX8<-1>, PYHLO_TWO_ARGS);   // each row's form from its last byte
 
 // Whether this build's int8 GEMMs here have a vector form, VNNI or AVX2 (1), or only the
 // portable one (0), which is correct but slower than XLA's dot: the lowering takes them only

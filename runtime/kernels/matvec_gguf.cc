@@ -39,6 +39,7 @@
 #include <memory>
 #include <vector>
 
+#include "block32_forms.h"
 #include "half.h"
 #include "kquants.h"
 #include "mixed_rows.h"
@@ -72,41 +73,9 @@ struct Layout {
 constexpr Layout kLayouts[] = {{32, 22}, {32, 24}, {256, 84}, {256, 110}, {256, 144},
                                {256, 176}, {256, 210}, {32, 18}, {256, 136}, {32, 34}, {32, 18}, {32, 20}};
 constexpr int kChunkAlign = 4;
-constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof(h));
-  return pyhlo_kernels::half_to_f32(h);
-}
-
-// Q5_0's or Q5_1's 32 values as bytes (0..31): the nibbles (low, then high) and bit j of the
-// block's 32-bit `high` as 16.
-void q5_values(const uint8_t* b, bool with_min, uint8_t* q) {
-  uint32_t high;
-  std::memcpy(&high, b + (with_min ? 4 : 2), sizeof(high));
-  const uint8_t* qs = b + (with_min ? 8 : 6);
-#ifdef PYHLO_GGUF_AVX2
-  // 32 values in one vector of bytes: the nibbles, and bit j of `high` spread to byte j (each
-  // byte of `high` copied to 8 lanes, one bit tested per lane).
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble),
-                                           _mm_and_si128(packed, nibble));
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(int(high)),
-      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
-  const __m256i is_set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_or_si256(nibbles, _mm256_and_si256(is_set, _mm256_set1_epi8(0x10))));
-#else
-  for (int j = 0; j < 16; ++j) {
-    q[j] = uint8_t((qs[j] & 0xF) | (((high >> j) & 1) << 4));
-    q[j + 16] = uint8_t((qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4));
-  }
-#endif
-}
+using pyhlo_kernels::half_at;
+using pyhlo_kernels::kIQ4Values;
+using pyhlo_kernels::q5_values;
 
 // One block of `form` at `b` as f32 values in `out`.
 void dequantize(Form form, const uint8_t* b, float* out) {
@@ -115,7 +84,7 @@ void dequantize(Form form, const uint8_t* b, float* out) {
     case kQ5_1: {
       // Integer values first, then floats: two simple loops that compilers vectorize.
       const bool with_min = form == kQ5_1;
-      const float d = half(b), m = with_min ? half(b + 2) : 0.0f;
+      const float d = half_at(b), m = with_min ? half_at(b + 2) : 0.0f;
       alignas(32) uint8_t q[32];
       q5_values(b, with_min, q);
 #ifdef PYHLO_GGUF_AVX2
@@ -137,7 +106,7 @@ void dequantize(Form form, const uint8_t* b, float* out) {
       break;
     }
     case kQ8_0: {
-      const float d = half(b);
+      const float d = half_at(b);
       const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
       for (int j = 0; j < 32; ++j) out[j] = d * float(q[j]);
       break;
@@ -145,7 +114,7 @@ void dequantize(Form form, const uint8_t* b, float* out) {
     case kQ4_0:
     case kQ4_1: {
       const bool with_min = form == kQ4_1;
-      const float d = half(b), m = with_min ? half(b + 2) : 0.0f;
+      const float d = half_at(b), m = with_min ? half_at(b + 2) : 0.0f;
       const uint8_t* qs = b + (with_min ? 4 : 2);
       if (with_min) {
         for (int j = 0; j < 16; ++j) {
@@ -168,7 +137,7 @@ void dequantize(Form form, const uint8_t* b, float* out) {
     case kForms:
       break;
     case kIQ4_NL: {
-      const float d = half(b);
+      const float d = half_at(b);
       for (int j = 0; j < 16; ++j) {
         out[j] = d * float(kIQ4Values[b[2 + j] & 0xF]);
         out[j + 16] = d * float(kIQ4Values[b[2 + j] >> 4]);
@@ -176,7 +145,7 @@ void dequantize(Form form, const uint8_t* b, float* out) {
       break;
     }
     case kIQ4_XS: {
-      const float d = half(b);
+      const float d = half_at(b);
       uint16_t top;
       std::memcpy(&top, b + 2, sizeof(top));
       const uint8_t* low = b + 4;
@@ -198,63 +167,27 @@ void dequantize(Form form, const uint8_t* b, float* out) {
 // integers (pyhlo_kernels::dot_q8_32's weight blocks of 32), each 32's scale in `d` and, for
 // Q5_1 and Q4_1, its minimum in `m`; integers as llama.cpp's vec_dot kernels take them.
 void to_int8(Form form, const uint8_t* b, int8_t* q, float* d, float* m) {
-  switch (form) {
-    case kQ5_0:
-    case kQ5_1: {
-      const bool with_min = form == kQ5_1;
-      alignas(32) uint8_t values[32];
-      q5_values(b, with_min, values);
-      for (int j = 0; j < 32; ++j) q[j] = int8_t(int(values[j]) - (with_min ? 0 : 16));
-      d[0] = half(b);
-      if (with_min) m[0] = half(b + 2);
-      break;
-    }
-    case kQ8_0:
-      std::memcpy(q, b + 2, 32);
-      d[0] = half(b);
-      break;
-    case kQ4_0:
-    case kQ4_1: {
-      const bool with_min = form == kQ4_1;
-      const uint8_t* qs = b + (with_min ? 4 : 2);
-      const int centre = with_min ? 0 : 8;
-      for (int j = 0; j < 16; ++j) {
-        q[j] = int8_t((qs[j] & 0xF) - centre);
-        q[j + 16] = int8_t((qs[j] >> 4) - centre);
-      }
-      d[0] = half(b);
-      if (with_min) m[0] = half(b + 2);
-      break;
-    }
-    case kIQ4_NL:
-    case kIQ4_XS: {
-      // 16 nibbles of a 32 at a time: the table's entries for the low nibbles, then the high.
-      const bool xs = form == kIQ4_XS;
-      const float scale = half(b);
-      uint16_t top = 0;
-      if (xs) std::memcpy(&top, b + 2, sizeof(top));
-      for (int j = 0; j < (xs ? 8 : 1); ++j) {
-        const uint8_t* qs = xs ? b + 8 + 16 * j : b + 2;
+  if (form != kIQ4_XS) return pyhlo_kernels::block32_to_int8(int(form), b, q, d, m);
+  // IQ4_XS: 8 sub-blocks of 32, each as IQ4_NL's, scaled by its 6-bit scale less 32 times d
+  // (exact in f32: 11 bits by 6).
+  const float scale = half_at(b);
+  uint16_t top = 0;
+  std::memcpy(&top, b + 2, sizeof(top));
+  for (int j = 0; j < 8; ++j) {
+    const uint8_t* qs = b + 8 + 16 * j;
 #ifdef PYHLO_GGUF_AVX2
-        const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
-        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), nibble = _mm_set1_epi8(0x0F);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j), _mm_shuffle_epi8(table, _mm_and_si128(packed, nibble)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j + 16),
-                         _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(packed, 4), nibble)));
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), nibble = _mm_set1_epi8(0x0F);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j), _mm_shuffle_epi8(table, _mm_and_si128(packed, nibble)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * j + 16),
+                     _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(packed, 4), nibble)));
 #else
-        for (int i = 0; i < 16; ++i) {
-          q[32 * j + i] = kIQ4Values[qs[i] & 0xF];
-          q[32 * j + 16 + i] = kIQ4Values[qs[i] >> 4];
-        }
-#endif
-        // IQ4_XS: each 32's 6-bit scale less 32 times d (exact in f32: 11 bits by 6).
-        d[j] = xs ? scale * float((((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((top >> (2 * j)) & 3) << 4)) - 32)
-                  : scale;
-      }
-      break;
+    for (int i = 0; i < 16; ++i) {
+      q[32 * j + i] = kIQ4Values[qs[i] & 0xF];
+      q[32 * j + 16 + i] = kIQ4Values[qs[i] >> 4];
     }
-    default:   // the K-quants: pyhlo_kernels::unpack() and dot_q8_k()
-      break;
+#endif
+    d[j] = scale * float((((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((top >> (2 * j)) & 3) << 4)) - 32);
   }
 }
 
@@ -322,6 +255,11 @@ constexpr int64_t kPieceValues = 2048;
 // kGroup activation rows at a time in f32, or with rounded activations as integers.
 constexpr int kGroup = 4;
 
+// Activation rows up to which a block-of-32 form's int8 row is multiplied whole by
+// block32_forms.h's row kernel (each block unpacked in registers once per 4 activation rows);
+// past it, a piece at a time as above (each block unpacked once for all).
+constexpr int64_t kBlock32RowsMost = 8;
+
 void k_quant_piece(const Problem& p, const SuperBlock* unpacked, int64_t blocks, int64_t start, float* sums) {
   const int64_t super_blocks = p.k / pyhlo_kernels::kSuperValues, first = start / pyhlo_kernels::kSuperValues;
   if (p.int8_x) {
@@ -376,6 +314,13 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
       // multiplying, and each super-block read once for every activation row.
       const pyhlo_kernels::Q8KRows x{p.x_q8, p.x_q8_nibbles, p.x_q8_scale, p.x_q8_sums, p.k};
       pyhlo_kernels::dot_q8_k_rows(k_quant(form), row, p.k / pyhlo_kernels::kSuperValues, x, p.m, sums.data());
+      for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
+      continue;
+    }
+    if (integer && !takes_q8_k(form) && p.m <= kBlock32RowsMost && pyhlo_kernels::has_block32_row_kernel()) {
+      // The same, a block at a time (decode: one to a few activation rows).
+      const pyhlo_kernels::Q8_1Rows x{p.x_q32, p.x_q32_d, p.x_q32_s, p.k};
+      pyhlo_kernels::dot_block32_rows(int(form), row, p.k / 32, x, p.m, sums.data());
       for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
       continue;
     }

@@ -1,0 +1,268 @@
+// llama.cpp's forms of 32-value blocks as a GGUF file stores them (Q5_0, Q5_1, IQ4_NL, Q8_0,
+// Q4_0, Q4_1; pyhlo/ops/gguf_blocks.py has the layouts), read as q8_blocks.h's weight blocks:
+// 32 signed integers w (the file's value less its centre: Q5_0's q - 16, Q4_0's q - 8, IQ4_NL's
+// table entry, Q8_0's byte; Q5_1's and Q4_1's unsigned q) with the block's scale d and, for the
+// forms with one, its minimum m: value j = d * w[j] (+ m).
+//
+// block32_to_int8 writes a block's integers out (the GEMM's panels, the matrix-vector kernel's
+// pieces where no row kernel runs). dot_block32_rows multiplies whole weight rows by a few
+// activation rows rounded as llama.cpp's Q8_1 (q8_blocks.h's quantize_q8_1), each block unpacked
+// in registers and multiplied at once, as llama.cpp's vec_dot kernels do (decode streams its
+// weights that way): the same integer sums as dot_q8_32's, the f32 sums in another order.
+//
+// Paths: AVX2 for the row kernel (with AVX-512 builds too: 32 values are one AVX2 vector);
+// elsewhere has_block32_row_kernel() is false and callers use block32_to_int8 and dot_q8_32.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "half.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PYHLO_B32_AVX2 1
+#endif
+
+namespace pyhlo_kernels {
+
+// The forms' codes, as pyhlo/ops/gguf_blocks.py's ROW_CODES (and matvec_gguf.cc's Form) name them.
+enum Block32Form : int { kB32Q5_0 = 0, kB32Q5_1 = 1, kB32IQ4_NL = 7, kB32Q8_0 = 9, kB32Q4_0 = 10, kB32Q4_1 = 11 };
+
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Bytes of a block of the form with this code; 0 for a code that names none of these forms.
+inline int block32_bytes(int code) {
+  switch (code) {
+    case kB32Q5_0: return 22;
+    case kB32Q5_1: return 24;
+    case kB32IQ4_NL: return 18;
+    case kB32Q8_0: return 34;
+    case kB32Q4_0: return 18;
+    case kB32Q4_1: return 20;
+    default: return 0;
+  }
+}
+
+inline bool block32_has_min(int code) { return code == kB32Q5_1 || code == kB32Q4_1; }
+
+// The largest |w| of the form's integers (Q5_0's 16, Q4_0's 8, Q5_1's 31 ...).
+inline int block32_largest(int code) {
+  switch (code) {
+    case kB32Q5_0: return 16;
+    case kB32Q5_1: return 31;
+    case kB32Q4_0: return 8;
+    case kB32Q4_1: return 15;
+    default: return 128;
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return half_to_f32(h);
+}
+
+#ifdef PYHLO_B32_AVX2
+// 16 bytes of nibbles as 32 byte values 0..15: the low nibbles, then the high.
+inline __m256i nibbles_32(const uint8_t* qs) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), nibble = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
+}
+
+// Bit j of `bits` as byte j, all ones where set: each byte of `bits` copied to 8 lanes, one bit
+// tested per lane.
+inline __m256i bits_32(const uint8_t* at) {
+  uint32_t bits;
+  std::memcpy(&bits, at, sizeof(bits));
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(bits)), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+// A block's 32 integers w in one vector.
+template <int Code>
+inline __m256i block32_vector(const uint8_t* b) {
+  if constexpr (Code == kB32Q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else if constexpr (Code == kB32Q4_0) {
+    return _mm256_sub_epi8(nibbles_32(b + 2), _mm256_set1_epi8(8));
+  } else if constexpr (Code == kB32Q4_1) {
+    return nibbles_32(b + 4);
+  } else if constexpr (Code == kB32IQ4_NL) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+    return _mm256_shuffle_epi8(table, nibbles_32(b + 2));
+  } else if constexpr (Code == kB32Q5_1) {
+    return _mm256_or_si256(nibbles_32(b + 8), _mm256_and_si256(bits_32(b + 4), _mm256_set1_epi8(0x10)));
+  } else {   // Q5_0: q - 16 is the nibble where the high bit is set, else the nibble less 16
+    return _mm256_or_si256(nibbles_32(b + 6), _mm256_andnot_si256(bits_32(b + 2), _mm256_set1_epi8(char(0xF0))));
+  }
+}
+#endif
+
+// Q5_0's or Q5_1's 32 values as bytes (0..31): the nibbles (low, then high) and bit j of the
+// block's 32-bit `high` as 16.
+inline void q5_values(const uint8_t* b, bool with_min, uint8_t* q) {
+#ifdef PYHLO_B32_AVX2
+  const __m256i high = _mm256_and_si256(bits_32(b + (with_min ? 4 : 2)), _mm256_set1_epi8(0x10));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_or_si256(nibbles_32(b + (with_min ? 8 : 6)), high));
+#else
+  uint32_t high;
+  std::memcpy(&high, b + (with_min ? 4 : 2), sizeof(high));
+  const uint8_t* qs = b + (with_min ? 8 : 6);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = uint8_t((qs[j] & 0xF) | (((high >> j) & 1) << 4));
+    q[j + 16] = uint8_t((qs[j] >> 4) | (((high >> (j + 16)) & 1) << 4));
+  }
+#endif
+}
+
+// One block of the form `code` at `b` as its integers in q[32], its scale in d and, for Q5_1
+// and Q4_1, its minimum in m.
+inline void block32_to_int8(int code, const uint8_t* b, int8_t* q, float* d, float* m) {
+  d[0] = half_at(b);
+  if (block32_has_min(code)) m[0] = half_at(b + 2);
+#ifdef PYHLO_B32_AVX2
+  __m256i v;
+  switch (code) {
+    case kB32Q5_0: v = block32_vector<kB32Q5_0>(b); break;
+    case kB32Q5_1: v = block32_vector<kB32Q5_1>(b); break;
+    case kB32IQ4_NL: v = block32_vector<kB32IQ4_NL>(b); break;
+    case kB32Q8_0: v = block32_vector<kB32Q8_0>(b); break;
+    case kB32Q4_0: v = block32_vector<kB32Q4_0>(b); break;
+    default: v = block32_vector<kB32Q4_1>(b); break;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v);
+#else
+  switch (code) {
+    case kB32Q5_0:
+    case kB32Q5_1: {
+      const bool with_min = code == kB32Q5_1;
+      uint8_t values[32];
+      q5_values(b, with_min, values);
+      for (int j = 0; j < 32; ++j) q[j] = int8_t(int(values[j]) - (with_min ? 0 : 16));
+      break;
+    }
+    case kB32Q8_0:
+      std::memcpy(q, b + 2, 32);
+      break;
+    case kB32IQ4_NL:
+      for (int j = 0; j < 16; ++j) {
+        q[j] = kIQ4Values[b[2 + j] & 0xF];
+        q[j + 16] = kIQ4Values[b[2 + j] >> 4];
+      }
+      break;
+    default: {   // Q4_0, Q4_1
+      const bool with_min = code == kB32Q4_1;
+      const uint8_t* qs = b + (with_min ? 4 : 2);
+      const int centre = with_min ? 0 : 8;
+      for (int j = 0; j < 16; ++j) {
+        q[j] = int8_t((qs[j] & 0xF) - centre);
+        q[j + 16] = int8_t((qs[j] >> 4) - centre);
+      }
+      break;
+    }
+  }
+#endif
+}
+
+// Activation rows rounded as llama.cpp's Q8_1 (quantize_q8_1): the integers [rows, k], each 32's
+// scale d and d * sum q [rows, k / 32].
+struct Q8_1Rows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t k;
+};
+
+inline bool has_block32_row_kernel() {
+#ifdef PYHLO_B32_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef PYHLO_B32_AVX2
+// out[r] = weight row `w` (`blocks` blocks of form Code) times activation row r, for R rows.
+// Two blocks a step, each with accumulators of its own: the FMAs of one do not wait on the other's.
+template <int Code, int R>
+void dot_block32_row(const uint8_t* w, int64_t blocks, const Q8_1Rows& x, float* out) {
+  constexpr int64_t bytes = Code == kB32Q5_0 ? 22 : Code == kB32Q5_1 ? 24 : Code == kB32Q8_0 ? 34
+                          : Code == kB32Q4_1 ? 20 : 18;
+  constexpr bool with_min = Code == kB32Q5_1 || Code == kB32Q4_1;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2][R];
+  float minimums[R] = {};
+  for (int u = 0; u < 2; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm256_setzero_ps();
+  auto step = [&](int u, int64_t b) {
+    const uint8_t* block = w + b * bytes;
+    const __m256i v = block32_vector<Code>(block);
+    // Unsigned forms multiply as they are; signed ones as |w| times x with w's sign (vpmaddubsw
+    // takes unsigned by signed bytes; no pair of |w| <= 128 and |x| <= 127 passes int16).
+    const __m256i magnitude = with_min ? v : _mm256_sign_epi8(v, v);
+    const float d = half_at(block);
+    const float m = with_min ? half_at(block + 2) : 0.0f;
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * x.k + b * 32));
+      const __m256i pairs = _mm256_maddubs_epi16(magnitude, with_min ? xv : _mm256_sign_epi8(xv, v));
+      const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      acc[u][r] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d * x.d[r * (x.k / 32) + b]), acc[u][r]);
+      if (with_min) minimums[r] += m * x.s[r * (x.k / 32) + b];
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    step(0, b);
+    step(1, b + 1);
+  }
+  if (b < blocks) step(0, b);
+  for (int r = 0; r < R; ++r) {
+    const __m256 both = _mm256_add_ps(acc[0][r], acc[1][r]);
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    four = _mm_add_ss(four, _mm_movehdup_ps(four));
+    out[r] = _mm_cvtss_f32(four) + minimums[r];
+  }
+}
+
+template <int Code>
+void dot_block32_rows_of(const uint8_t* w, int64_t blocks, Q8_1Rows x, int64_t rows, float* out) {
+  constexpr int kMost = 4;   // activation rows a pass: their sums stay in registers
+  for (; rows >= kMost; rows -= kMost, out += kMost) {
+    dot_block32_row<Code, kMost>(w, blocks, x, out);
+    x.q += kMost * x.k;
+    x.d += kMost * (x.k / 32);
+    x.s += kMost * (x.k / 32);
+  }
+  switch (rows) {
+    case 3: dot_block32_row<Code, 3>(w, blocks, x, out); break;
+    case 2: dot_block32_row<Code, 2>(w, blocks, x, out); break;
+    case 1: dot_block32_row<Code, 1>(w, blocks, x, out); break;
+    default: break;
+  }
+}
+#endif
+
+// out[r] (r < rows) = weight row `w`, `blocks` blocks of the form `code`, times activation row r
+// of x; only where has_block32_row_kernel().
+inline void dot_block32_rows(int code, const uint8_t* w, int64_t blocks, const Q8_1Rows& x, int64_t rows,
+                             float* out) {
+#ifdef PYHLO_B32_AVX2
+  switch (code) {
+    case kB32Q5_0: return dot_block32_rows_of<kB32Q5_0>(w, blocks, x, rows, out);
+    case kB32Q5_1: return dot_block32_rows_of<kB32Q5_1>(w, blocks, x, rows, out);
+    case kB32IQ4_NL: return dot_block32_rows_of<kB32IQ4_NL>(w, blocks, x, rows, out);
+    case kB32Q8_0: return dot_block32_rows_of<kB32Q8_0>(w, blocks, x, rows, out);
+    case kB32Q4_0: return dot_block32_rows_of<kB32Q4_0>(w, blocks, x, rows, out);
+    case kB32Q4_1: return dot_block32_rows_of<kB32Q4_1>(w, blocks, x, rows, out);
+    default: break;
+  }
+#else
+  (void)code, (void)w, (void)blocks, (void)x, (void)rows, (void)out;
+#endif
+}
+
+}  // namespace pyhlo_kernels
