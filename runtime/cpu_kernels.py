@@ -64,7 +64,8 @@ GEMM_GGUF_ROWS_X8_TARGET = "pyhlo_gemm_gguf_rows_x8"
 # Prefill products of the forms of 32-value blocks kept as the file's bytes, x rounded per 32 as
 # their _x8 matvec targets round it (llama.cpp's Q8_1): the tiled integer GEMM of the block forms
 # (runtime/kernels/gemm_blocks.cc); and of rows of mixed such forms (Q8_0, Q4_0, Q4_1 too).
-GEMM_GGUF32_X8_TARGETS = {ggml_type: f"pyhlo_gemm_{ggml_type.lower()}_x8" for ggml_type in ("Q5_0", "Q5_1", "IQ4_NL")}
+GEMM_GGUF32_X8_TARGETS = {ggml_type: f"pyhlo_gemm_{ggml_type.lower()}_x8"
+                          for ggml_type in ("Q5_0", "Q5_1", "IQ4_NL")}
 GEMM_GGUF_ROWS32_X8_TARGET = "pyhlo_gemm_gguf_rows32_x8"
 # GGUF blocks kept as the file's bytes (decoders/weights/stored.py): GGML type -> target
 MATVEC_GGUF_TARGETS = {ggml_type: f"pyhlo_matvec_{ggml_type.lower()}"
@@ -110,8 +111,8 @@ _SOURCES = [pathlib.Path(__file__).with_name("kernels") / name
 # Included by the sources: part of what the library's cache name hashes.
 _HEADERS = [pathlib.Path(__file__).with_name("kernels") / name
             for name in ("half.h", "vector_sum.h", "byte_lanes.h", "kquants.h", "q8_blocks.h",
-                         "block32_forms.h", "block_operands.h", "attention_operands.h", "gemm_panels.h", "row_chunks.h",
-                         "mixed_rows.h", "widened_panels.h")]
+                         "block32_forms.h", "block_operands.h", "attention_operands.h", "gemm_panels.h",
+                         "row_chunks.h", "mixed_rows.h", "widened_panels.h")]
 _BASE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
 
 
@@ -204,9 +205,9 @@ def register() -> bool:
 
 def int8_gemm_is_fast() -> bool:
     """Whether the int8 GEMM kernels of the block forms and int8 rows (GEMM_BLOCK_X8_TARGETS,
-    GEMM_S8_X8_TARGET, GEMM_GGUF32_X8_TARGETS, GEMM_GGUF_ROWS32_X8_TARGET) run in a vector form on this machine: AVX-512 VNNI, or AVX2's
-    vpmaddubsw. Elsewhere they have a portable form, correct but slower than XLA's dot, which
-    the lowering does not take."""
+    GEMM_S8_X8_TARGET, GEMM_GGUF32_X8_TARGETS, GEMM_GGUF_ROWS32_X8_TARGET) run in a vector form
+    on this machine: AVX-512 VNNI, or AVX2's vpmaddubsw. Elsewhere they have a portable form,
+    correct but slower than XLA's dot, which the lowering does not take."""
     return register() and bool(_loaded[-1].PyhloGemmBlocksFast())
 
 

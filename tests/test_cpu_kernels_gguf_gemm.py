@@ -150,14 +150,15 @@ def test_q5_0_blocks_at_their_extremes_sum_without_overflow():
     x[1::2] = -1
     out = run_gemm(x, data, "Q5_0")
     # d_x is 1 / 127 kept as f16: the exact -16 * 576 to that rounding (a wrapped sum is far off).
-    np.testing.assert_allclose(out, np.where(x[:, :1] > 0, -16.0 * 576, 16.0 * 576) * np.ones((1, 8)), rtol=1e-4)
+    expected = np.where(x[:, :1] > 0, -16.0 * 576, 16.0 * 576) * np.ones((1, 8))
+    np.testing.assert_allclose(out, expected, rtol=1e-4)
     check_int8_activation_product(out, x, ["Q5_0"] * 8, data)
 
 
 # Q5_0 and Q8_0 rows as llama.cpp's Q4_K_M of a small model mixes them (attn_v), every form,
 # small weights only (|w| <= 16: sums over a whole block in int16), and one form alone.
-@pytest.mark.parametrize("types", [["Q5_0", "Q8_0"] * 20 + ["Q8_0"], list(linalg.GGUF_ROWS32_GEMM_X8_KERNEL_TYPES) * 7,
-                                   ["Q4_0", "Q5_0", "Q4_1"] * 11, ["Q5_0"] * 33])
+@pytest.mark.parametrize("types", [["Q5_0", "Q8_0"] * 20 + ["Q8_0"], ["Q4_0", "Q5_0", "Q4_1"] * 11,
+                                   ["Q5_0"] * 33, list(linalg.GGUF_ROWS32_GEMM_X8_KERNEL_TYPES) * 7])
 def test_the_gemm_of_rows_of_mixed_32_value_block_forms_matches_numpy_and_the_matvec_kernel(types):
     forms = tuple(sorted(set(types) | {"Q8_0"}))      # room for the widest form
     data, _ = mixed_rows(types, forms, 576, seed=len(types))

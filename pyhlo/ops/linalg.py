@@ -268,21 +268,21 @@ def gemm_gguf_rows_x8_kernel(x: HloValue, data: HloValue, ggml_types: tuple[str,
     from pyhlo.ops.gguf_blocks import mixed_rows_width
 
     k = x.dims[-1] if x.dims else -1
-    kinds = {"K-quants": (GGUF_GEMM_X8_KERNEL_TYPES, 256, "pyhlo_gemm_gguf_rows_x8"),
-             "32-value blocks": (GGUF_ROWS32_GEMM_X8_KERNEL_TYPES, 32, "pyhlo_gemm_gguf_rows32_x8")}
-    kind = next((kind for kind, (types, _, _) in kinds.items() if ggml_types and set(ggml_types) <= set(types)),
-                None)
-    if kind is None:
-        raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)}: the GEMM takes rows of "
-                            f"{', '.join(GGUF_GEMM_X8_KERNEL_TYPES)} alone or of "
+    types = set(ggml_types)
+    if ggml_types and types <= set(GGUF_GEMM_X8_KERNEL_TYPES):
+        values, target = 256, "pyhlo_gemm_gguf_rows_x8"
+    elif ggml_types and types <= set(GGUF_ROWS32_GEMM_X8_KERNEL_TYPES):
+        values, target = 32, "pyhlo_gemm_gguf_rows32_x8"
+    else:
+        raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)}: the GEMM takes "
+                            f"rows of {', '.join(GGUF_GEMM_X8_KERNEL_TYPES)} alone or of "
                             f"{', '.join(GGUF_ROWS32_GEMM_X8_KERNEL_TYPES)} alone (others: "
                             "matvec_gguf_rows_kernel)")
-    _, values, target = kinds[kind]
     width = mixed_rows_width(ggml_types, k) if k > 0 and k % values == 0 else None
-    if x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2 or width is None or data.dims[1] != width:
-        raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)} need f32 x[..., k] "
-                            f"(k a multiple of {values}) and u8 w[n, widest row + 5]; got {x.dtype}{list(x.dims)} and "
-                            f"{data.dtype}{list(data.dims)}")
+    if x.dtype != "f32" or data.dtype != "u8" or len(data.dims) != 2 or data.dims[1] != width:
+        raise HloShapeError(f"gemm_gguf_rows_x8_kernel: rows of {'/'.join(ggml_types)} need f32 "
+                            f"x[..., k] (k a multiple of {values}) and u8 w[n, widest row + 5]; got "
+                            f"{x.dtype}{list(x.dims)} and {data.dtype}{list(data.dims)}")
     return ffi_call(x.scribe.f32[(*x.dims[:-1], data.dims[0])], [x, data], target)
 
 
