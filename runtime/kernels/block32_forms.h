@@ -9,6 +9,9 @@
 // activation rows rounded as llama.cpp's Q8_1 (q8_blocks.h's quantize_q8_1), each block unpacked
 // in registers and multiplied at once, as llama.cpp's vec_dot kernels do (decode streams its
 // weights that way): the same integer sums as dot_q8_32's, the f32 sums in another order.
+// dot_block32_f32_rows is the exact form's: each value widened in registers to the gguf
+// package's f32 reading of it (d * w, + m: exact products, one rounding of the sum), times f32
+// activations with f32 sums.
 //
 // Paths: AVX2 for the row kernel (with AVX-512 builds too: 32 values are one AVX2 vector);
 // elsewhere has_block32_row_kernel() is false and callers use block32_to_int8 and dot_q8_32.
@@ -228,6 +231,54 @@ void dot_block32_row(const uint8_t* w, int64_t blocks, const Q8_1Rows& x, float*
   }
 }
 
+// The exact form: out[r] = sum of (d * w[j] (+ m)) * x[r][j] over the row, for R activation rows
+// of k values; each block's 32 values widened 8 at a time, two accumulators a row.
+template <int Code, int R>
+void dot_block32_f32_row(const uint8_t* w, int64_t blocks, const float* x, int64_t k, float* out) {
+  constexpr int64_t bytes = Code == kB32Q5_0 ? 22 : Code == kB32Q5_1 ? 24 : Code == kB32Q8_0 ? 34
+                          : Code == kB32Q4_1 ? 20 : 18;
+  constexpr bool with_min = Code == kB32Q5_1 || Code == kB32Q4_1;
+  __m256 acc[2][R];
+  for (int u = 0; u < 2; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * bytes;
+    const __m256i v = block32_vector<Code>(block);
+    const __m256 d = _mm256_set1_ps(half_at(block));
+    const __m256 m = _mm256_set1_ps(with_min ? half_at(block + 2) : 0.0f);
+    const __m128i halves[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+    for (int e = 0; e < 4; ++e) {
+      const __m128i eight = e % 2 ? _mm_unpackhi_epi64(halves[e / 2], halves[e / 2]) : halves[e / 2];
+      const __m256 q = _mm256_cvtepi32_ps(with_min ? _mm256_cvtepu8_epi32(eight) : _mm256_cvtepi8_epi32(eight));
+      // d * q is exact (11 bits by at most 8), so the sum with m rounds once, as numpy's.
+      const __m256 value = with_min ? _mm256_add_ps(_mm256_mul_ps(d, q), m) : _mm256_mul_ps(d, q);
+      for (int r = 0; r < R; ++r)
+        acc[e % 2][r] = _mm256_fmadd_ps(value, _mm256_loadu_ps(x + r * k + b * 32 + 8 * e), acc[e % 2][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 both = _mm256_add_ps(acc[0][r], acc[1][r]);
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    four = _mm_add_ss(four, _mm_movehdup_ps(four));
+    out[r] = _mm_cvtss_f32(four);
+  }
+}
+
+template <int Code>
+void dot_block32_f32_rows_of(const uint8_t* w, int64_t blocks, const float* x, int64_t k, int64_t rows,
+                             float* out) {
+  constexpr int kMost = 4;   // activation rows a pass: their sums stay in registers
+  for (; rows >= kMost; rows -= kMost, out += kMost, x += kMost * k)
+    dot_block32_f32_row<Code, kMost>(w, blocks, x, k, out);
+  switch (rows) {
+    case 3: dot_block32_f32_row<Code, 3>(w, blocks, x, k, out); break;
+    case 2: dot_block32_f32_row<Code, 2>(w, blocks, x, k, out); break;
+    case 1: dot_block32_f32_row<Code, 1>(w, blocks, x, k, out); break;
+    default: break;
+  }
+}
+
 template <int Code>
 void dot_block32_rows_of(const uint8_t* w, int64_t blocks, Q8_1Rows x, int64_t rows, float* out) {
   constexpr int kMost = 4;   // activation rows a pass: their sums stay in registers
@@ -262,6 +313,25 @@ inline void dot_block32_rows(int code, const uint8_t* w, int64_t blocks, const Q
   }
 #else
   (void)code, (void)w, (void)blocks, (void)x, (void)rows, (void)out;
+#endif
+}
+
+// The exact form: out[r] (r < rows) = weight row `w` (`blocks` blocks of the form `code`) widened
+// to f32 times f32 activation row r of x [rows, k]; only where has_block32_row_kernel().
+inline void dot_block32_f32_rows(int code, const uint8_t* w, int64_t blocks, const float* x, int64_t k, int64_t rows,
+                                 float* out) {
+#ifdef PYHLO_B32_AVX2
+  switch (code) {
+    case kB32Q5_0: return dot_block32_f32_rows_of<kB32Q5_0>(w, blocks, x, k, rows, out);
+    case kB32Q5_1: return dot_block32_f32_rows_of<kB32Q5_1>(w, blocks, x, k, rows, out);
+    case kB32IQ4_NL: return dot_block32_f32_rows_of<kB32IQ4_NL>(w, blocks, x, k, rows, out);
+    case kB32Q8_0: return dot_block32_f32_rows_of<kB32Q8_0>(w, blocks, x, k, rows, out);
+    case kB32Q4_0: return dot_block32_f32_rows_of<kB32Q4_0>(w, blocks, x, k, rows, out);
+    case kB32Q4_1: return dot_block32_f32_rows_of<kB32Q4_1>(w, blocks, x, k, rows, out);
+    default: break;
+  }
+#else
+  (void)code, (void)w, (void)blocks, (void)x, (void)k, (void)rows, (void)out;
 #endif
 }
 

@@ -255,8 +255,8 @@ constexpr int64_t kPieceValues = 2048;
 // kGroup activation rows at a time in f32, or with rounded activations as integers.
 constexpr int kGroup = 4;
 
-// Activation rows up to which a block-of-32 form's int8 row is multiplied whole by
-// block32_forms.h's row kernel (each block unpacked in registers once per 4 activation rows);
+// Activation rows up to which a block-of-32 form's row is multiplied whole by block32_forms.h's
+// row kernels (int8 or exact) (each block unpacked in registers once per 4 activation rows);
 // past it, a piece at a time as above (each block unpacked once for all).
 constexpr int64_t kBlock32RowsMost = 8;
 
@@ -321,6 +321,11 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
       // The same, a block at a time (decode: one to a few activation rows).
       const pyhlo_kernels::Q8_1Rows x{p.x_q32, p.x_q32_d, p.x_q32_s, p.k};
       pyhlo_kernels::dot_block32_rows(int(form), row, p.k / 32, x, p.m, sums.data());
+      for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
+      continue;
+    }
+    if (!integer && !takes_q8_k(form) && p.m <= kBlock32RowsMost && pyhlo_kernels::has_block32_row_kernel()) {
+      pyhlo_kernels::dot_block32_f32_rows(int(form), row, p.k / 32, p.x, p.k, p.m, sums.data());
       for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
       continue;
     }
