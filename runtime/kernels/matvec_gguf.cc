@@ -291,13 +291,21 @@ bool row_fits(const Problem& p, int64_t n, Form code) {
          p.rows.holds(n, p.k / kLayouts[code].values * kLayouts[code].bytes);
 }
 
+// The buffers of a row taken a piece at a time (allocated on a thread's first such row: rows the
+// row kernels take need none).
+struct PieceBuffers {
+  std::unique_ptr<float[]> values{new float[kPieceValues]};
+  std::unique_ptr<SuperBlock[]> unpacked{new SuperBlock[kPieceValues / pyhlo_kernels::kSuperValues]};
+  std::unique_ptr<int8_t[]> q8{new int8_t[kPieceValues]};
+  std::unique_ptr<float[]> block_d{new float[kPieceValues / 32]}, block_m{new float[kPieceValues / 32]};
+};
+
 void weight_rows(const Problem& p, int64_t begin, int64_t end) {
-  std::unique_ptr<float[]> values(new float[kPieceValues]);
-  std::unique_ptr<SuperBlock[]> unpacked(new SuperBlock[kPieceValues / pyhlo_kernels::kSuperValues]);
-  std::vector<float> sums(p.m);
+  std::unique_ptr<PieceBuffers> buffers;
+  float few_sums[kBlock32RowsMost];
+  std::vector<float> more_sums(p.m > kBlock32RowsMost ? p.m : 0);
+  float* const sums = p.m > kBlock32RowsMost ? more_sums.data() : few_sums;
   const bool integer = p.int8_x;
-  std::unique_ptr<int8_t[]> q8(integer ? new int8_t[kPieceValues] : nullptr);
-  std::unique_ptr<float[]> block_d(new float[kPieceValues / 32]), block_m(new float[kPieceValues / 32]);
   for (int64_t n = begin; n < end; ++n) {
     const Form form = p.mixed ? Form(p.rows.code(n)) : p.form;
     if (p.mixed && !row_fits(p, n, form)) {
@@ -308,33 +316,39 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
     }
     const Layout layout = kLayouts[form];
     const uint8_t* row = p.mixed ? p.rows.row(n) : p.w + n * (p.k / layout.values * layout.bytes);
-    std::fill(sums.begin(), sums.end(), 0.0f);
+    std::fill_n(sums, p.m, 0.0f);
     if (integer && is_k_quant(form) && pyhlo_kernels::has_row_kernel(k_quant(form))) {
       // Unpacked in registers, the whole row at once: nothing stored between unpacking and
       // multiplying, and each super-block read once for every activation row.
       const pyhlo_kernels::Q8KRows x{p.x_q8, p.x_q8_nibbles, p.x_q8_scale, p.x_q8_sums, p.k};
-      pyhlo_kernels::dot_q8_k_rows(k_quant(form), row, p.k / pyhlo_kernels::kSuperValues, x, p.m, sums.data());
+      pyhlo_kernels::dot_q8_k_rows(k_quant(form), row, p.k / pyhlo_kernels::kSuperValues, x, p.m, sums);
       for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
       continue;
     }
     if (integer && !takes_q8_k(form) && p.m <= kBlock32RowsMost && pyhlo_kernels::has_block32_row_kernel()) {
       // The same, a block at a time (decode: one to a few activation rows).
       const pyhlo_kernels::Q8_1Rows x{p.x_q32, p.x_q32_d, p.x_q32_s, p.k};
-      pyhlo_kernels::dot_block32_rows(int(form), row, p.k / 32, x, p.m, sums.data());
+      pyhlo_kernels::dot_block32_rows(int(form), row, p.k / 32, x, p.m, sums);
       for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
       continue;
     }
     if (!integer && !takes_q8_k(form) && p.m <= kBlock32RowsMost && pyhlo_kernels::has_block32_row_kernel()) {
-      pyhlo_kernels::dot_block32_f32_rows(int(form), row, p.k / 32, p.x, p.k, p.m, sums.data());
+      pyhlo_kernels::dot_block32_f32_rows(int(form), row, p.k / 32, p.x, p.k, p.m, sums);
       for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
       continue;
     }
     if (!integer && is_k_quant(form) && pyhlo_kernels::has_exact_row_kernel(k_quant(form))) {
       pyhlo_kernels::dot_f32_rows(k_quant(form), row, p.k / pyhlo_kernels::kSuperValues, p.x, p.x_sums, p.k, p.m,
-                                  sums.data());
+                                  sums);
       for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
       continue;
     }
+    if (!buffers) buffers.reset(new PieceBuffers);
+    float* const values = buffers->values.get();
+    SuperBlock* const unpacked = buffers->unpacked.get();
+    int8_t* const q8 = buffers->q8.get();
+    float* const block_d = buffers->block_d.get();
+    float* const block_m = buffers->block_m.get();
     for (int64_t start = 0; start < p.k; start += kPieceValues) {
       const int64_t length = std::min(kPieceValues, p.k - start), first = start / layout.values;
       const int64_t blocks = length / layout.values;
@@ -342,26 +356,26 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
       if (is_k_quant(form)) {
         for (int64_t b = 0; b < blocks; ++b)
           pyhlo_kernels::unpack(k_quant(form), piece + b * layout.bytes, &unpacked[b], integer);
-        k_quant_piece(p, unpacked.get(), blocks, start, sums.data());
+        k_quant_piece(p, unpacked, blocks, start, sums);
         continue;
       }
       if (integer) {
         const int per_block = layout.values / 32;
         for (int64_t b = 0; b < blocks; ++b)
-          to_int8(form, piece + b * layout.bytes, q8.get() + b * layout.values, block_d.get() + b * per_block,
-                  block_m.get() + b * per_block);
+          to_int8(form, piece + b * layout.bytes, q8 + b * layout.values, block_d + b * per_block,
+                  block_m + b * per_block);
         const bool per_256 = takes_q8_k(form), with_min = form == kQ5_1 || form == kQ4_1;
         const int8_t* xq = per_256 ? p.x_q8 : p.x_q32;
         const float* xd = per_256 ? p.x_q8_d32 : p.x_q32_d;
         for (int64_t m = 0; m < p.m; ++m)
-          sums[m] += pyhlo_kernels::dot_q8_32(q8.get(), block_d.get(), with_min ? block_m.get() : nullptr,
+          sums[m] += pyhlo_kernels::dot_q8_32(q8, block_d, with_min ? block_m : nullptr,
                                               xq + m * p.k + start, xd + m * (p.k / 32) + start / 32,
                                               with_min ? p.x_q32_s + m * (p.k / 32) + start / 32 : nullptr,
                                               length / 32);
         continue;
       }
-      for (int64_t b = 0; b < blocks; ++b) dequantize(form, piece + b * layout.bytes, values.get() + b * layout.values);
-      for (int64_t m = 0; m < p.m; ++m) sums[m] += dot(values.get(), p.x + m * p.k + start, length);
+      for (int64_t b = 0; b < blocks; ++b) dequantize(form, piece + b * layout.bytes, values + b * layout.values);
+      for (int64_t m = 0; m < p.m; ++m) sums[m] += dot(values, p.x + m * p.k + start, length);
     }
     for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
   }

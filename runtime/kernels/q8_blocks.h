@@ -77,6 +77,35 @@ inline void quantize_q8_1(const float* x, int64_t k, int8_t* q, float* d, float*
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
     const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif defined(PYHLO_Q8B_AVX2)
+    // The same numbers 8 at a time (the conversion rounds to nearest, ties to even; the
+    // saturating packs clamp, as llama.cpp's AVX2 form).
+    __m256 v[4];
+    __m256 largest = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      largest = _mm256_max_ps(largest, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+    }
+    __m128 four = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+    four = _mm_max_ps(four, _mm_movehl_ps(four, four));
+    four = _mm_max_ss(four, _mm_movehdup_ps(four));
+    const float amax = _mm_cvtss_f32(four);
+    const float scale = amax / 127.f, inverse = amax != 0 ? 127.f / amax : 0.0f;
+    __m256i q32[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      q32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      total = _mm256_add_epi32(total, q32[i]);
+    }
+    // Packing works within 128-bit lanes: the permute puts the 8 groups of 4 back in order.
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+    const int sum = _mm_cvtsi128_si32(sum4);
 #else
     float amax = 0;
     for (int j = 0; j < kBlockValues; ++j) amax = std::fmax(amax, std::fabs(x[j]));
