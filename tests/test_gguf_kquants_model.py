@@ -394,3 +394,37 @@ def test_a_prompt_on_the_k_quant_int8_gemm_answers_as_on_the_matvec_kernel(kquan
     for step in range(len(logits)):
         assert relative_error(logits[step], expected_logits[step]) < 1e-5, step
     np.testing.assert_array_equal(tokens, expected)
+
+
+@pytest.mark.cpu_only
+def test_a_prompt_on_the_int8_gemm_of_32_value_blocks_answers_as_on_the_matvec_kernel(kquant_file, monkeypatch):
+    """Where the block forms' int8 GEMM has a fast form, a prompt's Q5_0 products and the q|k|v
+    rows of mixed Q5_0 and Q8_0 (a Q4_K_M file of a model whose rows are not whole
+    super-blocks) run it over the file's bytes, with the same integer sums as the int8
+    matrix-vector kernel that runs them without it: the logits of the prompt and of the decode
+    steps after it equal the kernel's up to f32 summation order."""
+    from decoders.programs.keys import Block
+    from runtime import cpu_kernels
+
+    if not cpu_kernels.int8_gemm_is_fast():
+        pytest.skip("the block forms' int8 GEMM needs AVX-512 VNNI or AVX2, which this CPU lacks")
+    # Attention held to one form, as in the K-quant GEMM's test above (a value near an int8
+    # rounding step after attention is not what this test compares).
+    monkeypatch.setattr(cpu_kernels, "prefill_attention_is_fast", lambda: False)
+    path = kquant_file("q4_k_m_like", q4_k_m_like)
+    gemm = int8_model(path)
+    assert dict(gemm.lowering.gguf_blocks)["attn.qkv.weight"] == "rows:q5_0+q8_0"
+    prefill = {i.custom_call_target for c in gemm.programs.build(Block(64, 128)).module.computations
+               for i in c.instructions}
+    assert {"pyhlo_gemm_q5_0_x8", "pyhlo_gemm_gguf_rows32_x8"} <= prefill
+    assert not {"pyhlo_matvec_q5_0_x8", "pyhlo_matvec_gguf_rows_x8"} & prefill
+    monkeypatch.setattr(cpu_kernels, "int8_gemm_is_fast", lambda: False)
+    matvec = int8_model(path)
+    assert not matvec.lowering.int8_gemm
+    prompt = np.arange(5, 30)[None]
+    tokens, logits = gemm.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
+    expected, expected_logits = matvec.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[],
+                                              output_scores=True)
+    for step in range(len(logits)):
+        assert relative_error(logits[step], expected_logits[step]) < 1e-5, step
+    np.testing.assert_array_equal(tokens, expected)
