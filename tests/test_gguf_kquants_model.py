@@ -397,7 +397,8 @@ def test_a_prompt_on_the_k_quant_int8_gemm_answers_as_on_the_matvec_kernel(kquan
 
 
 @pytest.mark.cpu_only
-def test_a_prompt_on_the_int8_gemm_of_32_value_blocks_answers_as_on_the_matvec_kernel(kquant_file, monkeypatch):
+def test_a_prompt_on_the_int8_gemm_of_32_value_blocks_answers_as_on_the_matvec_kernel(kquant_file,
+                                                                                     monkeypatch):
     """Where the block forms' int8 GEMM has a fast form, a prompt's Q5_0 products and the q|k|v
     rows of mixed Q5_0 and Q8_0 (a Q4_K_M file of a model whose rows are not whole
     super-blocks) run it over the file's bytes, with the same integer sums as the int8
