@@ -9,14 +9,14 @@
 // activation rows rounded as llama.cpp's Q8_1 (q8_blocks.h's quantize_q8_1), each block unpacked
 // in registers and multiplied at once, as llama.cpp's vec_dot kernels do (decode streams its
 // weights that way): the same integer sums as dot_q8_32's, the f32 sums in another order.
-// dot_block32_f32_rows is the exact form's: each value widened in registers to the gguf
-// package's f32 reading of it (d * w, + m: exact products, one rounding of the sum), times f32
-// activations with f32 sums.
+// Its exact form (f32 activations) widens each value in registers to the gguf package's f32
+// reading of it (d * w, + m: exact products, one rounding of the sum), with f32 sums.
 //
 // Paths: AVX2 for the row kernel (with AVX-512 builds too: 32 values are one AVX2 vector);
 // elsewhere has_block32_row_kernel() is false and callers use block32_to_int8 and dot_q8_32.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -47,7 +47,7 @@ inline int block32_bytes(int code) {
   }
 }
 
-inline bool block32_has_min(int code) { return code == kB32Q5_1 || code == kB32Q4_1; }
+constexpr bool block32_has_min(int code) { return code == kB32Q5_1 || code == kB32Q4_1; }
 
 // The largest |w| of the form's integers (Q5_0's 16, Q4_0's 8, Q5_1's 31 ...).
 inline int block32_largest(int code) {
@@ -187,21 +187,40 @@ inline bool has_block32_row_kernel() {
 #endif
 }
 
+// Weight rows of one form, `count` of them `stride` bytes apart from `first`, each `blocks`
+// blocks; their products go to out[r * out_stride + i] for activation row r and weight row i.
+struct Block32Rows {
+  const uint8_t* first;
+  int64_t stride, count, blocks;
+  float* out;
+  int64_t out_stride;
+};
+
 #ifdef PYHLO_B32_AVX2
-// out[r] = weight row `w` (`blocks` blocks of form Code) times activation row r, for R rows.
-// Two blocks a step, each with accumulators of its own: the FMAs of one do not wait on the other's.
+constexpr int64_t block32_bytes_of(int code) {
+  return code == kB32Q5_0 ? 22 : code == kB32Q5_1 ? 24 : code == kB32Q8_0 ? 34 : code == kB32Q4_1 ? 20 : 18;
+}
+
+inline float sum8_of(__m256 v) {
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  four = _mm_add_ss(four, _mm_movehdup_ps(four));
+  return _mm_cvtss_f32(four);
+}
+
+// Weight row `row` (form Code) times R activation rows into out[r * out_stride]. Two blocks a
+// step, each with accumulators of its own: the FMAs of one do not wait on the other's.
 template <int Code, int R>
-void dot_block32_row(const uint8_t* w, int64_t blocks, const Q8_1Rows& x, float* out) {
-  constexpr int64_t bytes = Code == kB32Q5_0 ? 22 : Code == kB32Q5_1 ? 24 : Code == kB32Q8_0 ? 34
-                          : Code == kB32Q4_1 ? 20 : 18;
-  constexpr bool with_min = Code == kB32Q5_1 || Code == kB32Q4_1;
+inline void dot_block32_row(const uint8_t* row, int64_t blocks, const Q8_1Rows& x, float* out, int64_t out_stride) {
+  constexpr int64_t bytes = block32_bytes_of(Code);
+  constexpr bool with_min = block32_has_min(Code);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[2][R];
   float minimums[R] = {};
   for (int u = 0; u < 2; ++u)
     for (int r = 0; r < R; ++r) acc[u][r] = _mm256_setzero_ps();
   auto step = [&](int u, int64_t b) {
-    const uint8_t* block = w + b * bytes;
+    const uint8_t* block = row + b * bytes;
     const __m256i v = block32_vector<Code>(block);
     // Unsigned forms multiply as they are; signed ones as |w| times x with w's sign (vpmaddubsw
     // takes unsigned by signed bytes; no pair of |w| <= 128 and |x| <= 127 passes int16).
@@ -222,27 +241,22 @@ void dot_block32_row(const uint8_t* w, int64_t blocks, const Q8_1Rows& x, float*
     step(1, b + 1);
   }
   if (b < blocks) step(0, b);
-  for (int r = 0; r < R; ++r) {
-    const __m256 both = _mm256_add_ps(acc[0][r], acc[1][r]);
-    __m128 four = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    four = _mm_add_ss(four, _mm_movehdup_ps(four));
-    out[r] = _mm_cvtss_f32(four) + minimums[r];
-  }
+  for (int r = 0; r < R; ++r) out[r * out_stride] = sum8_of(_mm256_add_ps(acc[0][r], acc[1][r])) + minimums[r];
 }
 
-// The exact form: out[r] = sum of (d * w[j] (+ m)) * x[r][j] over the row, for R activation rows
-// of k values; each block's 32 values widened 8 at a time, two accumulators a row.
+// The exact form: the sum of (d * w[j] (+ m)) * x[r][j] over weight row `row`, for R activation
+// rows of f32 x (k values apart); each block's 32 values widened 8 at a time, two accumulators a
+// row.
 template <int Code, int R>
-void dot_block32_f32_row(const uint8_t* w, int64_t blocks, const float* x, int64_t k, float* out) {
-  constexpr int64_t bytes = Code == kB32Q5_0 ? 22 : Code == kB32Q5_1 ? 24 : Code == kB32Q8_0 ? 34
-                          : Code == kB32Q4_1 ? 20 : 18;
-  constexpr bool with_min = Code == kB32Q5_1 || Code == kB32Q4_1;
+inline void dot_block32_f32_row(const uint8_t* row, int64_t blocks, const float* x, int64_t k, float* out,
+                                int64_t out_stride) {
+  constexpr int64_t bytes = block32_bytes_of(Code);
+  constexpr bool with_min = block32_has_min(Code);
   __m256 acc[2][R];
   for (int u = 0; u < 2; ++u)
     for (int r = 0; r < R; ++r) acc[u][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = w + b * bytes;
+    const uint8_t* block = row + b * bytes;
     const __m256i v = block32_vector<Code>(block);
     const __m256 d = _mm256_set1_ps(half_at(block));
     const __m256 m = _mm256_set1_ps(with_min ? half_at(block + 2) : 0.0f);
@@ -256,82 +270,61 @@ void dot_block32_f32_row(const uint8_t* w, int64_t blocks, const float* x, int64
         acc[e % 2][r] = _mm256_fmadd_ps(value, _mm256_loadu_ps(x + r * k + b * 32 + 8 * e), acc[e % 2][r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m256 both = _mm256_add_ps(acc[0][r], acc[1][r]);
-    __m128 four = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    four = _mm_add_ss(four, _mm_movehdup_ps(four));
-    out[r] = _mm_cvtss_f32(four);
-  }
+  for (int r = 0; r < R; ++r) out[r * out_stride] = sum8_of(_mm256_add_ps(acc[0][r], acc[1][r]));
 }
 
-template <int Code>
-void dot_block32_f32_rows_of(const uint8_t* w, int64_t blocks, const float* x, int64_t k, int64_t rows,
-                             float* out) {
-  constexpr int kMost = 4;   // activation rows a pass: their sums stay in registers
-  for (; rows >= kMost; rows -= kMost, out += kMost, x += kMost * k)
-    dot_block32_f32_row<Code, kMost>(w, blocks, x, k, out);
-  switch (rows) {
-    case 3: dot_block32_f32_row<Code, 3>(w, blocks, x, k, out); break;
-    case 2: dot_block32_f32_row<Code, 2>(w, blocks, x, k, out); break;
-    case 1: dot_block32_f32_row<Code, 1>(w, blocks, x, k, out); break;
-    default: break;
-  }
-}
-
-template <int Code>
-void dot_block32_rows_of(const uint8_t* w, int64_t blocks, Q8_1Rows x, int64_t rows, float* out) {
-  constexpr int kMost = 4;   // activation rows a pass: their sums stay in registers
-  for (; rows >= kMost; rows -= kMost, out += kMost) {
-    dot_block32_row<Code, kMost>(w, blocks, x, out);
-    x.q += kMost * x.k;
-    x.d += kMost * (x.k / 32);
-    x.s += kMost * (x.k / 32);
-  }
-  switch (rows) {
-    case 3: dot_block32_row<Code, 3>(w, blocks, x, out); break;
-    case 2: dot_block32_row<Code, 2>(w, blocks, x, out); break;
-    case 1: dot_block32_row<Code, 1>(w, blocks, x, out); break;
-    default: break;
+// Every weight row of `w` (form Code) times the activation rows, R at a time (their sums stay in
+// registers), all rows in one call: the constants and the call are paid once, not per row (a
+// row of 576 values is 18 blocks; one call a row took a third of such a product's time). The
+// int8 form with Q8_1 activations `x8`, else the exact form with f32 activations `xf`.
+template <int Code, bool Int8>
+void dot_block32_rows_of(const Block32Rows& w, const Q8_1Rows& x8, const float* xf, int64_t rows) {
+  constexpr int kMost = 4;
+  for (int64_t i = 0; i < w.count; ++i) {
+    const uint8_t* row = w.first + i * w.stride;
+    for (int64_t r0 = 0; r0 < rows; r0 += kMost) {   // a weight row read once, from cache after
+      const Q8_1Rows x = Int8 ? Q8_1Rows{x8.q + r0 * x8.k, x8.d + r0 * (x8.k / 32), x8.s + r0 * (x8.k / 32), x8.k}
+                              : x8;
+      const float* f = Int8 ? nullptr : xf + r0 * x8.k;
+      float* out = w.out + r0 * w.out_stride;
+      switch (std::min<int64_t>(kMost, rows - r0)) {
+#define PYHLO_B32_ROWS(R)                                                                        \
+  case R:                                                                                        \
+    if constexpr (Int8) dot_block32_row<Code, R>(row, w.blocks, x, out + i, w.out_stride);      \
+    else dot_block32_f32_row<Code, R>(row, w.blocks, f, x8.k, out + i, w.out_stride);           \
+    break;
+        PYHLO_B32_ROWS(4)
+        PYHLO_B32_ROWS(3)
+        PYHLO_B32_ROWS(2)
+        PYHLO_B32_ROWS(1)
+#undef PYHLO_B32_ROWS
+        default: break;
+      }
+    }
   }
 }
 #endif
 
-// out[r] (r < rows) = weight row `w`, `blocks` blocks of the form `code`, times activation row r
-// of x; only where has_block32_row_kernel().
-inline void dot_block32_rows(int code, const uint8_t* w, int64_t blocks, const Q8_1Rows& x, int64_t rows,
-                             float* out) {
+// Weight rows `w` of the form `code` times activation rows 0 .. rows - 1: with int8 activations
+// x8 (xf null), or exact with f32 activations xf [rows, x8.k] (x8 gives only k). Only where
+// has_block32_row_kernel().
+inline void dot_block32_rows(int code, const Block32Rows& w, const Q8_1Rows& x8, const float* xf, int64_t rows) {
 #ifdef PYHLO_B32_AVX2
+  const bool int8 = xf == nullptr;
   switch (code) {
-    case kB32Q5_0: return dot_block32_rows_of<kB32Q5_0>(w, blocks, x, rows, out);
-    case kB32Q5_1: return dot_block32_rows_of<kB32Q5_1>(w, blocks, x, rows, out);
-    case kB32IQ4_NL: return dot_block32_rows_of<kB32IQ4_NL>(w, blocks, x, rows, out);
-    case kB32Q8_0: return dot_block32_rows_of<kB32Q8_0>(w, blocks, x, rows, out);
-    case kB32Q4_0: return dot_block32_rows_of<kB32Q4_0>(w, blocks, x, rows, out);
-    case kB32Q4_1: return dot_block32_rows_of<kB32Q4_1>(w, blocks, x, rows, out);
+#define PYHLO_B32_FORM(C) \
+  case C: return int8 ? dot_block32_rows_of<C, true>(w, x8, xf, rows) : dot_block32_rows_of<C, false>(w, x8, xf, rows);
+    PYHLO_B32_FORM(kB32Q5_0)
+    PYHLO_B32_FORM(kB32Q5_1)
+    PYHLO_B32_FORM(kB32IQ4_NL)
+    PYHLO_B32_FORM(kB32Q8_0)
+    PYHLO_B32_FORM(kB32Q4_0)
+    PYHLO_B32_FORM(kB32Q4_1)
+#undef PYHLO_B32_FORM
     default: break;
   }
 #else
-  (void)code, (void)w, (void)blocks, (void)x, (void)rows, (void)out;
-#endif
-}
-
-// The exact form: out[r] (r < rows) = weight row `w` (`blocks` blocks of the form `code`) widened
-// to f32 times f32 activation row r of x [rows, k]; only where has_block32_row_kernel().
-inline void dot_block32_f32_rows(int code, const uint8_t* w, int64_t blocks, const float* x, int64_t k, int64_t rows,
-                                 float* out) {
-#ifdef PYHLO_B32_AVX2
-  switch (code) {
-    case kB32Q5_0: return dot_block32_f32_rows_of<kB32Q5_0>(w, blocks, x, k, rows, out);
-    case kB32Q5_1: return dot_block32_f32_rows_of<kB32Q5_1>(w, blocks, x, k, rows, out);
-    case kB32IQ4_NL: return dot_block32_f32_rows_of<kB32IQ4_NL>(w, blocks, x, k, rows, out);
-    case kB32Q8_0: return dot_block32_f32_rows_of<kB32Q8_0>(w, blocks, x, k, rows, out);
-    case kB32Q4_0: return dot_block32_f32_rows_of<kB32Q4_0>(w, blocks, x, k, rows, out);
-    case kB32Q4_1: return dot_block32_f32_rows_of<kB32Q4_1>(w, blocks, x, k, rows, out);
-    default: break;
-  }
-#else
-  (void)code, (void)w, (void)blocks, (void)x, (void)k, (void)rows, (void)out;
+  (void)code, (void)w, (void)x8, (void)xf, (void)rows;
 #endif
 }
 

@@ -301,6 +301,16 @@ struct PieceBuffers {
 };
 
 void weight_rows(const Problem& p, int64_t begin, int64_t end) {
+  const pyhlo_kernels::Q8_1Rows x32{p.x_q32, p.x_q32_d, p.x_q32_s, p.k};
+  const float* exact_x = p.int8_x ? nullptr : p.x;
+  const bool by_row_kernel = p.m <= kBlock32RowsMost && pyhlo_kernels::has_block32_row_kernel();
+  if (!p.mixed && !takes_q8_k(p.form) && by_row_kernel) {
+    // Every row of one form of 32-value blocks: the row kernel takes them all in one call.
+    const int64_t row_bytes = p.k / 32 * kLayouts[p.form].bytes;
+    pyhlo_kernels::dot_block32_rows(int(p.form), {p.w + begin * row_bytes, row_bytes, end - begin, p.k / 32,
+                                                  p.y + begin, p.n}, x32, exact_x, p.m);
+    return;
+  }
   std::unique_ptr<PieceBuffers> buffers;
   float few_sums[kBlock32RowsMost];
   std::vector<float> more_sums(p.m > kBlock32RowsMost ? p.m : 0);
@@ -325,16 +335,9 @@ void weight_rows(const Problem& p, int64_t begin, int64_t end) {
       for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
       continue;
     }
-    if (integer && !takes_q8_k(form) && p.m <= kBlock32RowsMost && pyhlo_kernels::has_block32_row_kernel()) {
-      // The same, a block at a time (decode: one to a few activation rows).
-      const pyhlo_kernels::Q8_1Rows x{p.x_q32, p.x_q32_d, p.x_q32_s, p.k};
-      pyhlo_kernels::dot_block32_rows(int(form), row, p.k / 32, x, p.m, sums);
-      for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
-      continue;
-    }
-    if (!integer && !takes_q8_k(form) && p.m <= kBlock32RowsMost && pyhlo_kernels::has_block32_row_kernel()) {
-      pyhlo_kernels::dot_block32_f32_rows(int(form), row, p.k / 32, p.x, p.k, p.m, sums);
-      for (int64_t m = 0; m < p.m; ++m) p.y[m * p.n + n] = sums[m];
+    if (!takes_q8_k(form) && by_row_kernel) {
+      // The same, a block at a time (decode: one to a few activation rows), int8 or exact.
+      pyhlo_kernels::dot_block32_rows(int(form), {row, 0, 1, p.k / 32, p.y + n, p.n}, x32, exact_x, p.m);
       continue;
     }
     if (!integer && is_k_quant(form) && pyhlo_kernels::has_exact_row_kernel(k_quant(form))) {
