@@ -83,23 +83,6 @@ def run_rows_gemm(x: np.ndarray, data: np.ndarray, forms: tuple[str, ...], gemm:
     return out
 
 
-# Q4_K and Q6_K rows as llama.cpp's Q4_K_M mixes them, one of each form in a panel, every form
-# (a scale per 16 values for all rows), and one form only (a scale per 32: Q4_K alone).
-@pytest.mark.parametrize("types", [["Q4_K", "Q6_K"] * 20 + ["Q6_K"], ["Q6_K"] + ["Q4_K"] * 40,
-                                   list(linalg.GGUF_GEMM_X8_KERNEL_TYPES) * 7, ["Q4_K"] * 33])
-def test_the_gemm_of_rows_of_mixed_k_quants_matches_numpy_and_the_matvec_kernel(types):
-    forms = tuple(sorted(set(types) | {"Q6_K"}))      # room for the widest form
-    data, _ = mixed_rows(types, forms, 512, seed=len(types))
-    x = np.random.default_rng(len(types)).standard_normal((13, 512)).astype(np.float32)
-    out = run_rows_gemm(x, data, forms)
-    assert out.shape == (13, len(types))
-    check_int8_activation_product(out, x, types, data, mixed=True)
-    matvec = run_rows_gemm(x, data, forms, gemm=False)
-    w = np.concatenate([gguf_dequantized(t, row[None]) for t, row in unpack_mixed_rows(data, 512)])
-    bound = np.abs(q8_k_rounded(x)) @ np.abs(w.astype(np.float64)).T
-    assert (np.abs(out - matvec) <= 1e-5 * bound + 1e-30).all()
-
-
 def test_a_row_naming_no_k_quant_is_a_clear_error():
     """A Q5_0 row (per 32 values: the matrix-vector kernel's) among Q6_K ones, at the width rows
     of Q4_K and Q6_K have: the kernel names the problem when it runs."""
@@ -155,20 +138,30 @@ def test_q5_0_blocks_at_their_extremes_sum_without_overflow():
     check_int8_activation_product(out, x, ["Q5_0"] * 8, data)
 
 
-# Q5_0 and Q8_0 rows as llama.cpp's Q4_K_M of a small model mixes them (attn_v), every form,
-# small weights only (|w| <= 16: sums over a whole block in int16), and one form alone.
-@pytest.mark.parametrize("types", [["Q5_0", "Q8_0"] * 20 + ["Q8_0"], ["Q4_0", "Q5_0", "Q4_1"] * 11,
-                                   ["Q5_0"] * 33, list(linalg.GGUF_ROWS32_GEMM_X8_KERNEL_TYPES) * 7])
-def test_the_gemm_of_rows_of_mixed_32_value_block_forms_matches_numpy_and_the_matvec_kernel(types):
-    forms = tuple(sorted(set(types) | {"Q8_0"}))      # room for the widest form
-    data, _ = mixed_rows(types, forms, 576, seed=len(types))
-    x = np.random.default_rng(len(types)).standard_normal((13, 576)).astype(np.float32)
+# K-quants: Q4_K and Q6_K rows as llama.cpp's Q4_K_M mixes them, one of each form in a panel,
+# every form (a scale per 16 values for all rows), and one form only (a scale per 32: Q4_K
+# alone); rows of 512 values, room for Q6_K's. Forms of 32-value blocks: Q5_0 and Q8_0 rows as
+# its Q4_K_M of a small model mixes them (attn_v), small weights only (|w| <= 16: sums over a
+# whole block in int16), one form alone, and every form; rows of 576 values, room for Q8_0's.
+MIXED_ROWS = [(["Q4_K", "Q6_K"] * 20 + ["Q6_K"], 512), (["Q6_K"] + ["Q4_K"] * 40, 512),
+              (list(linalg.GGUF_GEMM_X8_KERNEL_TYPES) * 7, 512), (["Q4_K"] * 33, 512),
+              (["Q5_0", "Q8_0"] * 20 + ["Q8_0"], 576), (["Q4_0", "Q5_0", "Q4_1"] * 11, 576),
+              (["Q5_0"] * 33, 576), (list(linalg.GGUF_ROWS32_GEMM_X8_KERNEL_TYPES) * 7, 576)]
+
+
+@pytest.mark.parametrize("types, k", MIXED_ROWS)
+def test_the_gemm_of_rows_of_mixed_forms_matches_numpy_and_the_matvec_kernel(types, k):
+    k_quants = set(types) <= set(linalg.GGUF_GEMM_X8_KERNEL_TYPES)
+    forms = tuple(sorted(set(types) | {"Q6_K" if k_quants else "Q8_0"}))      # room for the widest form
+    data, _ = mixed_rows(types, forms, k, seed=len(types))
+    x = np.random.default_rng(len(types)).standard_normal((13, k)).astype(np.float32)
     out = run_rows_gemm(x, data, forms)
     assert out.shape == (13, len(types))
     check_int8_activation_product(out, x, types, data, mixed=True)
     matvec = run_rows_gemm(x, data, forms, gemm=False)
-    w = np.concatenate([gguf_dequantized(t, row[None]) for t, row in unpack_mixed_rows(data, 576)])
-    bound = np.abs(q8_1_rounded(x)[0]) @ np.abs(w.astype(np.float64)).T
+    w = np.concatenate([gguf_dequantized(t, row[None]) for t, row in unpack_mixed_rows(data, k)])
+    rounded = q8_k_rounded(x) if k_quants else q8_1_rounded(x)[0]
+    bound = np.abs(rounded) @ np.abs(w.astype(np.float64)).T
     assert (np.abs(out - matvec) <= 1e-5 * bound + 1e-30).all()
 
 

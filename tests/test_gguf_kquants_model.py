@@ -359,69 +359,49 @@ def test_smollm2_in_q4_k_m_types_keeps_them_as_stored_and_answers_the_widened_to
             assert 0 <= gap < 1e-3 * np.abs(logits).max(), (line, step, gap)
 
 
+# Each int8 GEMM over a GGUF file's bytes: the file's types, the lowering's switch for it, the
+# runtime.cpu_kernels test of its fast form, and the targets a prompt takes with it and without.
+INT8_GEMMS = {
+    "k_quants": ("k_quants_q5_0", "k_quant_int8_gemm", "k_quant_int8_gemm_is_fast",
+                 {"pyhlo_gemm_q4_k_x8", "pyhlo_gemm_q5_k_x8", "pyhlo_gemm_gguf_rows_x8"},
+                 {"pyhlo_matvec_q4_k_x8", "pyhlo_matvec_q5_k_x8", "pyhlo_matvec_gguf_rows_x8"}),
+    "32_value_blocks": ("q4_k_m_like", "int8_gemm", "int8_gemm_is_fast",
+                        {"pyhlo_gemm_q5_0_x8", "pyhlo_gemm_gguf_rows32_x8"},
+                        {"pyhlo_matvec_q5_0_x8", "pyhlo_matvec_gguf_rows_x8"}),
+}
+
+
 @pytest.mark.cpu_only
-def test_a_prompt_on_the_k_quant_int8_gemm_answers_as_on_the_matvec_kernel(kquant_file, monkeypatch):
-    """Where the int8 GEMM has a fast form (AVX-512 VNNI, AVX2), a prompt's K-quant products (Q4_K,
-    Q5_K, rows of mixed Q4_K and Q6_K) run it, with the same integer sums as the int8
+@pytest.mark.parametrize("gemm_kind", list(INT8_GEMMS))
+def test_a_prompt_on_an_int8_gemm_answers_as_on_the_matvec_kernel(kquant_file, monkeypatch, gemm_kind):
+    """Where an int8 GEMM has a fast form (AVX-512 VNNI, AVX2), a prompt's products of its forms
+    run it: the K-quants' (Q4_K, Q5_K, rows of mixed Q4_K and Q6_K), and the block forms' over
+    the file's bytes (Q5_0, and the q|k|v rows of mixed Q5_0 and Q8_0 of a Q4_K_M file of a
+    model whose rows are not whole super-blocks). Each has the same integer sums as the int8
     matrix-vector kernel that runs them without it: the logits of the prompt and of the decode
     steps after it (which read the keys and values it wrote) equal the kernel's up to f32
     summation order."""
     from decoders.programs.keys import Block
     from runtime import cpu_kernels
 
-    if not cpu_kernels.k_quant_int8_gemm_is_fast():
-        pytest.skip("the K-quants' int8 GEMM needs AVX-512 VNNI or AVX2, which this CPU lacks")
+    types, switch, is_fast, with_gemm, without = INT8_GEMMS[gemm_kind]
+    if not getattr(cpu_kernels, is_fast)():
+        pytest.skip("the int8 GEMMs need AVX-512 VNNI or AVX2, which this CPU lacks")
     # Both models take the program's own attention. The two products' sums differ in f32 order
     # (about 1e-7), and after attention the context is rounded to int8 again: a difference that
-    # small can move one value across a rounding step, and in this random model that moved the
+    # small can move one value across a rounding step, and in a random model that moved the
     # logits by 1.6 % with the prefill attention kernel (which matches the program's attention
-    # to 1.3e-6 on this file in exact mode), where the program's attention happened to move none.
-    # What this test compares is the products, so attention is held to one form.
+    # to 1.3e-6 on the K-quant file in exact mode), where the program's attention happened to
+    # move none. What this test compares is the products, so attention is held to one form.
     monkeypatch.setattr(cpu_kernels, "prefill_attention_is_fast", lambda: False)
-    path = kquant_file("k_quants_q5_0", k_quants_and_q5_0)
+    path = kquant_file(types, {"k_quants_q5_0": k_quants_and_q5_0, "q4_k_m_like": q4_k_m_like}[types])
     gemm = int8_model(path)
     prefill = {i.custom_call_target for c in gemm.programs.build(Block(64, 128)).module.computations
                for i in c.instructions}
-    assert {"pyhlo_gemm_q4_k_x8", "pyhlo_gemm_q5_k_x8", "pyhlo_gemm_gguf_rows_x8"} <= prefill
-    assert not {"pyhlo_matvec_q4_k_x8", "pyhlo_matvec_q5_k_x8", "pyhlo_matvec_gguf_rows_x8"} & prefill
-    monkeypatch.setattr(cpu_kernels, "k_quant_int8_gemm_is_fast", lambda: False)
+    assert with_gemm <= prefill and not without & prefill
+    monkeypatch.setattr(cpu_kernels, is_fast, lambda: False)
     matvec = int8_model(path)
-    assert not matvec.lowering.k_quant_int8_gemm
-    prompt = np.arange(5, 30)[None]
-    tokens, logits = gemm.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
-    expected, expected_logits = matvec.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[],
-                                              output_scores=True)
-    for step in range(len(logits)):
-        assert relative_error(logits[step], expected_logits[step]) < 1e-5, step
-    np.testing.assert_array_equal(tokens, expected)
-
-
-@pytest.mark.cpu_only
-def test_a_prompt_on_the_int8_gemm_of_32_value_blocks_answers_as_on_the_matvec_kernel(kquant_file,
-                                                                                     monkeypatch):
-    """Where the block forms' int8 GEMM has a fast form, a prompt's Q5_0 products and the q|k|v
-    rows of mixed Q5_0 and Q8_0 (a Q4_K_M file of a model whose rows are not whole
-    super-blocks) run it over the file's bytes, with the same integer sums as the int8
-    matrix-vector kernel that runs them without it: the logits of the prompt and of the decode
-    steps after it equal the kernel's up to f32 summation order."""
-    from decoders.programs.keys import Block
-    from runtime import cpu_kernels
-
-    if not cpu_kernels.int8_gemm_is_fast():
-        pytest.skip("the block forms' int8 GEMM needs AVX-512 VNNI or AVX2, which this CPU lacks")
-    # Attention held to one form, as in the K-quant GEMM's test above (a value near an int8
-    # rounding step after attention is not what this test compares).
-    monkeypatch.setattr(cpu_kernels, "prefill_attention_is_fast", lambda: False)
-    path = kquant_file("q4_k_m_like", q4_k_m_like)
-    gemm = int8_model(path)
-    assert dict(gemm.lowering.gguf_blocks)["attn.qkv.weight"] == "rows:q5_0+q8_0"
-    prefill = {i.custom_call_target for c in gemm.programs.build(Block(64, 128)).module.computations
-               for i in c.instructions}
-    assert {"pyhlo_gemm_q5_0_x8", "pyhlo_gemm_gguf_rows32_x8"} <= prefill
-    assert not {"pyhlo_matvec_q5_0_x8", "pyhlo_matvec_gguf_rows_x8"} & prefill
-    monkeypatch.setattr(cpu_kernels, "int8_gemm_is_fast", lambda: False)
-    matvec = int8_model(path)
-    assert not matvec.lowering.int8_gemm
+    assert not getattr(matvec.lowering, switch)
     prompt = np.arange(5, 30)[None]
     tokens, logits = gemm.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[], output_scores=True)
     expected, expected_logits = matvec.sample(prompt, sequence_length=40, top_k=1, eos_token_id=[],
