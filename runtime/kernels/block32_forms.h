@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "half.h"
+#include "vector_sum.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -35,7 +36,7 @@ enum Block32Form : int { kB32Q5_0 = 0, kB32Q5_1 = 1, kB32IQ4_NL = 7, kB32Q8_0 = 
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // Bytes of a block of the form with this code; 0 for a code that names none of these forms.
-inline int block32_bytes(int code) {
+constexpr int block32_bytes(int code) {
   switch (code) {
     case kB32Q5_0: return 22;
     case kB32Q5_1: return 24;
@@ -197,22 +198,11 @@ struct Block32Rows {
 };
 
 #ifdef PYHLO_B32_AVX2
-constexpr int64_t block32_bytes_of(int code) {
-  return code == kB32Q5_0 ? 22 : code == kB32Q5_1 ? 24 : code == kB32Q8_0 ? 34 : code == kB32Q4_1 ? 20 : 18;
-}
-
-inline float sum8_of(__m256 v) {
-  __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  four = _mm_add_ss(four, _mm_movehdup_ps(four));
-  return _mm_cvtss_f32(four);
-}
-
 // Weight row `row` (form Code) times R activation rows into out[r * out_stride]. Two blocks a
 // step, each with accumulators of its own: the FMAs of one do not wait on the other's.
 template <int Code, int R>
 inline void dot_block32_row(const uint8_t* row, int64_t blocks, const Q8_1Rows& x, float* out, int64_t out_stride) {
-  constexpr int64_t bytes = block32_bytes_of(Code);
+  constexpr int64_t bytes = block32_bytes(Code);
   constexpr bool with_min = block32_has_min(Code);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[2][R];
@@ -241,7 +231,7 @@ inline void dot_block32_row(const uint8_t* row, int64_t blocks, const Q8_1Rows& 
     step(1, b + 1);
   }
   if (b < blocks) step(0, b);
-  for (int r = 0; r < R; ++r) out[r * out_stride] = sum8_of(_mm256_add_ps(acc[0][r], acc[1][r])) + minimums[r];
+  for (int r = 0; r < R; ++r) out[r * out_stride] = sum8(_mm256_add_ps(acc[0][r], acc[1][r])) + minimums[r];
 }
 
 // The exact form: the sum of (d * w[j] (+ m)) * x[r][j] over weight row `row`, for R activation
@@ -250,7 +240,7 @@ inline void dot_block32_row(const uint8_t* row, int64_t blocks, const Q8_1Rows& 
 template <int Code, int R>
 inline void dot_block32_f32_row(const uint8_t* row, int64_t blocks, const float* x, int64_t k, float* out,
                                 int64_t out_stride) {
-  constexpr int64_t bytes = block32_bytes_of(Code);
+  constexpr int64_t bytes = block32_bytes(Code);
   constexpr bool with_min = block32_has_min(Code);
   __m256 acc[2][R];
   for (int u = 0; u < 2; ++u)
@@ -270,7 +260,7 @@ inline void dot_block32_f32_row(const uint8_t* row, int64_t blocks, const float*
         acc[e % 2][r] = _mm256_fmadd_ps(value, _mm256_loadu_ps(x + r * k + b * 32 + 8 * e), acc[e % 2][r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * out_stride] = sum8_of(_mm256_add_ps(acc[0][r], acc[1][r]));
+  for (int r = 0; r < R; ++r) out[r * out_stride] = sum8(_mm256_add_ps(acc[0][r], acc[1][r]));
 }
 
 // Every weight row of `w` (form Code) times the activation rows, R at a time (their sums stay in
