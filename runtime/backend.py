@@ -95,6 +95,7 @@ class Executable:
         self.info = info
         self.num_replicas = num_replicas
         self.serialized: bytes | None = None
+        self._output_wrapping = pjrt.OutputWrapping()
         # Every replica's device (several processes: some are other processes'), and the
         # replicas this process runs; `devices` are those replicas' devices.
         self.replica_devices = backend.replica_devices(num_replicas)
@@ -160,14 +161,14 @@ class Executable:
         if self.num_replicas != 1:
             raise ValueError(f"{self.info.name} has {self.num_replicas} replicas: use run_replicated()")
         buffers = self._to_buffers(self._ordered(inputs), self.devices[0])
-        return self._pjrt.execute(self.compiled, buffers)
+        return self._pjrt.execute(self.compiled, buffers, self._output_wrapping)
 
     def run_buffers(self, buffers: list[Any]) -> list[Any]:
         """run() without conversion or checks: device buffers in parameter order, one device.
 
         For hot loops whose arguments were produced by run() or to_device() and checked once.
         """
-        return self._pjrt.execute(self.compiled, buffers)
+        return self._pjrt.execute(self.compiled, buffers, self._output_wrapping)
 
     def run_replicated(self, per_replica_inputs: Sequence[Sequence[Any] | Mapping[str, Any] | None]
                        ) -> list[list[Any] | None]:

@@ -103,6 +103,30 @@ def test_aliased_cache_is_donated_and_updated_in_place(backend):
     assert "copy(" not in exe.hlo_text()
 
 
+def wide_and_narrow_outputs(scribe):
+    x = scribe.s64[3].Parameter(parameter_number=0, name="x")
+    h = scribe.bf16[2, 5].Parameter(parameter_number=1, name="h")
+    return scribe.s64[3].Add(x, x), scribe.bf16[2, 5].Multiply(h, h)
+
+
+def test_later_runs_wrap_outputs_as_the_first_run_does(backend):
+    # The first run learns each output's shape, type and device; later runs wrap the
+    # outputs from that (pjrt.OutputWrapping): the same buffers, values and devices.
+    exe = backend.compile(compile_py_func(wide_and_narrow_outputs).SerializeToString())
+    x = np.array([2**40 + 1, -3, 7], np.int64)
+    h = np.arange(10, dtype=np.float32).reshape(2, 5).astype(ml_dtypes.bfloat16)
+    first = exe.run([x, h])
+    for step in range(3):
+        later = exe.run([x * (step + 2), h])
+        for a, b in zip(first, later):
+            assert (a.shape, a.dtype, a.devices()) == (b.shape, b.dtype, b.devices())
+        np.testing.assert_array_equal(backend.to_host(later[0]), 2 * x * (step + 2))
+        np.testing.assert_array_equal(backend.to_host(later[1]), h * h)
+    # An output of a later run goes back in as an input.
+    again = exe.run_buffers([later[0], later[1]])
+    np.testing.assert_array_equal(backend.to_host(again[0]), 4 * x * 4)
+
+
 def test_bf16_round_trips_exactly_through_numpy(backend):
     bits = np.array([0x0000, 0x8000, 0x0001, 0x3F80, 0xBFC0, 0x7F80, 0xFF80, 0x7FC1, 0x7F7F, 0x1234],
                     dtype=np.uint16)  # zeros, a subnormal, infinities, a NaN with payload, max
