@@ -161,6 +161,16 @@ def test_64_bit_integers_keep_their_width(backend):
         np.testing.assert_array_equal(host, values)
 
 
+def test_to_device_keeps_shape_type_and_values_of_any_layout(backend):
+    grid = np.arange(24, dtype=np.float32).reshape(4, 6)
+    for values in (grid.T, grid[:, ::2], np.int32(7), np.array(True), np.zeros((0, 3), np.int8),
+                   np.array([1.5, -2.25], np.float64)):
+        host = np.asarray(values)
+        buffer = backend.to_device(values)
+        assert (buffer.shape, buffer.dtype) == (host.shape, host.dtype)
+        np.testing.assert_array_equal(backend.to_host(buffer), host)
+
+
 def test_serialized_executable_runs_after_reload(backend, add_matmul_exe, xyw):
     hlo = compile_py_func(add_and_matmul).SerializeToString()
     reloaded = backend.deserialize(add_matmul_exe.serialize(), hlo)
