@@ -360,12 +360,14 @@ def test_smollm2_in_q4_k_m_types_keeps_them_as_stored_and_answers_the_widened_to
 
 
 # Each int8 GEMM over a GGUF file's bytes: the file's types, the lowering's switch for it, the
-# runtime.cpu_kernels test of its fast form, and the targets a prompt takes with it and without.
+# runtime.cpu_kernels test of its fast form, how the lowering keeps the weights that take it,
+# and the targets a prompt takes with it and without.
 INT8_GEMMS = {
-    "k_quants": ("k_quants_q5_0", "k_quant_int8_gemm", "k_quant_int8_gemm_is_fast",
+    "k_quants": ("k_quants_q5_0", "k_quant_int8_gemm", "k_quant_int8_gemm_is_fast", {},
                  {"pyhlo_gemm_q4_k_x8", "pyhlo_gemm_q5_k_x8", "pyhlo_gemm_gguf_rows_x8"},
                  {"pyhlo_matvec_q4_k_x8", "pyhlo_matvec_q5_k_x8", "pyhlo_matvec_gguf_rows_x8"}),
     "32_value_blocks": ("q4_k_m_like", "int8_gemm", "int8_gemm_is_fast",
+                        {"attn.qkv.weight": "rows:q5_0+q8_0"},
                         {"pyhlo_gemm_q5_0_x8", "pyhlo_gemm_gguf_rows32_x8"},
                         {"pyhlo_matvec_q5_0_x8", "pyhlo_matvec_gguf_rows_x8"}),
 }
@@ -384,7 +386,7 @@ def test_a_prompt_on_an_int8_gemm_answers_as_on_the_matvec_kernel(kquant_file, m
     from decoders.programs.keys import Block
     from runtime import cpu_kernels
 
-    types, switch, is_fast, with_gemm, without = INT8_GEMMS[gemm_kind]
+    types, switch, is_fast, kept_as, with_gemm, without = INT8_GEMMS[gemm_kind]
     if not getattr(cpu_kernels, is_fast)():
         pytest.skip("the int8 GEMMs need AVX-512 VNNI or AVX2, which this CPU lacks")
     # Both models take the program's own attention. The two products' sums differ in f32 order
@@ -396,6 +398,8 @@ def test_a_prompt_on_an_int8_gemm_answers_as_on_the_matvec_kernel(kquant_file, m
     monkeypatch.setattr(cpu_kernels, "prefill_attention_is_fast", lambda: False)
     path = kquant_file(types, {"k_quants_q5_0": k_quants_and_q5_0, "q4_k_m_like": q4_k_m_like}[types])
     gemm = int8_model(path)
+    for weight, form in kept_as.items():
+        assert dict(gemm.lowering.gguf_blocks)[weight] == form
     prefill = {i.custom_call_target for c in gemm.programs.build(Block(64, 128)).module.computations
                for i in c.instructions}
     assert with_gemm <= prefill and not without & prefill
